@@ -1,0 +1,60 @@
+"""gradwatch agent: runs inside every rank's training process.
+
+    import gradwatch.agent as gw
+    monitor = gw.attach(model, optimizer)          # or: with gw.attach(...) as monitor:
+    ...train...
+    monitor.close()                                # removes every hook and thread
+
+Errors: :func:`attach` raises :class:`ConfigError` for an invalid setting (at start-up, naming
+it). Nothing else the agent does raises into the training loop: failures are counted and warned
+about once (``RuntimeWarning``), and the failing part is switched off.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from .config import AgentConfig, ConfigError, load
+
+__all__ = ["attach", "AgentConfig", "ConfigError", "Monitor", "NullMonitor"]
+
+log = logging.getLogger("gradwatch.agent")
+
+
+def attach(model, optimizer, **settings):
+    """Attach the agent to ``model`` (plain or DistributedDataParallel) and its ``optimizer``.
+
+    Args:
+        model: the ``torch.nn.Module`` being trained, optionally wrapped in DDP or torch.compile.
+        optimizer: its ``torch.optim.Optimizer``; its step marks the step boundary.
+        **settings: any field of :class:`AgentConfig` (``endpoint``, ``every``, ``job``, ...);
+            unset fields come from ``GRADWATCH_*`` variables, then torchrun's environment.
+
+    Returns:
+        A :class:`Monitor` (a context manager), or a :class:`NullMonitor` when
+        ``enabled`` is false or the agent could not start (warned, never raised).
+
+    Raises:
+        ConfigError: a setting is invalid or unknown; the message names it.
+    """
+    cfg = load(**settings)
+    from .monitor import Monitor, NullMonitor
+
+    if not cfg.enabled:
+        return NullMonitor()
+    try:
+        return Monitor(model, optimizer, cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # the agent must never stop a training job from starting
+        warnings.warn(f"gradwatch: agent disabled, could not attach: {e!r}", RuntimeWarning, stacklevel=2)
+        return NullMonitor()
+
+
+def __getattr__(name):
+    if name in ("Monitor", "NullMonitor"):
+        from . import monitor
+
+        return getattr(monitor, name)
+    raise AttributeError(name)

@@ -1,0 +1,100 @@
+"""Agent settings: one typed model, read from ``attach(**settings)`` and ``GRADWATCH_*`` variables.
+
+Precedence: keyword arguments to :func:`gradwatch.agent.attach`, then environment variables
+(``GRADWATCH_EVERY=5``, ``GRADWATCH_ENDPOINT=tcp://agg:5555``, ``GRADWATCH_ENABLED=0``), then
+torchrun's variables for identity (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``TORCHELASTIC_RUN_ID``), then the defaults below. Invalid values raise :class:`ConfigError`
+at attach time, naming the setting.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ConfigError(ValueError):
+    """A setting has an invalid value; the message names it (``agent.every must be ...``)."""
+
+
+class AgentConfig(BaseSettings):
+    """Settings of the in-process agent. Every field can be set as ``GRADWATCH_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="GRADWATCH_", extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="Attach at all; GRADWATCH_ENABLED=0 turns the agent into a no-op.")
+    endpoint: str = Field("tcp://127.0.0.1:5555", description="Aggregator's ZeroMQ endpoint; the agent connects, never binds.")
+    every: int = Field(10, ge=1, description="Probe cadence: per-layer statistics every N-th optimizer step.")
+    job: str = Field("", description="Job id; default TORCHELASTIC_RUN_ID, else 'default'.")
+    rank: int = Field(-1, ge=-1, description="Global rank; default RANK, else torch.distributed, else 0.")
+    world_size: int = Field(-1, ge=-1, description="World size; default WORLD_SIZE, else torch.distributed, else 1.")
+    local_rank: int = Field(-1, ge=-1, description="Local rank on the host; default LOCAL_RANK, else 0.")
+    host: str = Field("", description="Host name reported in the schema; default socket.gethostname().")
+    queue_size: int = Field(64, ge=1, le=100_000, description="Reports waiting to be sent; when full the oldest is dropped and counted.")
+    send_hwm: int = Field(256, ge=1, description="ZeroMQ send high-water mark, messages.")
+    heartbeat_s: float = Field(1.0, gt=0, le=3600, description="Seconds between heartbeats from the sender thread.")
+    schema_every_s: float = Field(10.0, gt=0, le=86400, description="Seconds between schema resends, so a late or restarted aggregator learns it.")
+    fused: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Fused torch.compile statistics kernel: 'on' compiles it in the background at attach "
+        "(eager until ready), 'off' stays eager, 'auto' compiles only for CUDA models.",
+    )
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        if not v.startswith(("tcp://", "ipc://", "inproc://")) or "://" == v[-3:]:
+            raise ValueError(f"must look like tcp://host:port or ipc://path, got {v!r}")
+        return v
+
+    @field_validator("job")
+    @classmethod
+    def _job(cls, v: str) -> str:
+        if len(v.encode()) > 256:
+            raise ValueError("must be at most 256 bytes")
+        return v
+
+
+def load(**settings) -> AgentConfig:
+    """Build the config from keyword arguments over ``GRADWATCH_*`` variables.
+
+    Raises:
+        ConfigError: naming the first invalid or unknown setting.
+    """
+    try:
+        cfg = AgentConfig(**settings)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = ".".join(str(p) for p in err["loc"]) or "?"
+        raise ConfigError(f"agent.{name}: {err['msg']} (got {err.get('input')!r})") from None
+    return cfg
+
+
+def resolve_identity(cfg: AgentConfig) -> tuple[str, int, int, int, str]:
+    """Return ``(job, rank, world_size, local_rank, host)`` from settings, torchrun and torch.distributed."""
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    env = os.environ
+
+    def pick(own: int, var: str, from_dist, default: int) -> int:
+        if own >= 0:
+            return own
+        if var in env:
+            try:
+                return int(env[var])
+            except ValueError:
+                raise ConfigError(f"agent: environment {var}={env[var]!r} is not an integer") from None
+        return from_dist() if initialized else default
+
+    rank = pick(cfg.rank, "RANK", dist.get_rank, 0)
+    world = pick(cfg.world_size, "WORLD_SIZE", dist.get_world_size, 1)
+    local = pick(cfg.local_rank, "LOCAL_RANK", lambda: 0, 0)
+    if not 0 <= rank < world:
+        raise ConfigError(f"agent.rank must be in [0, world_size={world}), got {rank}")
+    job = cfg.job or env.get("TORCHELASTIC_RUN_ID") or "default"
+    return job, rank, world, local, cfg.host or socket.gethostname()

@@ -1,0 +1,378 @@
+"""The monitor: step boundaries, the every-step sentinel, probe scheduling, one copy per step.
+
+Step boundary is the optimizer step (``register_step_pre_hook`` / ``register_step_post_hook``),
+never a count of backward passes, so gradient accumulation under ``no_sync`` reports once per
+optimizer step (case C13).
+
+Every step (the *sentinel*), in the step pre-hook: per-parameter gradient norms with one
+``torch._foreach_norm`` (float32 accumulation, case C10), their global L2 norm and the number of
+parameters whose gradient is not finite; and the step's wall time. Every ``every``-th step (the
+*probe*), leaf-module forward hooks and output tensor hooks record activation and output-gradient
+moments (see :mod:`.hooks`); the pre-hook adds per-parameter non-finite counts and the post-hook
+weight norms. Module hooks exist only while a probed step runs.
+
+At the end of each step all of that is concatenated into one flat device tensor and copied to the
+host once, non-blocking; a CUDA event marks the copy. The sender thread waits on the event,
+finalises (combines per-call records, takes square roots) and encodes. The training thread never
+synchronises with the device and never sees an exception from the agent: failures are counted,
+warned about once, and the failing part is switched off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import secrets
+import threading
+import time
+import warnings
+import weakref
+from typing import Optional
+
+import numpy as np
+import torch
+
+from gradwatch import wire
+
+from .config import AgentConfig, resolve_identity
+from .hooks import ProbeRecorder, leaf_modules, normalise
+from .stats import Reducer, combine_moments
+from .transport import Sender
+
+log = logging.getLogger("gradwatch.agent")
+
+_MONITORS: "weakref.WeakSet[Monitor]" = weakref.WeakSet()
+_MAX_ERRORS = 100
+
+
+def _disable_in_forked_child() -> None:
+    # A DataLoader worker forked from a rank inherits the agent without its threads; it must
+    # never touch the parent's sockets or locks (case C23).
+    for m in list(_MONITORS):
+        m._forked = True
+
+
+os.register_at_fork(after_in_child=_disable_in_forked_child)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside DistributedDataParallel or torch.compile wrappers."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+class Monitor:
+    """Per-rank agent attached to one model and its optimizer; use :func:`gradwatch.agent.attach`.
+
+    A context manager: leaving it (or :meth:`close`) removes every hook, stops the sender thread
+    and closes the socket. Attributes ``step`` (optimizer steps completed), ``probes`` (probed
+    steps submitted), ``errors`` and ``not_instrumented`` (modules that refused hooks, case C17)
+    are for inspection.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: AgentConfig):
+        self.cfg = cfg
+        self.job, self.rank, self.world_size, self.local_rank, self.host = resolve_identity(cfg)
+        self.boot = secrets.token_hex(8)
+        inner = unwrap(model)
+        self._model_ref = weakref.ref(inner)
+        self._params = [(normalise(n), p) for n, p in inner.named_parameters()]
+        self._leaves = [(path, weakref.ref(m)) for path, m in leaf_modules(inner)]
+        self.reducer = Reducer("off" if cfg.fused == "off" else cfg.fused)
+        self.recorder = ProbeRecorder(self.reducer, self._on_error)
+        self.step = 0
+        self.probes = 0
+        self.errors = 0
+        self.not_instrumented: list[str] = []
+        self._warned: set[str] = set()
+        self._closed = False
+        self._forked = False
+        self._probing = False
+        self._probe_handles: list = []
+        self._pre: Optional[tuple] = None
+        self._last_step_end = time.perf_counter()
+        self._slots: tuple = ()
+        self._schema: Optional[wire.Schema] = None
+        self._param_meta = tuple(
+            (name, tuple(p.shape), str(p.dtype).replace("torch.", "")) for name, p in self._params
+        )
+        self._step_handles = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
+        self.sender = Sender(
+            cfg.endpoint,
+            header=self._header,
+            schema=lambda h: self._schema_msg(h),
+            heartbeat=self._heartbeat_msg,
+            queue_size=cfg.queue_size,
+            send_hwm=cfg.send_hwm,
+            heartbeat_s=cfg.heartbeat_s,
+            schema_every_s=cfg.schema_every_s,
+        )
+        _MONITORS.add(self)
+        ref = weakref.ref(self)
+        atexit.register(lambda: (m := ref()) and m.close())
+        if self._is_probe(0):
+            self._install_probe()
+
+    # --- public ------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return not (self._closed or self._forked)
+
+    def close(self) -> None:
+        """Remove every hook, stop the sender; idempotent, never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        self._remove_probe()
+        for h in self._step_handles:
+            h.remove()
+        self._step_handles = []
+        if not self._forked:
+            try:
+                self.sender.close()
+            except Exception:
+                pass
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- wire messages (called from the sender thread) -----------------------------------------
+
+    def _header(self, seq: int) -> wire.Header:
+        return wire.Header(self.job, self.rank, self.world_size, self.boot, seq, time.time())
+
+    def _schema_msg(self, h: wire.Header) -> Optional[wire.Schema]:
+        s = self._schema
+        if s is None:
+            return None
+        return wire.Schema(h, s.host, s.local_rank, s.every, s.params, s.slots, s.hash)
+
+    def _heartbeat_msg(self, h: wire.Header) -> wire.Heartbeat:
+        return wire.Heartbeat(h, step=self.step - 1, sent=self.sender.sent, drops=self.sender.drops, errors=self.errors + self.sender.errors)
+
+    # --- failure policy ----------------------------------------------------------------------
+
+    def _on_error(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        kind = where.split(":")[0]
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"gradwatch: {where} failed and is skipped: {exc!r}", RuntimeWarning, stacklevel=3)
+        if self.errors >= _MAX_ERRORS and not self._closed:
+            warnings.warn("gradwatch: too many agent errors; monitoring is switched off", RuntimeWarning, stacklevel=3)
+            self.close()
+
+    # --- probe scheduling ----------------------------------------------------------------------
+
+    def _is_probe(self, step: int) -> bool:
+        return step % self.cfg.every == 0
+
+    def _install_probe(self) -> None:
+        self._probing = True
+        self.recorder.reset()
+        for path, ref in self._leaves:
+            m = ref()
+            if m is None:
+                continue
+            try:
+                self._probe_handles.append(m.register_forward_hook(self.recorder.forward_hook(path)))
+            except Exception:  # e.g. a TorchScript submodule (case C17)
+                if path not in self.not_instrumented:
+                    self.not_instrumented.append(path)
+        root = self._model_ref()
+        if root is not None:
+            try:
+                self._probe_handles.append(root.register_forward_pre_hook(self.recorder.count_micro_step))
+            except Exception:
+                pass
+
+    def _remove_probe(self) -> None:
+        self._probing = False
+        for h in self._probe_handles:
+            h.remove()
+        self._probe_handles = []
+
+    # --- step hooks (training thread) ----------------------------------------------------------
+
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        if not self.active:
+            return
+        try:
+            present = [i for i, (_, p) in enumerate(self._params) if p.grad is not None]
+            grads = [self._params[i][1].grad for i in present]
+            if not grads:
+                self._pre = (present, None)
+                return
+            dev = grads[0].device
+            norms = torch.stack([n.to(dev) for n in torch._foreach_norm(grads, 2, dtype=torch.float32)])
+            sq = norms * norms
+            parts = [sq.sum().reshape(1), (~torch.isfinite(norms)).sum().to(torch.float32).reshape(1), sq]
+            if self._probing:
+                parts.append(torch.stack([(~torch.isfinite(g)).sum().to(dev, torch.float32) for g in grads]))
+            self._pre = (present, torch.cat(parts))
+        except Exception as e:
+            self._pre = None
+            self._on_error("sentinel", e)
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        if not self.active:
+            return
+        step = self.step
+        now = time.perf_counter()
+        step_time, self._last_step_end = now - self._last_step_end, now
+        try:
+            self._submit(step, step_time)
+        except Exception as e:
+            self._on_error("step", e)
+        self.step = step + 1
+        self.recorder.reset()
+        try:
+            if self._is_probe(self.step) and not self._probing:
+                self._install_probe()
+            elif not self._is_probe(self.step) and self._probing:
+                self._remove_probe()
+        except Exception as e:
+            self._on_error("schedule", e)
+
+    def _submit(self, step: int, step_time: float) -> None:
+        pre, self._pre = self._pre, None
+        present, grad_part = pre if pre is not None else ([], None)
+        probe = self._probing
+        rec = self.recorder
+        parts = [] if grad_part is None else [grad_part]
+        act_meta = grad_meta = ()
+        if probe:
+            if self._schema is None or len(rec.slots) != len(self._slots):
+                self._slots = tuple(rec.slots)
+                self._schema = wire.Schema(
+                    self._header(0), self.host, self.local_rank, self.cfg.every, self._param_meta, self._slots
+                )
+                self.sender.request_schema()
+            weights = [p.detach() for _, p in self._params]
+            if weights:
+                dev = weights[0].device
+                parts.append(torch.stack([n.to(dev) for n in torch._foreach_norm(weights, 2, dtype=torch.float32)]))
+            if rec.act:
+                act_meta = tuple((i, n) for i, n, _ in rec.act)
+                parts.append(torch.cat([r.to(parts[0].device if parts else r.device) for _, _, r in rec.act]))
+            if rec.grad:
+                grad_meta = tuple(i for i, _ in rec.grad)
+                parts.append(torch.cat([r.to(parts[0].device) for _, r in rec.grad]))
+            self.probes += 1
+        flat = torch.cat(parts) if parts else torch.empty(0)
+        event = None
+        if flat.is_cuda:
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = flat
+        layout = _Layout(
+            step=step,
+            step_time=step_time,
+            probe=probe,
+            present=tuple(present),
+            has_grads=grad_part is not None,
+            n_params=len(self._params),
+            n_slots=len(self._slots),
+            act=act_meta,
+            grad=grad_meta,
+            micro=rec.micro if probe else 0,
+            schema=self._schema.hash if self._schema is not None else "",
+        )
+        self.sender.submit(lambda h: self._finalise(h, layout, host, event))
+
+    # --- finalisation (sender thread) ----------------------------------------------------------
+
+    def _finalise(self, h: wire.Header, L: "_Layout", host: torch.Tensor, event) -> wire.Report:
+        if event is not None:
+            event.synchronize()
+        flat = host.numpy().astype(np.float64)
+        k = len(L.present)
+        off = 0
+        grad_norm, grad_nonfinite = float("nan"), 0
+        sq = counts = None
+        if L.has_grads:
+            grad_norm = math.sqrt(flat[0]) if flat[0] >= 0 else float("nan")
+            grad_nonfinite = int(flat[1])
+            sq = flat[2 : 2 + k]
+            off = 2 + k
+            if L.probe:
+                counts = flat[off : off + k]
+                off += k
+        if not L.probe:
+            return wire.Report(h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite, drops=self.sender.drops)
+        param = np.full((L.n_params, 3), np.nan)
+        if L.n_params:
+            param[:, 1] = flat[off : off + L.n_params]
+            off += L.n_params
+        if k:
+            idx = np.asarray(L.present)
+            param[idx, 0] = np.sqrt(sq)
+            param[idx, 2] = counts
+        n_act = len(L.act)
+        recs = flat[off : off + 6 * n_act].reshape(n_act, 6)
+        off += 6 * n_act
+        act = np.full((L.n_slots, 6), np.nan)
+        if n_act:
+            slot_of = np.fromiter((i for i, _ in L.act), np.int64, n_act)
+            numel = np.fromiter((n for _, n in L.act), np.int64, n_act)
+            for s in np.unique(slot_of):
+                sel = slot_of == s
+                act[s] = combine_moments(numel[sel], recs[sel])
+        g = flat[off : off + 2 * len(L.grad)].reshape(-1, 2)
+        act_grad = np.full((L.n_slots, 2), np.nan)
+        if len(L.grad):
+            slot_of = np.asarray(L.grad, np.int64)
+            sums = np.zeros((L.n_slots, 2))
+            np.add.at(sums, slot_of, g)
+            seen = np.unique(slot_of)
+            act_grad[seen, 0] = np.sqrt(sums[seen, 0])
+            act_grad[seen, 1] = sums[seen, 1]
+        return wire.Report(
+            h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite,
+            micro=L.micro, drops=self.sender.drops, probe=True,
+            act=act.astype(np.float32), act_grad=act_grad.astype(np.float32), param=param.astype(np.float32),
+        )
+
+
+class _Layout:
+    """Host-side description of where each statistic sits in a step's flat tensor."""
+
+    __slots__ = ("step", "step_time", "probe", "present", "has_grads", "n_params", "n_slots", "act", "grad", "micro", "schema")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class NullMonitor:
+    """What :func:`attach` returns when the agent is disabled or cannot run: does nothing."""
+
+    active = False
+    step = probes = errors = 0
+    not_instrumented: list = []
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass

@@ -1,0 +1,151 @@
+"""On-device reductions: each returns a small float32 tensor and never synchronises with the host.
+
+A *moments record* summarises one tensor in 6 float32 values, ``MOMENT_FIELDS``:
+``mean``, ``m2`` (sum of squared deviations from the mean), ``min``, ``max``, ``zeros`` (count of
+exact zeros) and ``nonfinite`` (count of NaN and +-Inf). Records of several calls of one module
+combine exactly on the host (:func:`combine_moments`, Chan, Golub and LeVeque 1979, "Updating
+formulae and a pairwise algorithm for computing sample variances"), so a module called twice per
+step (weight tying, gradient accumulation) is summarised over all its calls.
+
+Two implementations compute the same record: eager ops (the default), and one fused
+``torch.compile`` kernel (one pass over memory) that :class:`Reducer` builds in a background thread
+so compilation never stalls a training step. Half-precision inputs are upcast to float32 before
+reducing (case C10: 300**2 overflows float16). The fused kernel accumulates deviations from the
+tensor's first element, which keeps the variance accurate when ``|mean| >> std``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import torch
+
+log = logging.getLogger("gradwatch.agent")
+
+MOMENT_FIELDS = ("mean", "m2", "min", "max", "zeros", "nonfinite")
+
+
+def _eager_moments(x: torch.Tensor) -> torch.Tensor:
+    # mean() and var() separately: torch.var_mean ran ~8x slower on this CPU.
+    var = x.var(correction=0) if x.numel() > 1 else x.new_zeros(())
+    mn, mx = torch.aminmax(x)
+    return torch.stack(
+        [
+            x.mean(),
+            var * x.numel(),
+            mn,
+            mx,
+            # sign().abs() counts non-zeros ~3.5x faster than (x == 0) on this CPU
+            x.numel() - x.sign().abs().sum(),
+            (~torch.isfinite(x)).sum().to(torch.float32),
+        ]
+    )
+
+
+def _fused_moments(x: torch.Tensor) -> torch.Tensor:
+    d = x - x[0]
+    n = x.numel()
+    s = d.sum()
+    mean_d = s / n
+    return torch.stack(
+        [
+            x[0] + mean_d,
+            torch.dot(d, d) - s * mean_d,
+            x.amin(),
+            x.amax(),
+            (x == 0).sum().to(torch.float32),
+            (~torch.isfinite(x)).sum().to(torch.float32),
+        ]
+    )
+
+
+class Reducer:
+    """Computes moments records, eagerly or with a fused kernel compiled off the training thread.
+
+    Args:
+        mode: "on" compile now in a background thread, "off" eager only, "auto" compile in the
+            background the first time a CUDA tensor is seen.
+    """
+
+    def __init__(self, mode: str = "auto"):
+        self.mode = mode
+        self._fused = None
+        self._compiling = False
+        self._lock = threading.Lock()
+        if mode == "on":
+            self._start_compile(torch.device("cpu"))
+
+    @property
+    def fused_ready(self) -> bool:
+        return self._fused is not None
+
+    def _start_compile(self, device: torch.device) -> None:
+        with self._lock:
+            if self._compiling or self.mode == "off":
+                return
+            self._compiling = True
+
+        def build():
+            try:
+                fn = torch.compile(_fused_moments, dynamic=True)
+                for n in (4099, 17):  # two sizes so the graph is shape-generic from the start
+                    probe = torch.linspace(-1, 1, n, device=device)
+                    got, want = fn(probe), _eager_moments(probe)
+                    if not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
+                        raise RuntimeError(f"fused kernel disagrees with eager: {got} vs {want}")
+                self._fused = fn
+                log.info("gradwatch: fused statistics kernel ready")
+            except Exception as e:  # compile is an optimisation; eager stays correct
+                log.warning("gradwatch: fused statistics unavailable, staying eager (%s)", e)
+
+        log.info("gradwatch: compiling the fused statistics kernel in the background (eager until ready)")
+        threading.Thread(target=build, name="gradwatch-compile", daemon=True).start()
+
+    def moments(self, t: torch.Tensor) -> torch.Tensor:
+        """Moments record of ``t`` (any shape, floating dtype) as a float32 tensor of shape [6]."""
+        x = t.detach().reshape(-1)
+        if x.dtype != torch.float32:
+            x = x.float()
+        if x.numel() == 0:
+            return torch.tensor([float("nan"), 0.0, float("nan"), float("nan"), 0.0, 0.0], device=x.device)
+        fused = self._fused
+        if fused is None:
+            if self.mode == "auto" and x.is_cuda and not self._compiling:
+                self._start_compile(x.device)
+            return _eager_moments(x)
+        return fused(x)
+
+    @staticmethod
+    def sumsq_nonfinite(t: torch.Tensor) -> torch.Tensor:
+        """``[sum of squares, non-finite count]`` of ``t`` as float32 [2]; used for gradients."""
+        x = t.detach()
+        norm = torch.linalg.vector_norm(x, dtype=torch.float32)
+        return torch.stack([norm * norm, (~torch.isfinite(x)).sum().to(torch.float32)])
+
+
+def combine_moments(n: np.ndarray, rec: np.ndarray) -> tuple[float, float, float, float, float, float]:
+    """Combine per-call moments records of one slot into ``ACT_FIELDS`` of the wire format.
+
+    Args:
+        n: int64 [k] element counts of each call.
+        rec: float64 [k, 6] records in ``MOMENT_FIELDS`` order.
+
+    Returns:
+        mean, std (population), min, max, zero ratio (0-1), non-finite count.
+    """
+    total = n.sum()
+    if total == 0:
+        return (float("nan"),) * 4 + (0.0, 0.0)
+    mean = float((n * rec[:, 0]).sum() / total)
+    m2 = float(rec[:, 1].sum() + (n * (rec[:, 0] - mean) ** 2).sum())
+    std = float(np.sqrt(max(m2, 0.0) / total)) if np.isfinite(m2) else float("nan")
+    return (
+        mean,
+        std,
+        float(rec[:, 2].min()),
+        float(rec[:, 3].max()),
+        float(rec[:, 4].sum() / total),
+        float(rec[:, 5].sum()),
+    )

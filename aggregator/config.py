@@ -1,0 +1,68 @@
+"""Aggregator settings: one typed model; the command line and ``GRADWATCH_AGGREGATOR_*`` variables.
+
+Field descriptions double as ``--help``. Invalid values fail at start-up with
+:class:`ConfigError`, whose message names the setting.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gradwatch import wire
+
+
+class ConfigError(ValueError):
+    """An invalid setting, or a resource a setting names (a port in use); the message names it."""
+
+
+class AggregatorConfig(BaseSettings):
+    """gradwatch aggregator: receives every rank's reports, reconciles ranks, serves /metrics."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="GRADWATCH_AGGREGATOR_",
+        extra="forbid",
+        frozen=True,
+        cli_kebab_case=True,
+        cli_prog_name="gradwatch aggregator",
+        cli_implicit_flags=True,
+    )
+
+    listen: str = Field("tcp://0.0.0.0:5555", description="ZeroMQ endpoint the PULL socket binds to; agents connect here.")
+    metrics_host: str = Field("0.0.0.0", description="Address the HTTP server (/metrics, /healthz) binds to.")
+    metrics_port: int = Field(9400, ge=0, le=65535, description="TCP port of the HTTP server; 0 picks a free one.")
+    round_grace_s: float = Field(10.0, gt=0, le=3600, description="Seconds a probed step waits for missing ranks before it is reconciled as incomplete.")
+    max_pending_rounds: int = Field(64, ge=1, le=10_000, description="Probed steps per job held while waiting for ranks; the oldest is closed incomplete beyond it.")
+    rank_ttl_s: float = Field(600.0, gt=0, description="Seconds after which a silent rank's series are no longer exported (case C34).")
+    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 30, description="Largest accepted message, bytes; larger ones are rejected as too_large.")
+    rcv_hwm: int = Field(10_000, ge=1, description="ZeroMQ receive high-water mark, messages.")
+    publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read.")
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        if not v.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"must look like tcp://host:port or ipc://path, got {v!r}")
+        return v
+
+    @property
+    def limits(self) -> wire.Limits:
+        return wire.Limits(max_message_bytes=self.max_message_bytes)
+
+
+def format_error(e: ValidationError, prefix: str = "aggregator") -> str:
+    err = e.errors()[0]
+    name = ".".join(str(p) for p in err["loc"]) or "?"
+    return f"{prefix}.{name}: {err['msg']} (got {err.get('input')!r})"
+
+
+def load(**settings) -> AggregatorConfig:
+    """Build the config from keyword arguments over environment variables.
+
+    Raises:
+        ConfigError: naming the first invalid or unknown setting.
+    """
+    try:
+        return AggregatorConfig(**settings)
+    except ValidationError as e:
+        raise ConfigError(format_error(e)) from None

@@ -1,0 +1,216 @@
+"""The aggregator daemon: a PULL socket, one receive thread that owns the state, an HTTP server.
+
+The receive thread is the single writer: it decodes frames (:mod:`gradwatch.wire`, with explicit
+limits), applies them to :class:`~.state.State`, closes rounds whose grace period ran out, and
+publishes an immutable snapshot at most every ``publish_interval_s``. The HTTP server's threads
+only read the published snapshot. A peer's bytes can fail one frame, never the loop: every
+failure is counted in ``gradwatch_messages_rejected_total{reason}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from socketserver import ThreadingMixIn
+from typing import Callable, Optional
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import zmq
+from prometheus_client import CollectorRegistry, make_wsgi_app
+
+from gradwatch import wire
+
+from .config import AggregatorConfig, ConfigError
+from .exporter import SnapshotCollector
+from .reconcile import Snapshot, snapshot
+from .state import State
+
+log = logging.getLogger("gradwatch.aggregator")
+
+
+class _HTTPServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # scrapes every few seconds would flood the log
+        log.debug("http: " + format, *args)
+
+
+class Aggregator:
+    """Receives reports from every rank and serves ``/metrics`` and ``/healthz``.
+
+    Args:
+        cfg: settings.
+        registry: Prometheus registry to expose (a fresh one by default).
+        clock: monotonic clock, seconds.
+
+    Raises (from :meth:`start`):
+        ConfigError: the ZeroMQ endpoint cannot be bound, or the HTTP port is in use.
+    """
+
+    def __init__(self, cfg: AggregatorConfig, *, registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.clock = clock
+        self.state = State(cfg.round_grace_s, cfg.max_pending_rounds, cfg.rank_ttl_s, clock)
+        self._snapshot = Snapshot()
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
+        self.registry.register(SnapshotCollector(lambda: self._snapshot))
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._ctx: Optional[zmq.Context] = None
+        self._sock = None
+        self._http: Optional[_HTTPServer] = None
+        self.endpoint = ""
+        self.metrics_port = 0
+        self._internal_warned = False
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The latest published snapshot (immutable)."""
+        return self._snapshot
+
+    @property
+    def metrics_url(self) -> str:
+        host = "127.0.0.1" if self.cfg.metrics_host in ("0.0.0.0", "") else self.cfg.metrics_host
+        return f"http://{host}:{self.metrics_port}/metrics"
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> "Aggregator":
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, self.cfg.rcv_hwm)
+        # libzmq drops (and disconnects) frames far beyond our own limit before buffering them
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.cfg.max_message_bytes)
+        try:
+            if self.cfg.listen.startswith("tcp://") and self.cfg.listen.endswith(":0"):
+                port = sock.bind_to_random_port(self.cfg.listen[: -len(":0")])
+                self.endpoint = self.cfg.listen[: -len(":0")] + f":{port}"
+            else:
+                sock.bind(self.cfg.listen)
+                self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            sock.close()
+            self._ctx.term()
+            raise ConfigError(f"aggregator.listen: cannot bind {self.cfg.listen}: {e}") from None
+        self._sock = sock
+        try:
+            self._http = make_server(
+                self.cfg.metrics_host, self.cfg.metrics_port, self._wsgi, _HTTPServer, handler_class=_QuietHandler
+            )
+        except OSError as e:
+            sock.close()
+            self._ctx.term()
+            raise ConfigError(
+                f"aggregator.metrics_port: cannot serve HTTP on {self.cfg.metrics_host}:{self.cfg.metrics_port}: {e} "
+                "(pick another with --metrics-port)"
+            ) from None
+        self.metrics_port = self._http.server_port
+        threading.Thread(target=self._http.serve_forever, name="gradwatch-http", daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name="gradwatch-receive", daemon=True)
+        self._thread.start()
+        log.info("gradwatch aggregator: listening on %s, metrics at %s", self.endpoint, self.metrics_url)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    def __enter__(self) -> "Aggregator":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def serve_forever(self) -> None:
+        """Start and block until SIGINT or SIGTERM."""
+        self.start()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._stop.set())
+        try:
+            while not self._stop.wait(0.5):
+                pass
+        finally:
+            self.stop()
+
+    # --- the single writer ----------------------------------------------------------------------
+
+    def handle(self, frame: bytes) -> None:
+        """Decode and apply one frame; count it as rejected by reason if it is not valid."""
+        st = self.state
+        t0 = time.perf_counter()
+        try:
+            msg = wire.decode(frame, self.cfg.limits, st.schema_sizes)
+        except wire.WireError as e:
+            st.reject(e.reason)
+        else:
+            try:
+                st.apply(msg)
+            except Exception as e:  # a bug of ours must not let one peer stop the aggregator
+                st.reject("internal")
+                if not self._internal_warned:
+                    self._internal_warned = True
+                    log.exception("gradwatch aggregator: failed to apply a message: %r", e)
+        st.decode_seconds += time.perf_counter() - t0
+        st.decode_count += 1
+
+    def publish(self) -> None:
+        self._snapshot = snapshot(self.state, time.time())
+
+    def _loop(self) -> None:
+        sock = self._sock
+        published = -1
+        last_pub = last_tick = 0.0
+        interval = self.cfg.publish_interval_s
+        try:
+            while not self._stop.is_set():
+                if sock.poll(int(min(interval, 0.1) * 1000)):
+                    for _ in range(1000):
+                        try:
+                            frame = sock.recv(zmq.NOBLOCK, copy=True)
+                        except zmq.Again:
+                            break
+                        self.handle(frame)
+                now = self.clock()
+                if now - last_tick >= 0.1:
+                    self.state.tick()
+                    last_tick = now
+                if self.state.version != published and now - last_pub >= interval:
+                    published = self.state.version
+                    self.publish()
+                    last_pub = now
+        finally:
+            self.publish()
+            sock.close(linger=0)
+
+    # --- HTTP -----------------------------------------------------------------------------------
+
+    def _wsgi(self, environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return self._metrics_app(environ, start_response)
+        if path == "/healthz":
+            body = json.dumps({"ok": self._thread is not None and self._thread.is_alive()}).encode()
+            start_response("200 OK", [("Content-Type", "application/json")])
+            return [body]
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found: try /metrics\n"]
+
+    @property
+    def _metrics_app(self):
+        app = getattr(self, "_metrics_app_cached", None)
+        if app is None:
+            app = self._metrics_app_cached = make_wsgi_app(self.registry)
+        return app

@@ -1,0 +1,182 @@
+"""Prometheus exporter: a custom collector that turns the latest snapshot into metric families.
+
+Each exported metric is one self-registering unit (:func:`metric`): its name, type, help and
+labels, and a function from a :class:`~.reconcile.Snapshot` to samples. The README's catalog is
+generated from :data:`METRICS`. Labels are bounded: ``job_id`` (not ``job``, which Prometheus
+itself sets on every scraped series), ``rank``, ``layer`` (a module path of the model) and fixed
+enums — never a step, a pid, an address or free text (case C34). Per-layer series are
+aggregated over ranks and per-rank series over layers, never rank x layer.
+
+Counters only ever carry finite, non-decreasing values; NaN or Inf reach gauges only (case C36).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.registry import Collector
+
+from .reconcile import AGGS, LAYER_STATS, Snapshot
+
+PREFIX = "gradwatch_"
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str  # full name; counters without the _total suffix the client adds
+    kind: str  # gauge | counter | summary
+    help: str
+    labels: tuple[str, ...]
+    unit: str
+    samples: Callable[[Snapshot], Iterable]
+
+
+METRICS: dict[str, MetricDef] = {}
+
+
+def metric(name: str, kind: str, help: str, labels: tuple[str, ...], unit: str = ""):
+    """Register the decorated ``snapshot -> iterable of (label values, value)`` as a metric."""
+
+    def deco(fn):
+        full = PREFIX + name
+        if full in METRICS:
+            raise ValueError(f"metric {full} registered twice")
+        METRICS[full] = MetricDef(full, kind, help, labels, unit, fn)
+        return fn
+
+    return deco
+
+
+JR = ("job_id", "rank")
+
+
+def _ranks(snap: Snapshot):
+    for j in snap.jobs:
+        for r in j.ranks:
+            yield j, r
+
+
+def _rank_metric(name, kind, help, attr, unit=""):
+    metric(name, kind, help, JR, unit)(lambda s: (((j.job, str(r.rank)), getattr(r, attr)) for j, r in _ranks(s)))
+
+
+# --- per rank (sentinel, every step) ------------------------------------------------------------
+_rank_metric("rank_step", "gauge", "Latest optimizer step reported by the rank (0-based).", "step")
+_rank_metric("rank_grad_norm", "gauge", "Global L2 norm of the rank's gradients before its latest optimizer step; NaN/Inf pass through.", "grad_norm")
+_rank_metric("rank_grad_nonfinite_params", "gauge", "Parameters whose gradient held NaN or Inf at the rank's latest step.", "grad_nonfinite")
+_rank_metric("rank_step_seconds", "gauge", "Wall time of the rank's latest optimizer step, host clock.", "step_time", "seconds")
+_rank_metric("rank_steps", "counter", "Optimizer steps reported by the rank.", "steps")
+_rank_metric("rank_probes", "counter", "Probed steps reported by the rank.", "probes")
+_rank_metric("rank_nonfinite_steps", "counter", "Steps whose gradient held NaN or Inf on the rank (alert on increase(), case C36).", "nonfinite_steps")
+_rank_metric("rank_messages_received", "counter", "Messages received from the rank.", "received")
+_rank_metric("rank_messages_lost", "counter", "Messages lost in flight from the rank, from gaps in its sequence numbers (case C28).", "lost")
+_rank_metric("rank_restarts", "counter", "Times the rank's agent restarted (a new boot id).", "restarts")
+_rank_metric("rank_last_seen_timestamp_seconds", "gauge", "When the aggregator last heard from the rank, seconds since the epoch.", "last_seen", "seconds")
+_rank_metric("agent_dropped_reports", "counter", "Reports the rank's agent dropped (full queue or ZeroMQ high-water mark), as the agent reports them.", "agent_drops")
+_rank_metric("agent_errors", "counter", "Internal failures of the rank's agent (a statistic skipped, a message that failed to build).", "agent_errors")
+
+
+# --- per rank, totalled over layers at the latest probed step ------------------------------------
+def _rank_total(col: int):
+    def fn(s: Snapshot):
+        for j in s.jobs:
+            rr = j.last_round
+            if rr is None:
+                continue
+            for k, rank in enumerate(rr.ranks):
+                yield (j.job, str(rank)), float(rr.rank_totals[k, col])
+
+    return fn
+
+
+metric("rank_activation_nonfinite", "gauge", "NaN/Inf activation elements summed over the rank's layers at the latest probed step.", JR)(_rank_total(0))
+metric("rank_output_grad_nonfinite", "gauge", "NaN/Inf output-gradient elements summed over the rank's layers at the latest probed step.", JR)(_rank_total(1))
+metric("rank_param_grad_nonfinite", "gauge", "NaN/Inf parameter-gradient elements summed over the rank's parameters at the latest probed step.", JR)(_rank_total(2))
+
+
+# --- per layer, aggregated over ranks at the latest probed step -----------------------------------
+_LAYER_HELP = {
+    "activation_mean": ("Mean of the layer's output activations.", ""),
+    "activation_std": ("Standard deviation (population) of the layer's output activations.", ""),
+    "activation_min": ("Smallest output activation of the layer.", ""),
+    "activation_max": ("Largest output activation of the layer.", ""),
+    "activation_zero_ratio": ("Fraction of the layer's output activations that are exactly zero (0-1).", "ratio"),
+    "activation_nonfinite": ("NaN/Inf elements in the layer's output activations.", ""),
+    "output_grad_norm": ("L2 norm of the gradient reaching the layer's output (local to the rank, before all-reduce).", ""),
+    "output_grad_nonfinite": ("NaN/Inf elements in the gradient reaching the layer's output.", ""),
+    "grad_norm": ("L2 norm of the gradient of the layer's own parameters after all-reduce.", ""),
+    "weight_norm": ("L2 norm of the layer's own parameters after the optimizer step.", ""),
+    "grad_nonfinite": ("NaN/Inf elements in the gradient of the layer's own parameters.", ""),
+}
+
+
+def _layer_stat(stat: str):
+    src = LAYER_STATS[stat][0]
+
+    def fn(s: Snapshot):
+        for j in s.jobs:
+            rr = j.last_round
+            if rr is None:
+                continue
+            names = rr.modules if src == "module" else rr.layers
+            values, observed = rr.agg[stat]
+            for a, agg in enumerate(AGGS):
+                for i in observed.nonzero()[0]:
+                    yield (j.job, names[i], agg), float(values[a, i])
+
+    return fn
+
+
+for _stat, (_help, _unit) in _LAYER_HELP.items():
+    metric(
+        f"layer_{_stat}", "gauge", _help + " Aggregated over ranks (agg=min|median|max) at the latest probed step.",
+        ("job_id", "layer", "agg"), _unit,
+    )(_layer_stat(_stat))
+
+
+# --- per job -------------------------------------------------------------------------------------
+metric("job_world_size", "gauge", "World size the job's ranks report.", ("job_id",))(lambda s: (((j.job,), j.world) for j in s.jobs))
+metric("job_ranks_reporting", "gauge", "Ranks of the job the aggregator currently hears from.", ("job_id",))(lambda s: (((j.job,), len(j.ranks)) for j in s.jobs))
+metric("job_probe_step", "gauge", "Step of the latest reconciled probed step.", ("job_id",))(
+    lambda s: (((j.job,), j.last_round.step) for j in s.jobs if j.last_round is not None)
+)
+metric("rounds", "counter", "Probed steps reconciled, by outcome: complete (every rank reported) or incomplete (grace period ran out).", ("job_id", "outcome"))(
+    lambda s: [x for j in s.jobs for x in ((((j.job, "complete"), j.rounds_complete)), ((j.job, "incomplete"), j.rounds_incomplete))]
+)
+
+# --- the aggregator itself --------------------------------------------------------------------------
+metric("messages_received", "counter", "Valid messages received, by kind (schema, report, heartbeat).", ("kind",))(
+    lambda s: (((k,), v) for k, v in s.received)
+)
+metric("messages_rejected", "counter", "Messages rejected, by reason (malformed, too_large, unknown_schema, ...).", ("reason",))(
+    lambda s: (((k,), v) for k, v in s.rejected)
+)
+
+
+class SnapshotCollector(Collector):
+    """Yields every registered metric from ``get_snapshot()`` at scrape time."""
+
+    def __init__(self, get_snapshot: Callable[[], Snapshot]):
+        self._get = get_snapshot
+
+    def collect(self):
+        snap = self._get()
+        for d in METRICS.values():
+            if d.kind == "gauge":
+                fam = GaugeMetricFamily(d.name, d.help, labels=d.labels, unit=d.unit)
+                for labels, value in d.samples(snap):
+                    fam.add_metric(labels, float(value))
+            else:
+                fam = CounterMetricFamily(d.name, d.help, labels=d.labels, unit=d.unit)
+                for labels, value in d.samples(snap):
+                    v = float(value)
+                    if math.isfinite(v):  # case C36: a counter never carries NaN/Inf
+                        fam.add_metric(labels, v)
+            yield fam
+        yield SummaryMetricFamily(
+            PREFIX + "decode_seconds", "Time spent decoding and applying messages.",
+            count_value=snap.decode_count, sum_value=snap.decode_seconds, unit="seconds",
+        )

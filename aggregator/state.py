@@ -1,0 +1,200 @@
+"""Aggregator state per job, rank and probed step. One writer: the receive loop's thread.
+
+Every decoded message goes through :meth:`State.apply`; time passes through :meth:`State.tick`.
+Nothing else mutates state. Scrapes never read it directly: the writer publishes an immutable
+:class:`~.reconcile.Snapshot` (see :meth:`State.snapshot`).
+
+A probed step's *round* collects one report per rank; it is complete when every rank of the world
+has reported, or closed incomplete ``round_grace_s`` after its first report (or when more than
+``max_pending_rounds`` wait). Either way it is reconciled (:mod:`.reconcile`).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from gradwatch import wire
+
+from .reconcile import RoundResult, reconcile
+
+HISTORY = 512
+
+
+@dataclass
+class RankState:
+    rank: int
+    boot: str = ""
+    host: str = ""
+    local_rank: int = 0
+    schema: str = ""
+    last_seq: int = -1
+    received: int = 0
+    lost: int = 0
+    restarts: int = 0
+    last_seen: float = 0.0  # aggregator clock, seconds
+    step: int = -1
+    step_time: float = math.nan
+    grad_norm: float = math.nan
+    grad_nonfinite: int = 0
+    steps: int = 0
+    probes: int = 0
+    nonfinite_steps: int = 0  # steps whose gradient held NaN/Inf (counter, case C36)
+    agent_sent: int = 0
+    agent_drops: int = 0
+    agent_errors: int = 0
+    # (step, grad_norm, step_time, aggregator time) of recent steps, for the cross-rank checks
+    history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
+
+
+@dataclass
+class Round:
+    step: int
+    opened: float
+    reports: dict[int, wire.Report] = field(default_factory=dict)
+
+
+@dataclass
+class JobState:
+    job: str
+    world: int
+    schemas: dict[str, wire.Schema] = field(default_factory=dict)
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    rounds: dict[int, Round] = field(default_factory=dict)
+    last_round: Optional[RoundResult] = None
+    rounds_complete: int = 0
+    rounds_incomplete: int = 0
+
+
+class State:
+    """All jobs the aggregator knows. Not thread-safe by design: one writer.
+
+    Args:
+        grace_s: seconds a round waits for missing ranks.
+        max_pending: rounds held per job.
+        rank_ttl_s: seconds after which a silent rank is forgotten.
+        clock: monotonic clock, seconds.
+        on_round: called with each reconciled :class:`RoundResult` (the checks hook in here).
+    """
+
+    def __init__(
+        self,
+        grace_s: float = 10.0,
+        max_pending: int = 64,
+        rank_ttl_s: float = 600.0,
+        clock: Callable[[], float] = None,
+        on_round: Callable[[JobState, RoundResult], None] | None = None,
+    ):
+        import time
+
+        self.grace_s = grace_s
+        self.max_pending = max_pending
+        self.rank_ttl_s = rank_ttl_s
+        self.clock = clock or time.monotonic
+        self.on_round = on_round
+        self.jobs: dict[str, JobState] = {}
+        self.received: collections.Counter = collections.Counter()  # by kind
+        self.rejected: collections.Counter = collections.Counter()  # by reason
+        self.decode_seconds = 0.0
+        self.decode_count = 0
+        self.version = 0  # bumped on every change; the publisher compares it
+
+    # --- inputs ---------------------------------------------------------------------------------
+
+    def reject(self, reason: str) -> None:
+        self.rejected[reason] += 1
+        self.version += 1
+
+    def schema_sizes(self, h: wire.Header, digest: str):
+        job = self.jobs.get(h.job)
+        s = job.schemas.get(digest) if job else None
+        return (len(s.params), len(s.slots)) if s else (None, None)
+
+    def apply(self, msg: wire.Message) -> None:
+        """Fold one decoded message into state."""
+        h = msg.header
+        now = self.clock()
+        job = self.jobs.get(h.job)
+        if job is None:
+            job = self.jobs[h.job] = JobState(h.job, h.world)
+        if h.world != job.world:
+            # the job restarted with another world size: start over rather than mix worlds
+            job = self.jobs[h.job] = JobState(h.job, h.world)
+        r = job.ranks.get(h.rank)
+        if r is None:
+            r = job.ranks[h.rank] = RankState(h.rank)
+        if h.boot != r.boot:
+            if r.boot:
+                r.restarts += 1
+            r.boot, r.last_seq = h.boot, -1
+        if h.seq > r.last_seq + 1:
+            r.lost += h.seq - r.last_seq - 1
+        r.last_seq = max(r.last_seq, h.seq)
+        r.received += 1
+        r.last_seen = now
+        self.version += 1
+
+        if isinstance(msg, wire.Schema):
+            self.received["schema"] += 1
+            job.schemas[msg.hash] = msg
+            r.schema, r.host, r.local_rank = msg.hash, msg.host, msg.local_rank
+        elif isinstance(msg, wire.Heartbeat):
+            self.received["heartbeat"] += 1
+            r.agent_sent, r.agent_drops, r.agent_errors = msg.sent, msg.drops, msg.errors
+        else:
+            self.received["report"] += 1
+            self._report(job, r, msg, now)
+
+    def _report(self, job: JobState, r: RankState, m: wire.Report, now: float) -> None:
+        r.step = max(r.step, m.step)
+        r.step_time, r.grad_norm, r.grad_nonfinite = m.step_time, m.grad_norm, m.grad_nonfinite
+        r.agent_drops = max(r.agent_drops, m.drops)
+        r.steps += 1
+        if m.grad_nonfinite or not math.isfinite(m.grad_norm):
+            r.nonfinite_steps += 1
+        r.history.append((m.step, m.grad_norm, m.step_time, now))
+        if not m.probe:
+            return
+        r.probes += 1
+        if m.schema not in job.schemas:
+            self.rejected["unknown_schema"] += 1
+            return
+        rnd = job.rounds.get(m.step)
+        if rnd is None:
+            rnd = job.rounds[m.step] = Round(m.step, now)
+        rnd.reports[r.rank] = m
+        if len(rnd.reports) == job.world:
+            self._close(job, rnd, complete=True)
+        elif len(job.rounds) > self.max_pending:
+            self._close(job, job.rounds[min(job.rounds)], complete=False)
+
+    def tick(self) -> None:
+        """Close rounds past their grace period; forget ranks silent for longer than the TTL."""
+        now = self.clock()
+        for job in list(self.jobs.values()):
+            for rnd in sorted(job.rounds.values(), key=lambda x: x.step):
+                if now - rnd.opened >= self.grace_s:
+                    self._close(job, rnd, complete=False)
+            for rank, r in list(job.ranks.items()):
+                if now - r.last_seen > self.rank_ttl_s:
+                    del job.ranks[rank]
+                    self.version += 1
+            if not job.ranks:
+                del self.jobs[job.job]
+                self.version += 1
+
+    def _close(self, job: JobState, rnd: Round, complete: bool) -> None:
+        del job.rounds[rnd.step]
+        if complete:
+            job.rounds_complete += 1
+        else:
+            job.rounds_incomplete += 1
+        result = reconcile(job.world, job.schemas, rnd.step, rnd.reports, complete)
+        # a straggling older round must not replace a newer result on the dashboards
+        if job.last_round is None or result.step >= job.last_round.step:
+            job.last_round = result
+        self.version += 1
+        if self.on_round is not None:
+            self.on_round(job, result)

@@ -1,0 +1,193 @@
+"""``gradwatch demo``: an aggregator plus an N-rank gloo DDP job training :class:`~.model.GPT`.
+
+Each rank is a process started with ``torch.multiprocessing`` and given torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, TORCHELASTIC_RUN_ID, MASTER_ADDR/PORT), so the agent finds its
+identity exactly as it would under torchrun. Tests use :func:`train_rank` directly.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from typing import Optional
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class DemoConfig(BaseSettings):
+    """Train a small character-level transformer on the standard library's source with gradwatch attached."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="GRADWATCH_DEMO_", extra="forbid", frozen=True, cli_kebab_case=True,
+        cli_prog_name="gradwatch demo", cli_implicit_flags=True,
+    )
+
+    ranks: int = Field(2, ge=1, le=16, description="DDP ranks (processes, gloo backend on CPU).")
+    steps: int = Field(300, ge=1, description="Optimizer steps per rank.")
+    every: int = Field(10, ge=1, description="Probe cadence of the agents, steps.")
+    aggregator: str = Field("", description="Endpoint of a running aggregator; empty starts one in this process.")
+    listen: str = Field("tcp://127.0.0.1:0", description="Where the demo's own aggregator listens (port 0: any free one).")
+    metrics_port: int = Field(9400, ge=0, le=65535, description="HTTP port of the demo's own aggregator (/metrics).")
+    job: str = Field("demo", description="Job id the ranks report under.")
+    batch_size: int = Field(16, ge=1, description="Sequences per rank per step.")
+    context: int = Field(64, ge=8, description="Sequence length, bytes.")
+    width: int = Field(64, ge=8, description="Model width.")
+    layers: int = Field(2, ge=1, description="Transformer blocks.")
+    heads: int = Field(4, ge=1, description="Attention heads.")
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
+    seed: int = Field(0, description="Seed of model initialisation and data order.")
+    agent: bool = Field(True, description="Attach the gradwatch agent (--no-agent trains without it).")
+    linger_s: float = Field(2.0, ge=0, description="Seconds the demo's aggregator keeps serving after training, before the summary.")
+    progress: bool = Field(True, description="Show a progress bar on rank 0.")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, results=None, inject=None) -> dict:
+    """Train one rank to the end; returns ``{"rank", "steps", "probes", "drops", "loss", "params"}``.
+
+    ``inject``, if given, is called as ``inject(rank, step, model, loss) -> loss`` before backward
+    (fault injection lives in the harness, never in the agent).
+    """
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(cfg.ranks), LOCAL_RANK=str(rank), TORCHELASTIC_RUN_ID=cfg.job,
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
+    )
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradwatch import agent
+
+    from .model import GPT, GPTConfig, batch, stdlib_text
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks)
+    try:
+        torch.manual_seed(cfg.seed)
+        model = GPT(GPTConfig(context=cfg.context, width=cfg.width, layers=cfg.layers, heads=cfg.heads))
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=cfg.lr)
+        monitor = agent.attach(ddp, opt, endpoint=endpoint, every=cfg.every) if cfg.agent else agent.NullMonitor()
+        text = stdlib_text()
+        bar = None
+        if rank == 0 and cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, desc="training", unit="step", file=sys.stderr)
+        loss_v = float("nan")
+        with monitor:
+            for step in range(cfg.steps):
+                x, y = batch(text, cfg.seed, rank, step, cfg.batch_size, cfg.context)
+                loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+                if inject is not None:
+                    loss = inject(rank, step, model, loss)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if bar is not None:
+                    loss_v = loss.item()
+                    bar.set_postfix(loss=f"{loss_v:.3f}")
+                    bar.update()
+            out = {
+                "rank": rank, "steps": monitor.step, "probes": monitor.probes,
+                "drops": getattr(getattr(monitor, "sender", None), "drops", 0), "loss": loss.item(),
+                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            }
+        if bar is not None:
+            bar.close()
+        if results is not None:
+            out_small = {k: v for k, v in out.items() if k != "params"}
+            results.put(out_small)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(rank, cfg, master_port, endpoint, results):
+    train_rank(rank, cfg, master_port, endpoint, results)
+
+
+def run(cfg: DemoConfig) -> int:
+    import torch.multiprocessing as mp
+
+    agg = None
+    endpoint = cfg.aggregator
+    if not endpoint:
+        from gradwatch.aggregator import Aggregator, load
+
+        agg = Aggregator(load(listen=cfg.listen, metrics_port=cfg.metrics_port, metrics_host="127.0.0.1")).start()
+        endpoint = agg.endpoint
+        print(f"gradwatch demo: aggregator at {endpoint}; metrics at {agg.metrics_url}", flush=True)
+    else:
+        print(f"gradwatch demo: sending to the aggregator at {endpoint}", flush=True)
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    t0 = time.perf_counter()
+    mp.start_processes(_spawned, args=(cfg, free_port(), endpoint, results), nprocs=cfg.ranks, start_method="spawn")
+    wall = time.perf_counter() - t0
+    per_rank = sorted((results.get() for _ in range(cfg.ranks)), key=lambda r: r["rank"])
+    print(f"\ntrained {cfg.steps} steps on {cfg.ranks} ranks in {wall:.1f} s")
+    if agg is not None:
+        time.sleep(cfg.linger_s)
+        agg.publish()
+        _summary(per_rank, agg.snapshot, cfg.job)
+        agg.stop()
+    else:
+        for r in per_rank:
+            print(f"rank {r['rank']}: steps {r['steps']}, probes sent {r['probes']}, drops {r['drops']}, final loss {r['loss']:.3f}")
+    return 0
+
+
+def _summary(per_rank, snap, job: str) -> None:
+    jv = next((j for j in snap.jobs if j.job == job), None)
+    seen = {r.rank: r for r in jv.ranks} if jv else {}
+    print("\nper rank                steps  probes  drops  lost  final loss")
+    for r in per_rank:
+        a = seen.get(r["rank"])
+        print(
+            f"  rank {r['rank']:<16} {r['steps']:>5}  {r['probes']:>6}  {r['drops']:>5}  "
+            f"{a.lost if a else '-':>4}  {r['loss']:.3f}   (aggregator saw {a.steps if a else 0} steps, {a.probes if a else 0} probes)"
+        )
+    rr = jv.last_round if jv else None
+    if rr is None:
+        print("\nno probed step reached the aggregator")
+        return
+    grad, _ = rr.agg["grad_norm"]
+    zero, _ = rr.agg["activation_zero_ratio"]
+    gidx = {m: i for i, m in enumerate(rr.modules)}
+    print(f"\nper layer at probed step {rr.step} ({'complete' if rr.complete else 'incomplete'} round, median over ranks)")
+    print(f"  {'layer':<28} {'grad norm':>10} {'zero ratio':>11}")
+    for i, layer in enumerate(rr.layers):
+        g = grad[1, gidx[layer]] if layer in gidx else float("nan")
+        print(f"  {layer:<28} {g:>10.4g} {zero[1, i]:>11.3f}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from pydantic import ValidationError
+    from pydantic_settings import CliApp
+
+    try:
+        cfg = CliApp.run(DemoConfig, cli_args=list(argv or []))
+    except ValidationError as e:
+        err = e.errors()[0]
+        print(f"gradwatch: demo.{'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)
+        return 2
+    try:
+        return run(cfg)
+    except Exception as e:  # a ConfigError from the aggregator, e.g. port in use
+        from gradwatch.aggregator import ConfigError
+
+        if isinstance(e, ConfigError):
+            print(f"gradwatch: {e}", file=sys.stderr)
+            return 2
+        raise

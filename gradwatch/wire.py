@@ -1,0 +1,385 @@
+"""The wire format between agents and the aggregator: the one module that builds or parses bytes.
+
+Every message is one ZeroMQ frame holding one msgpack map (msgpack spec:
+https://github.com/msgpack/msgpack/blob/master/spec.md) with these common keys:
+
+    v      int    protocol version, :data:`PROTOCOL_VERSION`
+    kind   str    "schema" | "report" | "heartbeat"
+    job    str    training job id (torchrun's TORCHELASTIC_RUN_ID by default)
+    rank   int    global rank, 0 <= rank < world
+    world  int    world size
+    boot   str    random id of this agent instance; a new one means the rank restarted
+    seq    int    per-rank sequence number, +1 per message sent; gaps are messages lost
+    time   float  sender's wall clock, seconds since the epoch
+
+``schema`` adds ``hash`` (16 hex chars), ``host``, ``local_rank``, ``every`` (probe cadence,
+steps), ``params`` (list of ``[name, shape, dtype]`` in ``model.named_parameters()`` order) and
+``slots`` (list of ``[module, output, type, dtype]``: one per floating output tensor of a leaf
+module, in forward order; ``output`` is a path suffix such as ``""``, ``[0]`` or ``.logits``).
+
+``report`` adds ``schema`` (the hash it refers to), ``step`` (optimizer steps completed before
+this one, from 0), ``step_time`` (seconds since the previous step ended), ``grad_norm`` (global
+L2 norm of all gradients before the optimizer step; may be NaN or Inf), ``grad_nonfinite``
+(number of parameters whose gradient holds a NaN or Inf), ``micro`` (forward passes of the root
+module during this step, 0 when not counted), ``drops`` (reports this agent dropped so far) and,
+when ``probe`` is true, three arrays of raw little-endian float32 bytes, row-major:
+
+    act       [n_slots, 6]   activation mean, std, min, max, zero ratio, non-finite count
+    act_grad  [n_slots, 2]   output-gradient L2 norm, non-finite count
+    param     [n_params, 3]  gradient L2 norm (after all-reduce), weight L2 norm, gradient
+                             non-finite count
+
+A count of NaN marks "not observed" (a slot whose module did not run, an output gradient that
+never arrived, a parameter without a gradient); a real NaN statistic always comes with a finite
+count >= 1.
+
+``heartbeat`` adds ``step`` (latest step seen, -1 before the first), ``sent`` and ``drops``
+(cumulative messages sent and dropped by this agent) and ``errors`` (internal agent failures).
+
+Decoding is defensive: sizes are capped before msgpack allocates anything (case C30), every field
+is type-checked, array byte lengths must match the schema's counts, and each failure raises
+:class:`WireError` with a reason from :data:`REJECT_REASONS`, a bounded set suitable as a metric
+label. This module imports neither torch nor prometheus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Union
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+ACT_FIELDS = ("mean", "std", "min", "max", "zero_ratio", "nonfinite")
+ACT_GRAD_FIELDS = ("norm", "nonfinite")
+PARAM_FIELDS = ("grad_norm", "weight_norm", "grad_nonfinite")
+
+#: Every reason :func:`decode` may give; the aggregator labels its rejection counter with them.
+REJECT_REASONS = (
+    "too_large",
+    "malformed",
+    "extra_data",
+    "not_a_map",
+    "version",
+    "unknown_kind",
+    "missing_field",
+    "bad_field",
+    "bad_array",
+)
+
+_F32 = np.dtype("<f4")
+
+
+class WireError(ValueError):
+    """A frame that is not a valid message. ``reason`` is one of :data:`REJECT_REASONS`."""
+
+    def __init__(self, reason: str, detail: str):
+        assert reason in REJECT_REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps applied before and during decoding (case C30).
+
+    Attributes:
+        max_message_bytes: largest frame accepted, bytes.
+        max_names: most parameters or slots one schema may list.
+        max_str_bytes: longest string (a module path), bytes.
+    """
+
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_names: int = 200_000
+    max_str_bytes: int = 4096
+
+
+@dataclass(frozen=True)
+class Header:
+    job: str
+    rank: int
+    world: int
+    boot: str
+    seq: int
+    time: float
+
+
+@dataclass(frozen=True)
+class Schema:
+    header: Header
+    host: str
+    local_rank: int
+    every: int
+    params: tuple[tuple[str, tuple[int, ...], str], ...]
+    slots: tuple[tuple[str, str, str, str], ...]
+    hash: str = ""
+
+    def __post_init__(self):
+        if not self.hash:
+            object.__setattr__(self, "hash", schema_hash(self.params, self.slots))
+
+
+@dataclass(frozen=True)
+class Report:
+    header: Header
+    schema: str
+    step: int
+    step_time: float
+    grad_norm: float
+    grad_nonfinite: int
+    micro: int = 0
+    drops: int = 0
+    probe: bool = False
+    act: np.ndarray | None = field(default=None, compare=False)  # [n_slots, 6] float32
+    act_grad: np.ndarray | None = field(default=None, compare=False)  # [n_slots, 2] float32
+    param: np.ndarray | None = field(default=None, compare=False)  # [n_params, 3] float32
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    header: Header
+    step: int
+    sent: int
+    drops: int
+    errors: int
+
+
+Message = Union[Schema, Report, Heartbeat]
+
+
+def schema_hash(params, slots) -> str:
+    """16 hex chars of BLAKE2b over the canonical msgpack of ``params`` and ``slots``."""
+    canon = msgpack.packb([[list(map(_plain, p)) for p in params], [list(s) for s in slots]])
+    return hashlib.blake2b(canon, digest_size=8).hexdigest()
+
+
+def _plain(x):
+    return list(x) if isinstance(x, tuple) else x
+
+
+def _header_map(kind: str, h: Header) -> dict:
+    return {
+        "v": PROTOCOL_VERSION,
+        "kind": kind,
+        "job": h.job,
+        "rank": h.rank,
+        "world": h.world,
+        "boot": h.boot,
+        "seq": h.seq,
+        "time": h.time,
+    }
+
+
+def _array_bytes(a: np.ndarray, cols: int) -> bytes:
+    a = np.ascontiguousarray(a, dtype=_F32)
+    if a.ndim != 2 or a.shape[1] != cols:
+        raise ValueError(f"array must have shape [n, {cols}], got {a.shape}")
+    return a.tobytes()
+
+
+def encode(msg: Message) -> bytes:
+    """Encode one message to a frame. Raises ``ValueError`` for arrays of the wrong shape."""
+    if isinstance(msg, Schema):
+        m = _header_map("schema", msg.header)
+        m.update(
+            hash=msg.hash,
+            host=msg.host,
+            local_rank=msg.local_rank,
+            every=msg.every,
+            params=[[n, list(s), d] for n, s, d in msg.params],
+            slots=[list(s) for s in msg.slots],
+        )
+    elif isinstance(msg, Report):
+        m = _header_map("report", msg.header)
+        m.update(
+            schema=msg.schema,
+            step=msg.step,
+            step_time=float(msg.step_time),
+            grad_norm=float(msg.grad_norm),
+            grad_nonfinite=int(msg.grad_nonfinite),
+            micro=int(msg.micro),
+            drops=int(msg.drops),
+            probe=bool(msg.probe),
+        )
+        if msg.probe:
+            m.update(
+                act=_array_bytes(msg.act, len(ACT_FIELDS)),
+                act_grad=_array_bytes(msg.act_grad, len(ACT_GRAD_FIELDS)),
+                param=_array_bytes(msg.param, len(PARAM_FIELDS)),
+            )
+    elif isinstance(msg, Heartbeat):
+        m = _header_map("heartbeat", msg.header)
+        m.update(step=msg.step, sent=msg.sent, drops=msg.drops, errors=msg.errors)
+    else:
+        raise TypeError(f"not a wire message: {type(msg).__name__}")
+    return msgpack.packb(m, use_bin_type=True)
+
+
+# --- decoding -------------------------------------------------------------------------------
+
+
+def _get(m: dict, key: str, types, *, nonneg: bool = False):
+    if key not in m:
+        raise WireError("missing_field", key)
+    v = m[key]
+    # bool is an int subclass; a bool where a number belongs is a malformed field.
+    if not isinstance(v, types) or (isinstance(v, bool) and bool not in _tuple(types)):
+        raise WireError("bad_field", f"{key}: {type(v).__name__}")
+    if nonneg and v < 0:
+        raise WireError("bad_field", f"{key} < 0")
+    return v
+
+
+def _tuple(t):
+    return t if isinstance(t, tuple) else (t,)
+
+
+_NUM = (int, float)
+
+
+def _header(m: dict, limits: Limits) -> Header:
+    job = _get(m, "job", str)
+    if not job or len(job.encode()) > 256:
+        raise WireError("bad_field", "job: empty or longer than 256 bytes")
+    world = _get(m, "world", int)
+    rank = _get(m, "rank", int, nonneg=True)
+    if not 1 <= world <= 1 << 20 or rank >= world:
+        raise WireError("bad_field", f"rank {rank} / world {world}")
+    boot = _get(m, "boot", str)
+    if len(boot) > 64:
+        raise WireError("bad_field", "boot: longer than 64")
+    t = float(_get(m, "time", _NUM))
+    if not math.isfinite(t):
+        raise WireError("bad_field", "time: not finite")
+    return Header(job=job, rank=rank, world=world, boot=boot, seq=_get(m, "seq", int, nonneg=True), time=t)
+
+
+def _array(m: dict, key: str, rows: int | None, cols: int) -> np.ndarray:
+    raw = _get(m, key, bytes)
+    if len(raw) % (4 * cols):
+        raise WireError("bad_array", f"{key}: {len(raw)} bytes is not a multiple of {4 * cols}")
+    a = np.frombuffer(raw, dtype=_F32).reshape(-1, cols)
+    if rows is not None and a.shape[0] != rows:
+        raise WireError("bad_array", f"{key}: {a.shape[0]} rows, schema has {rows}")
+    return a
+
+
+def _schema(m: dict, h: Header, limits: Limits) -> Schema:
+    params_raw = _get(m, "params", list)
+    slots_raw = _get(m, "slots", list)
+    if len(params_raw) > limits.max_names or len(slots_raw) > limits.max_names:
+        raise WireError("bad_field", "too many params or slots")
+    params = []
+    for p in params_raw:
+        if (
+            not isinstance(p, list)
+            or len(p) != 3
+            or not isinstance(p[0], str)
+            or not isinstance(p[1], list)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in p[1])
+            or not isinstance(p[2], str)
+        ):
+            raise WireError("bad_field", "params entry")
+        params.append((p[0], tuple(p[1]), p[2]))
+    slots = []
+    for s in slots_raw:
+        if not isinstance(s, list) or len(s) != 4 or not all(isinstance(x, str) for x in s):
+            raise WireError("bad_field", "slots entry")
+        slots.append(tuple(s))
+    digest = _get(m, "hash", str)
+    sch = Schema(
+        header=h,
+        host=_get(m, "host", str),
+        local_rank=_get(m, "local_rank", int, nonneg=True),
+        every=_get(m, "every", int, nonneg=True),
+        params=tuple(params),
+        slots=tuple(slots),
+    )
+    if sch.hash != digest:
+        raise WireError("bad_field", "hash does not match params and slots")
+    return sch
+
+
+def _report(m: dict, h: Header, schema_sizes) -> Report:
+    probe = _get(m, "probe", bool)
+    step = _get(m, "step", int, nonneg=True)
+    schema = _get(m, "schema", str)
+    act = act_grad = param = None
+    if probe:
+        n_params, n_slots = schema_sizes(h, schema) if schema_sizes else (None, None)
+        act = _array(m, "act", n_slots, len(ACT_FIELDS))
+        act_grad = _array(m, "act_grad", act.shape[0], len(ACT_GRAD_FIELDS))
+        param = _array(m, "param", n_params, len(PARAM_FIELDS))
+    return Report(
+        header=h,
+        schema=schema,
+        step=step,
+        step_time=float(_get(m, "step_time", _NUM)),
+        grad_norm=float(_get(m, "grad_norm", _NUM)),
+        grad_nonfinite=_get(m, "grad_nonfinite", int, nonneg=True),
+        micro=_get(m, "micro", int, nonneg=True),
+        drops=_get(m, "drops", int, nonneg=True),
+        probe=probe,
+        act=act,
+        act_grad=act_grad,
+        param=param,
+    )
+
+
+def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None) -> Message:
+    """Decode one frame into a :class:`Schema`, :class:`Report` or :class:`Heartbeat`.
+
+    Args:
+        frame: the bytes of one ZeroMQ frame.
+        limits: size caps; a frame over ``limits.max_message_bytes`` is rejected unread.
+        schema_sizes: optional ``(header, schema_hash) -> (n_params, n_slots)`` callable; when
+            given, a probe report's arrays must have exactly those row counts (it may return
+            ``(None, None)`` for an unknown schema).
+
+    Raises:
+        WireError: with ``reason`` in :data:`REJECT_REASONS`; never anything else.
+    """
+    if len(frame) > limits.max_message_bytes:
+        raise WireError("too_large", f"{len(frame)} bytes")
+    n = limits.max_names
+    try:
+        m = msgpack.unpackb(
+            frame,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_bin_len=limits.max_message_bytes,
+            max_str_len=limits.max_str_bytes,
+            max_array_len=n,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except msgpack.ExtraData as e:
+        raise WireError("extra_data", str(e)[:80]) from None
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
+        raise WireError("malformed", f"{type(e).__name__}: {str(e)[:80]}") from None
+    if not isinstance(m, dict):
+        raise WireError("not_a_map", type(m).__name__)
+    v = m.get("v")
+    if v != PROTOCOL_VERSION:
+        raise WireError("version", f"got {v!r}, speak {PROTOCOL_VERSION}")
+    kind = m.get("kind")
+    if kind not in ("schema", "report", "heartbeat"):
+        raise WireError("unknown_kind", repr(kind)[:40])
+    h = _header(m, limits)
+    if kind == "schema":
+        return _schema(m, h, limits)
+    if kind == "report":
+        return _report(m, h, schema_sizes)
+    return Heartbeat(
+        header=h,
+        step=_get(m, "step", int),
+        sent=_get(m, "sent", int, nonneg=True),
+        drops=_get(m, "drops", int, nonneg=True),
+        errors=_get(m, "errors", int, nonneg=True),
+    )

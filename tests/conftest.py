@@ -1,0 +1,97 @@
+"""Shared fixtures: free ports, a real aggregator process over TCP, /metrics scraping."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; return that value or fail the test."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+            if last:
+                return last
+        except Exception as e:  # the server may not be up yet
+            last = e
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def samples(text: str, name: str) -> dict[tuple, float]:
+    """``{sorted label items: value}`` of every sample called ``name`` in an exposition text."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+@dataclass
+class AggregatorProcess:
+    proc: subprocess.Popen
+    endpoint: str
+    metrics_url: str
+    log: Path
+
+    def scrape(self) -> str:
+        r = requests.get(self.metrics_url, timeout=5)
+        r.raise_for_status()
+        return r.text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def start_aggregator(tmp_path: Path, *args: str, port: int | None = None) -> AggregatorProcess:
+    """Start ``python -m gradwatch.aggregator`` on loopback and wait until /healthz answers."""
+    zport, mport = port or free_port(), free_port()
+    log = tmp_path / f"aggregator-{zport}.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradwatch.aggregator", "--listen", f"tcp://127.0.0.1:{zport}",
+         "--metrics-host", "127.0.0.1", "--metrics-port", str(mport), *args],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    agg = AggregatorProcess(proc, f"tcp://127.0.0.1:{zport}", f"http://127.0.0.1:{mport}/metrics", log)
+
+    def up():
+        if proc.poll() is not None:
+            pytest.fail(f"aggregator exited with {proc.returncode}: {log.read_text()}")
+        return requests.get(f"http://127.0.0.1:{mport}/healthz", timeout=1).json()["ok"]
+
+    wait_for(up, 20, what="aggregator /healthz")
+    return agg
+
+
+@pytest.fixture
+def aggregator(tmp_path):
+    """A real aggregator process (round grace 3 s) on loopback; stopped after the test."""
+    agg = start_aggregator(tmp_path, "--round-grace-s", "3", "--publish-interval-s", "0.05")
+    yield agg
+    agg.stop()
