@@ -38,6 +38,10 @@ class AgentConfig(BaseSettings):
     send_hwm: int = Field(256, ge=1, description="ZeroMQ send high-water mark, messages.")
     heartbeat_s: float = Field(1.0, gt=0, le=3600, description="Seconds between heartbeats from the sender thread.")
     schema_every_s: float = Field(10.0, gt=0, le=86400, description="Seconds between schema resends, so a late or restarted aggregator learns it.")
+    burst: int = Field(5, ge=0, le=1000, description="Steps probed in depth, regardless of cadence, after the sentinel sees a non-finite or spiking gradient norm.")
+    spike_factor: float = Field(10.0, gt=1, description="A gradient norm above this multiple of the recent median is a spike that starts a burst.")
+    local_norms: bool = Field(True, description="Install a DDP communication hook for per-rank gradient norms before all-reduce (only when the model has no hook yet; see Monitor.wrap_comm_hook).")
+    batch_size: int = Field(0, ge=0, description="Samples per rank per micro-step; 0 infers it from the model input's first dimension.")
     fused: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Fused torch.compile statistics kernel: 'on' compiles it in the background at attach "

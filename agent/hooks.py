@@ -117,10 +117,6 @@ class ProbeRecorder:
 
         return hook
 
-    def count_micro_step(self, module, args) -> None:
-        if torch.is_grad_enabled():
-            self.micro += 1
-
 
 def leaf_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(normalised path, module)`` of every module without children, in registration order."""

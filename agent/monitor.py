@@ -11,6 +11,14 @@ parameters whose gradient is not finite; and the step's wall time. Every ``every
 moments (see :mod:`.hooks`); the pre-hook adds per-parameter non-finite counts and the post-hook
 weight norms. Module hooks exist only while a probed step runs.
 
+With DDP, a communication hook (installed only when the model has none, case C13) adds the rank's
+gradient norm *before* all-reduce and the moment its first bucket is ready (the rank's own work,
+without waiting for peers); on probes, a fingerprint of each gradient after all-reduce and of each
+weight after the step lets the aggregator compare replicas bit for bit. When the sender thread sees
+a non-finite or spiking gradient norm it asks for a *burst*: the next ``burst`` steps are probed
+regardless of cadence (the request reaches the training thread a step or two later, never by a
+host synchronisation).
+
 At the end of each step all of that is concatenated into one flat device tensor and copied to the
 host once, non-blocking; a CUDA event marks the copy. The sender thread waits on the event,
 finalises (combines per-call records, takes square roots) and encodes. The training thread never
@@ -21,6 +29,7 @@ warned about once, and the failing part is switched off.
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import math
 import os
@@ -55,6 +64,23 @@ def _disable_in_forked_child() -> None:
 
 
 os.register_at_fork(after_in_child=_disable_in_forked_child)
+
+
+_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """int64 scalar: sum of ``t``'s elements reinterpreted as signed integers of their own width,
+    wrapping modulo 2**64. Exact and independent of reduction order; on the device, no sync."""
+    x = t.detach().reshape(-1)
+    if x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
+    return torch.sum(x.view(_INT_OF_WIDTH[x.element_size()]), dtype=torch.int64)
+
+
+def _bitcast_f32(t: torch.Tensor) -> torch.Tensor:
+    """int64 [n] -> float32 [2n] with the same bytes, so one flat float32 copy carries both."""
+    return t.contiguous().view(torch.float32)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -100,6 +126,15 @@ class Monitor:
         self._last_step_end = time.perf_counter()
         self._slots: tuple = ()
         self._schema: Optional[wire.Schema] = None
+        self._burst_until = 0  # written by the sender thread, read at step boundaries
+        self._recent_norms: collections.deque = collections.deque(maxlen=32)  # sender thread only
+        self._local_sq: list = []
+        self._first_bucket: Optional[float] = None
+        self._comm_inner = None
+        self._ddp_ref = None
+        self._batch = 0
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and cfg.local_norms:
+            self._install_comm_hook(model)
         self._param_meta = tuple(
             (name, tuple(p.shape), str(p.dtype).replace("torch.", "")) for name, p in self._params
         )
@@ -162,7 +197,10 @@ class Monitor:
         return wire.Schema(h, s.host, s.local_rank, s.every, s.params, s.slots, s.hash)
 
     def _heartbeat_msg(self, h: wire.Header) -> wire.Heartbeat:
-        return wire.Heartbeat(h, step=self.step - 1, sent=self.sender.sent, drops=self.sender.drops, errors=self.errors + self.sender.errors)
+        return wire.Heartbeat(
+            h, step=self.step - 1, sent=self.sender.sent, drops=self.sender.drops,
+            errors=self.errors + self.sender.errors, closing=self._closed,
+        )
 
     # --- failure policy ----------------------------------------------------------------------
 
@@ -179,7 +217,67 @@ class Monitor:
     # --- probe scheduling ----------------------------------------------------------------------
 
     def _is_probe(self, step: int) -> bool:
-        return step % self.cfg.every == 0
+        return step % self.cfg.every == 0 or step < self._burst_until
+
+    # --- DDP communication hook (case C13) ------------------------------------------------------
+
+    def _install_comm_hook(self, ddp) -> None:
+        if getattr(ddp, "_comm_hooks", None):
+            log.info("gradwatch: the model already has a DDP communication hook; per-rank local gradient "
+                     "norms need it wrapped: ddp.register_comm_hook(state, monitor.wrap_comm_hook(hook))")
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self._comm_inner = (ddp.process_group, default_hooks.allreduce_hook)
+        try:
+            ddp.register_comm_hook(None, self._comm_hook)
+        except Exception as e:
+            self._comm_inner = None
+            self._on_error("comm-hook", e)
+            return
+
+        def register_comm_hook(state, hook):
+            # DDP accepts one hook per model; ours is in place, so the user's becomes its delegate
+            # instead of raising "can only be called once" (case C13).
+            self._comm_inner = (state, hook)
+
+        ddp.register_comm_hook = register_comm_hook
+
+    def wrap_comm_hook(self, hook):
+        """Wrap a user's DDP communication hook so the agent still sees local gradient norms.
+
+        Use when the model already had a hook at attach time::
+
+            ddp.register_comm_hook(state, monitor.wrap_comm_hook(fp16_compress_hook))
+        """
+
+        def wrapped(state, bucket):
+            self._observe_bucket(bucket)
+            return hook(state, bucket)
+
+        return wrapped
+
+    def _comm_hook(self, state, bucket):
+        self._observe_bucket(bucket)
+        inner_state, inner = self._comm_inner
+        return inner(inner_state, bucket)
+
+    def _observe_bucket(self, bucket) -> None:
+        if not self.active:
+            return
+        try:
+            if self._first_bucket is None:
+                self._first_bucket = time.perf_counter()
+            n = torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float32)
+            self._local_sq.append(n * n)
+        except Exception as e:
+            self._on_error("comm-hook", e)
+
+    def _count_micro_step(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self.recorder.micro += 1
+            if args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
+                self._batch += args[0].shape[0]
 
     def _install_probe(self) -> None:
         self._probing = True
@@ -196,7 +294,7 @@ class Monitor:
         root = self._model_ref()
         if root is not None:
             try:
-                self._probe_handles.append(root.register_forward_pre_hook(self.recorder.count_micro_step))
+                self._probe_handles.append(root.register_forward_pre_hook(self._count_micro_step))
             except Exception:
                 pass
 
@@ -220,9 +318,12 @@ class Monitor:
             dev = grads[0].device
             norms = torch.stack([n.to(dev) for n in torch._foreach_norm(grads, 2, dtype=torch.float32)])
             sq = norms * norms
-            parts = [sq.sum().reshape(1), (~torch.isfinite(norms)).sum().to(torch.float32).reshape(1), sq]
+            local = self._local_sq
+            local_sq = torch.stack([x.to(dev) for x in local]).sum() if local else torch.full((), float("nan"), device=dev)
+            parts = [sq.sum().reshape(1), (~torch.isfinite(norms)).sum().to(torch.float32).reshape(1), local_sq.reshape(1), sq]
             if self._probing:
                 parts.append(torch.stack([(~torch.isfinite(g)).sum().to(dev, torch.float32) for g in grads]))
+                parts.append(_bitcast_f32(torch.stack([fingerprint(g).to(dev) for g in grads])))
             self._pre = (present, torch.cat(parts))
         except Exception as e:
             self._pre = None
@@ -233,13 +334,17 @@ class Monitor:
             return
         step = self.step
         now = time.perf_counter()
+        compute_time = (self._first_bucket - self._last_step_end) if self._first_bucket is not None else float("nan")
         step_time, self._last_step_end = now - self._last_step_end, now
         try:
-            self._submit(step, step_time)
+            self._submit(step, step_time, compute_time)
         except Exception as e:
             self._on_error("step", e)
         self.step = step + 1
         self.recorder.reset()
+        self._local_sq = []
+        self._first_bucket = None
+        self._batch = 0
         try:
             if self._is_probe(self.step) and not self._probing:
                 self._install_probe()
@@ -248,7 +353,7 @@ class Monitor:
         except Exception as e:
             self._on_error("schedule", e)
 
-    def _submit(self, step: int, step_time: float) -> None:
+    def _submit(self, step: int, step_time: float, compute_time: float) -> None:
         pre, self._pre = self._pre, None
         present, grad_part = pre if pre is not None else ([], None)
         probe = self._probing
@@ -266,6 +371,7 @@ class Monitor:
             if weights:
                 dev = weights[0].device
                 parts.append(torch.stack([n.to(dev) for n in torch._foreach_norm(weights, 2, dtype=torch.float32)]))
+                parts.append(_bitcast_f32(torch.stack([fingerprint(w).to(dev) for w in weights])))
             if rec.act:
                 act_meta = tuple((i, n) for i, n, _ in rec.act)
                 parts.append(torch.cat([r.to(parts[0].device if parts else r.device) for _, _, r in rec.act]))
@@ -282,9 +388,13 @@ class Monitor:
             event.record()
         else:
             host = flat
+        batch = self.cfg.batch_size * max(rec.micro, 1) if self.cfg.batch_size else self._batch
         layout = _Layout(
             step=step,
             step_time=step_time,
+            compute_time=compute_time,
+            batch=batch if probe else 0,
+            burst=probe and step % self.cfg.every != 0,
             probe=probe,
             present=tuple(present),
             has_grads=grad_part is not None,
@@ -302,29 +412,42 @@ class Monitor:
     def _finalise(self, h: wire.Header, L: "_Layout", host: torch.Tensor, event) -> wire.Report:
         if event is not None:
             event.synchronize()
-        flat = host.numpy().astype(np.float64)
+        raw = host.numpy()  # float32; fingerprints are read from it before any conversion
+        with np.errstate(invalid="ignore"):  # fingerprint bytes may read as NaN floats here
+            flat = raw.astype(np.float64)
         k = len(L.present)
         off = 0
-        grad_norm, grad_nonfinite = float("nan"), 0
-        sq = counts = None
+        grad_norm = local_norm = float("nan")
+        grad_nonfinite = 0
+        sq = counts = fp_grad_present = None
         if L.has_grads:
             grad_norm = math.sqrt(flat[0]) if flat[0] >= 0 else float("nan")
             grad_nonfinite = int(flat[1])
-            sq = flat[2 : 2 + k]
-            off = 2 + k
+            local_norm = math.sqrt(flat[2]) if flat[2] >= 0 else float("nan")
+            sq = flat[3 : 3 + k]
+            off = 3 + k
             if L.probe:
                 counts = flat[off : off + k]
-                off += k
+                fp_grad_present = raw[off + k : off + 3 * k].view(np.uint64)
+                off += 3 * k
+        self._watch_sentinel(L.step, grad_norm)
+        common = dict(
+            drops=self.sender.drops, local_grad_norm=local_norm, compute_time=L.compute_time,
+        )
         if not L.probe:
-            return wire.Report(h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite, drops=self.sender.drops)
+            return wire.Report(h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite, **common)
         param = np.full((L.n_params, 3), np.nan)
+        fp_grad = np.zeros(L.n_params, np.uint64)
+        fp_weight = np.zeros(L.n_params, np.uint64)
         if L.n_params:
             param[:, 1] = flat[off : off + L.n_params]
-            off += L.n_params
+            fp_weight[:] = raw[off + L.n_params : off + 3 * L.n_params].view(np.uint64)
+            off += 3 * L.n_params
         if k:
             idx = np.asarray(L.present)
             param[idx, 0] = np.sqrt(sq)
             param[idx, 2] = counts
+            fp_grad[idx] = fp_grad_present
         n_act = len(L.act)
         recs = flat[off : off + 6 * n_act].reshape(n_act, 6)
         off += 6 * n_act
@@ -346,15 +469,27 @@ class Monitor:
             act_grad[seen, 1] = sums[seen, 1]
         return wire.Report(
             h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite,
-            micro=L.micro, drops=self.sender.drops, probe=True,
+            micro=L.micro, probe=True, batch=L.batch, burst=L.burst,
             act=act.astype(np.float32), act_grad=act_grad.astype(np.float32), param=param.astype(np.float32),
+            fp_grad=fp_grad, fp_weight=fp_weight, **common,
         )
+
+    def _watch_sentinel(self, step: int, grad_norm: float) -> None:
+        """Sender thread: ask for a burst of probes after a non-finite or spiking gradient norm."""
+        burst = self.cfg.burst
+        recent = self._recent_norms
+        spike = len(recent) >= 4 and grad_norm > self.cfg.spike_factor * float(np.median(recent))
+        if burst and (not math.isfinite(grad_norm) or spike):
+            # probes start at the next step boundary the training thread reaches
+            self._burst_until = max(self._burst_until, self.step + burst)
+        if math.isfinite(grad_norm):
+            recent.append(grad_norm)
 
 
 class _Layout:
     """Host-side description of where each statistic sits in a step's flat tensor."""
 
-    __slots__ = ("step", "step_time", "probe", "present", "has_grads", "n_params", "n_slots", "act", "grad", "micro", "schema")
+    __slots__ = ("step", "step_time", "compute_time", "batch", "burst", "probe", "present", "has_grads", "n_params", "n_slots", "act", "grad", "micro", "schema")
 
     def __init__(self, **kw):
         for k, v in kw.items():

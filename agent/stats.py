@@ -37,8 +37,9 @@ def _eager_moments(x: torch.Tensor) -> torch.Tensor:
             var * x.numel(),
             mn,
             mx,
-            # sign().abs() counts non-zeros ~3.5x faster than (x == 0) on this CPU
-            x.numel() - x.sign().abs().sum(),
+            # count_nonzero is faster than (x == 0).sum() on this CPU and, unlike sign().abs(),
+            # counts NaN as non-zero (sign(NaN) is 0 on CPU, so NaNs were counted as zeros)
+            (x.numel() - torch.count_nonzero(x)).to(torch.float32),
             (~torch.isfinite(x)).sum().to(torch.float32),
         ]
     )

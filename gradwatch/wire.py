@@ -18,23 +18,36 @@ steps), ``params`` (list of ``[name, shape, dtype]`` in ``model.named_parameters
 module, in forward order; ``output`` is a path suffix such as ``""``, ``[0]`` or ``.logits``).
 
 ``report`` adds ``schema`` (the hash it refers to), ``step`` (optimizer steps completed before
-this one, from 0), ``step_time`` (seconds since the previous step ended), ``grad_norm`` (global
-L2 norm of all gradients before the optimizer step; may be NaN or Inf), ``grad_nonfinite``
-(number of parameters whose gradient holds a NaN or Inf), ``micro`` (forward passes of the root
-module during this step, 0 when not counted), ``drops`` (reports this agent dropped so far) and,
-when ``probe`` is true, three arrays of raw little-endian float32 bytes, row-major:
+this one, from 0), ``step_time`` (seconds since the previous step ended), ``compute_time``
+(seconds from the previous step's end until this rank's first gradient bucket was ready for
+all-reduce: the rank's own work, without waiting for peers; NaN when unknown), ``grad_norm``
+(global L2 norm of all gradients before the optimizer step, after all-reduce; may be NaN or Inf),
+``local_grad_norm`` (the same before all-reduce, from the DDP communication hook; NaN when
+unknown), ``grad_nonfinite`` (number of parameters whose gradient holds a NaN or Inf), ``micro``
+(forward passes of the root module during this step, 0 when not counted), ``batch`` (samples the
+rank processed this step, summed over micro-steps; 0 when unknown), ``drops`` (reports this agent
+dropped so far), ``burst`` (probed out of cadence after an anomaly) and, when ``probe`` is true,
+arrays of raw little-endian bytes, row-major:
 
-    act       [n_slots, 6]   activation mean, std, min, max, zero ratio, non-finite count
-    act_grad  [n_slots, 2]   output-gradient L2 norm, non-finite count
-    param     [n_params, 3]  gradient L2 norm (after all-reduce), weight L2 norm, gradient
-                             non-finite count
+    act        float32 [n_slots, 6]   activation mean, std, min, max, zero ratio, non-finite count
+    act_grad   float32 [n_slots, 2]   output-gradient L2 norm, non-finite count
+    param      float32 [n_params, 3]  gradient L2 norm (after all-reduce), weight L2 norm,
+                                      gradient non-finite count
+    fp_grad    uint64  [n_params]     fingerprint of the gradient's bits after all-reduce
+    fp_weight  uint64  [n_params]     fingerprint of the weight's bits after the optimizer step
+
+A fingerprint is the sum, modulo 2**64, of a tensor's elements reinterpreted as signed integers
+of their own width: exact, independent of reduction order, and equal on two ranks exactly when
+(barring a collision) the bits agree. It travels as uint64 bytes, never as a msgpack int or a
+float, so no bit is lost.
 
 A count of NaN marks "not observed" (a slot whose module did not run, an output gradient that
 never arrived, a parameter without a gradient); a real NaN statistic always comes with a finite
 count >= 1.
 
 ``heartbeat`` adds ``step`` (latest step seen, -1 before the first), ``sent`` and ``drops``
-(cumulative messages sent and dropped by this agent) and ``errors`` (internal agent failures).
+(cumulative messages sent and dropped by this agent), ``errors`` (internal agent failures) and
+``closing`` (the agent is shutting down: the rank finished, it did not go silent).
 
 Decoding is defensive: sizes are capped before msgpack allocates anything (case C30), every field
 is type-checked, array byte lengths must match the schema's counts, and each failure raises
@@ -72,6 +85,7 @@ REJECT_REASONS = (
 )
 
 _F32 = np.dtype("<f4")
+_U64 = np.dtype("<u8")
 
 
 class WireError(ValueError):
@@ -138,6 +152,12 @@ class Report:
     act: np.ndarray | None = field(default=None, compare=False)  # [n_slots, 6] float32
     act_grad: np.ndarray | None = field(default=None, compare=False)  # [n_slots, 2] float32
     param: np.ndarray | None = field(default=None, compare=False)  # [n_params, 3] float32
+    fp_grad: np.ndarray | None = field(default=None, compare=False)  # [n_params] uint64
+    fp_weight: np.ndarray | None = field(default=None, compare=False)  # [n_params] uint64
+    local_grad_norm: float = math.nan
+    compute_time: float = math.nan
+    batch: int = 0
+    burst: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,6 +167,7 @@ class Heartbeat:
     sent: int
     drops: int
     errors: int
+    closing: bool = False
 
 
 Message = Union[Schema, Report, Heartbeat]
@@ -182,6 +203,13 @@ def _array_bytes(a: np.ndarray, cols: int) -> bytes:
     return a.tobytes()
 
 
+def _u64_bytes(a: np.ndarray, n: int) -> bytes:
+    a = np.ascontiguousarray(a, dtype=_U64)
+    if a.shape != (n,):
+        raise ValueError(f"fingerprints must have shape [{n}], got {a.shape}")
+    return a.tobytes()
+
+
 def encode(msg: Message) -> bytes:
     """Encode one message to a frame. Raises ``ValueError`` for arrays of the wrong shape."""
     if isinstance(msg, Schema):
@@ -205,6 +233,10 @@ def encode(msg: Message) -> bytes:
             micro=int(msg.micro),
             drops=int(msg.drops),
             probe=bool(msg.probe),
+            local_grad_norm=float(msg.local_grad_norm),
+            compute_time=float(msg.compute_time),
+            batch=int(msg.batch),
+            burst=bool(msg.burst),
         )
         if msg.probe:
             m.update(
@@ -212,9 +244,11 @@ def encode(msg: Message) -> bytes:
                 act_grad=_array_bytes(msg.act_grad, len(ACT_GRAD_FIELDS)),
                 param=_array_bytes(msg.param, len(PARAM_FIELDS)),
             )
+            n = np.shape(msg.param)[0]
+            m.update(fp_grad=_u64_bytes(msg.fp_grad, n), fp_weight=_u64_bytes(msg.fp_weight, n))
     elif isinstance(msg, Heartbeat):
         m = _header_map("heartbeat", msg.header)
-        m.update(step=msg.step, sent=msg.sent, drops=msg.drops, errors=msg.errors)
+        m.update(step=msg.step, sent=msg.sent, drops=msg.drops, errors=msg.errors, closing=bool(msg.closing))
     else:
         raise TypeError(f"not a wire message: {type(msg).__name__}")
     return msgpack.packb(m, use_bin_type=True)
@@ -269,6 +303,13 @@ def _array(m: dict, key: str, rows: int | None, cols: int) -> np.ndarray:
     return a
 
 
+def _fingerprints(m: dict, key: str, rows: int) -> np.ndarray:
+    raw = _get(m, key, bytes)
+    if len(raw) != 8 * rows:
+        raise WireError("bad_array", f"{key}: {len(raw)} bytes for {rows} parameters")
+    return np.frombuffer(raw, dtype=_U64)
+
+
 def _schema(m: dict, h: Header, limits: Limits) -> Schema:
     params_raw = _get(m, "params", list)
     slots_raw = _get(m, "slots", list)
@@ -309,12 +350,14 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
     probe = _get(m, "probe", bool)
     step = _get(m, "step", int, nonneg=True)
     schema = _get(m, "schema", str)
-    act = act_grad = param = None
+    act = act_grad = param = fp_grad = fp_weight = None
     if probe:
         n_params, n_slots = schema_sizes(h, schema) if schema_sizes else (None, None)
         act = _array(m, "act", n_slots, len(ACT_FIELDS))
         act_grad = _array(m, "act_grad", act.shape[0], len(ACT_GRAD_FIELDS))
         param = _array(m, "param", n_params, len(PARAM_FIELDS))
+        fp_grad = _fingerprints(m, "fp_grad", param.shape[0])
+        fp_weight = _fingerprints(m, "fp_weight", param.shape[0])
     return Report(
         header=h,
         schema=schema,
@@ -328,6 +371,12 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
         act=act,
         act_grad=act_grad,
         param=param,
+        fp_grad=fp_grad,
+        fp_weight=fp_weight,
+        local_grad_norm=float(_get(m, "local_grad_norm", _NUM)),
+        compute_time=float(_get(m, "compute_time", _NUM)),
+        batch=_get(m, "batch", int, nonneg=True),
+        burst=_get(m, "burst", bool),
     )
 
 
@@ -382,4 +431,5 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None) -> Messag
         sent=_get(m, "sent", int, nonneg=True),
         drops=_get(m, "drops", int, nonneg=True),
         errors=_get(m, "errors", int, nonneg=True),
+        closing=_get(m, "closing", bool),
     )
