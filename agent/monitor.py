@@ -200,6 +200,7 @@ class Monitor:
         return wire.Heartbeat(
             h, step=self.step - 1, sent=self.sender.sent, drops=self.sender.drops,
             errors=self.errors + self.sender.errors, closing=self._closed,
+            in_step_s=time.perf_counter() - self._last_step_end, waiting=self._first_bucket is not None,
         )
 
     # --- failure policy ----------------------------------------------------------------------

@@ -11,6 +11,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gradwatch import wire
 
+from .checks import Thresholds, resolve
+
 
 class ConfigError(ValueError):
     """An invalid setting, or a resource a setting names (a port in use); the message names it."""
@@ -21,6 +23,7 @@ class AggregatorConfig(BaseSettings):
 
     model_config = SettingsConfigDict(
         env_prefix="GRADWATCH_AGGREGATOR_",
+        env_nested_delimiter="__",
         extra="forbid",
         frozen=True,
         cli_kebab_case=True,
@@ -37,6 +40,20 @@ class AggregatorConfig(BaseSettings):
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 30, description="Largest accepted message, bytes; larger ones are rejected as too_large.")
     rcv_hwm: int = Field(10_000, ge=1, description="ZeroMQ receive high-water mark, messages.")
     publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read.")
+    events_path: str = Field("", description="JSON-lines file findings are appended to as they are raised and resolved ('' for none).")
+    enable_checks: list[str] = Field(default_factory=list, description="Checks to run that are off by default.")
+    disable_checks: list[str] = Field(default_factory=list, description="Checks not to run.")
+    checks: Thresholds = Field(default_factory=Thresholds, description="Thresholds of the cross-rank checks.")
+
+    @field_validator("enable_checks", "disable_checks")
+    @classmethod
+    def _known_checks(cls, v: list[str]) -> list[str]:
+        resolve(v, [])  # raises naming an unknown check
+        return v
+
+    @property
+    def check_names(self) -> list[str]:
+        return resolve(self.enable_checks, self.disable_checks)
 
     @field_validator("listen")
     @classmethod

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from gradwatch import wire
 
+from .checks import Runner
 from .config import AggregatorConfig, ConfigError
 from .exporter import SnapshotCollector
 from .reconcile import Snapshot, snapshot
@@ -53,10 +54,17 @@ class Aggregator:
         ConfigError: the ZeroMQ endpoint cannot be bound, or the HTTP port is in use.
     """
 
-    def __init__(self, cfg: AggregatorConfig, *, registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, cfg: AggregatorConfig, *, registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic, sinks=(),
+    ):
         self.cfg = cfg
         self.clock = clock
-        self.state = State(cfg.round_grace_s, cfg.max_pending_rounds, cfg.rank_ttl_s, clock)
+        try:
+            self.runner = Runner(cfg.check_names, cfg.checks, cfg.events_path, sinks=sinks)
+        except OSError as e:
+            raise ConfigError(f"aggregator.events_path: cannot open {cfg.events_path!r}: {e}") from None
+        self.state = State(cfg.round_grace_s, cfg.max_pending_rounds, cfg.rank_ttl_s, clock, runner=self.runner)
         self._snapshot = Snapshot()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(lambda: self._snapshot))
@@ -127,6 +135,7 @@ class Aggregator:
             self._http.server_close()
         if self._ctx is not None:
             self._ctx.term()
+        self.runner.close()
 
     def __enter__(self) -> "Aggregator":
         return self.start()
@@ -201,12 +210,45 @@ class Aggregator:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
             return self._metrics_app(environ, start_response)
+        if path == "/api/findings":
+            return self._json(start_response, self._findings(environ))
+        if path == "/api/checks":
+            view = self._snapshot.checks
+            status = [dict(job_id=j, check=c, status=o) for j, c, o in (view.status if view else ())]
+            return self._json(start_response, {"checks": status})
         if path == "/healthz":
             body = json.dumps({"ok": self._thread is not None and self._thread.is_alive()}).encode()
             start_response("200 OK", [("Content-Type", "application/json")])
             return [body]
         start_response("404 Not Found", [("Content-Type", "text/plain")])
         return [b"not found: try /metrics\n"]
+
+    @staticmethod
+    def _json(start_response, obj):
+        body = json.dumps(obj, allow_nan=False).encode()
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [body]
+
+    def _findings(self, environ) -> dict:
+        """``/api/findings[?job_id=J][&check=C][&active=1]``: events newest first, or active findings."""
+        from dataclasses import asdict
+        from urllib.parse import parse_qs
+
+        from .checks import _clean
+
+        q = {k: v[-1] for k, v in parse_qs(environ.get("QUERY_STRING", "")).items()}
+        view = self._snapshot.checks
+        if view is None:
+            return {"findings": []}
+        if q.get("active") in ("1", "true"):
+            items = [dict(asdict(f), severity=view.severity.get(f.check, "")) for f in view.active]
+        else:
+            items = [asdict(e) for e in reversed(view.events)]
+        items = [
+            i for i in items
+            if q.get("job_id", i["job"]) == i["job"] and q.get("check", i["check"]) == i["check"]
+        ]
+        return {"findings": _clean(items)}
 
     @property
     def _metrics_app(self):

@@ -156,6 +156,65 @@ metric("messages_rejected", "counter", "Messages rejected, by reason (malformed,
 )
 
 
+# --- cross-rank checks -----------------------------------------------------------------------------
+def _checks(s: Snapshot):
+    return s.checks if s.checks is not None else None
+
+
+def _status(s: Snapshot):
+    v = _checks(s)
+    for job, check, outcome in (v.status if v else ()):
+        for st in ("healthy", "finding", "no_data"):
+            yield (job, check, st), 1.0 if st == outcome else 0.0
+
+
+metric("check_status", "gauge", "Outcome of each check's latest evaluation: 1 for the current status (healthy, finding, no_data), 0 for the others.", ("job_id", "check", "status"))(_status)
+metric("findings", "counter", "Findings raised by each check (a finding stays raised until it resolves).", ("job_id", "check"))(
+    lambda s: (((j, c), n) for (j, c), n in (_checks(s).raised if _checks(s) else ()))
+)
+metric("check_errors", "counter", "Exceptions raised inside a check (each is isolated; the check is skipped for that event).", ("check",))(
+    lambda s: (((c,), n) for c, n in (_checks(s).errors if _checks(s) else ()))
+)
+metric("check_seconds", "counter", "Time spent evaluating each check.", ("check",), "seconds")(
+    lambda s: (((c,), n) for c, n in (_checks(s).seconds if _checks(s) else ()))
+)
+metric("check_rank_flagged", "gauge", "1 for each rank an active finding names, per check.", ("job_id", "check", "rank"))(
+    lambda s: ((((f.job, f.check, str(f.rank)), 1.0) for f in (_checks(s).active if _checks(s) else ()) if f.rank is not None))
+)
+metric("check_layer_flagged", "gauge", "1 for each layer an active finding names, per check (at most max_layers per check).", ("job_id", "check", "layer"))(
+    lambda s: ((((f.job, f.check, f.layer), 1.0) for f in (_checks(s).active if _checks(s) else ()) if f.layer is not None))
+)
+
+
+def _check_value(short: str):
+    def fn(s: Snapshot):
+        v = _checks(s)
+        return v.values.get(short, {}).items() if v else ()
+
+    return fn
+
+
+def _register_check_metrics() -> None:
+    from .checks import load_all
+
+    for cls in load_all().values():
+        for short, (help_, labels, unit) in cls.metrics.items():
+            if PREFIX + short not in METRICS:
+                metric(short, "gauge", f"{help_} (check: {cls.name})", ("job_id", *labels), unit)(_check_value(short))
+
+
+_register_check_metrics()
+
+
+def _dedupe(samples):
+    """Keep the first sample of each label set: a duplicate would make the exposition invalid."""
+    seen = set()
+    for labels, value in samples:
+        if labels not in seen:
+            seen.add(labels)
+            yield labels, value
+
+
 class SnapshotCollector(Collector):
     """Yields every registered metric from ``get_snapshot()`` at scrape time."""
 
@@ -167,11 +226,11 @@ class SnapshotCollector(Collector):
         for d in METRICS.values():
             if d.kind == "gauge":
                 fam = GaugeMetricFamily(d.name, d.help, labels=d.labels, unit=d.unit)
-                for labels, value in d.samples(snap):
+                for labels, value in _dedupe(d.samples(snap)):
                     fam.add_metric(labels, float(value))
             else:
                 fam = CounterMetricFamily(d.name, d.help, labels=d.labels, unit=d.unit)
-                for labels, value in d.samples(snap):
+                for labels, value in _dedupe(d.samples(snap)):
                     v = float(value)
                     if math.isfinite(v):  # case C36: a counter never carries NaN/Inf
                         fam.add_metric(labels, v)

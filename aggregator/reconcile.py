@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -54,6 +54,15 @@ class RoundResult:
             any rank), for each of ``LAYER_STATS``.
         rank_totals: float64 [n_ranks, 3]: non-finite counts summed over layers of activations,
             output gradients and parameter gradients.
+        layer_types: module class name of each layer (``ReLU``, ``Linear``, ...).
+        params: parameter names, ``named_parameters`` order.
+        fp_grad, fp_weight: uint64 [n_ranks, n_params] fingerprints (see :mod:`gradwatch.wire`).
+        fp_grad_seen: bool [n_ranks, n_params]: the rank had a gradient for the parameter.
+        fp_weight_seen: bool [n_ranks, n_params]: the rank's schema lists the parameter.
+        grad_norm, local_grad_norm, compute_time: float64 [n_ranks] from each rank's report
+            (global gradient norm after and before all-reduce; seconds of own work).
+        batch, micro: int64 [n_ranks]: samples and forward passes of each rank this step.
+        burst: any rank probed this step out of cadence.
     """
 
     step: int
@@ -66,6 +75,18 @@ class RoundResult:
     module: np.ndarray
     agg: dict
     rank_totals: np.ndarray
+    layer_types: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()
+    fp_grad: np.ndarray = None
+    fp_weight: np.ndarray = None
+    fp_grad_seen: np.ndarray = None
+    fp_weight_seen: np.ndarray = None
+    grad_norm: np.ndarray = None
+    local_grad_norm: np.ndarray = None
+    compute_time: np.ndarray = None
+    batch: np.ndarray = None
+    micro: np.ndarray = None
+    burst: bool = False
 
 
 def _union(names_per_rank) -> tuple[str, ...]:
@@ -102,6 +123,12 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
     slot_names = [[m + o for m, o, _, _ in s.slots] for s in sch]
     layers = _union(slot_names)
     modules = _union([[_owner(p[0]) for p in s.params] for s in sch])
+    params = _union([[p[0] for p in s.params] for s in sch])
+    pidx = {n: i for i, n in enumerate(params)}
+    types: dict[str, str] = {}
+    for s in sch:
+        for m, o, typ, _ in s.slots:
+            types.setdefault(m + o, typ)
     lidx = {n: i for i, n in enumerate(layers)}
     midx = {n: i for i, n in enumerate(modules)}
     R = len(ranks)
@@ -109,6 +136,10 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
     act_grad = np.full((R, len(layers), 2), np.nan)
     sq = np.zeros((R, len(modules), 3))
     seen_grad = np.zeros((R, len(modules)), bool)
+    fp_grad = np.zeros((R, len(params)), np.uint64)
+    fp_weight = np.zeros((R, len(params)), np.uint64)
+    fp_grad_seen = np.zeros((R, len(params)), bool)
+    fp_weight_seen = np.zeros((R, len(params)), bool)
     for k, r in enumerate(ranks):
         rep, s = reports[r], sch[k]
         cols = [lidx[n] for n in slot_names[k]]
@@ -121,6 +152,12 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         np.add.at(sq[k, :, 1], owners, p[:, 1] ** 2)
         np.add.at(sq[k, :, 2], owners[has], p[has, 2])
         seen_grad[k, owners[has]] = True
+        pcols = np.array([pidx[p[0]] for p in s.params], dtype=np.int64)
+        if rep.fp_grad is not None:
+            fp_grad[k, pcols] = rep.fp_grad
+            fp_weight[k, pcols] = rep.fp_weight
+            fp_grad_seen[k, pcols[has]] = True
+            fp_weight_seen[k, pcols] = True
     module = np.stack([np.sqrt(sq[..., 0]), np.sqrt(sq[..., 1]), sq[..., 2]], axis=-1)
     module[..., 0][~seen_grad] = np.nan
     module[..., 2][~seen_grad] = np.nan
@@ -143,7 +180,19 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         ],
         axis=-1,
     )
-    return RoundResult(step, complete, ranks, layers, modules, act, act_grad, module, agg, totals)
+    reps = [reports[r] for r in ranks]
+    return RoundResult(
+        step, complete, ranks, layers, modules, act, act_grad, module, agg, totals,
+        layer_types=tuple(types.get(n, "") for n in layers),
+        params=params, fp_grad=fp_grad, fp_weight=fp_weight,
+        fp_grad_seen=fp_grad_seen, fp_weight_seen=fp_weight_seen,
+        grad_norm=np.array([x.grad_norm for x in reps], np.float64),
+        local_grad_norm=np.array([x.local_grad_norm for x in reps], np.float64),
+        compute_time=np.array([x.compute_time for x in reps], np.float64),
+        batch=np.array([x.batch for x in reps], np.int64),
+        micro=np.array([x.micro for x in reps], np.int64),
+        burst=any(x.burst for x in reps),
+    )
 
 
 # --- the snapshot read at scrape time ---------------------------------------------------------
@@ -167,6 +216,10 @@ class RankView:
     last_seen: float  # wall clock, seconds since the epoch
     agent_drops: int
     agent_errors: int
+    local_grad_norm: float = math.nan
+    compute_time: float = math.nan
+    closing: bool = False
+    heartbeat_age: float = math.nan  # seconds since the latest heartbeat
 
 
 @dataclass(frozen=True)
@@ -182,6 +235,7 @@ class JobView:
 @dataclass(frozen=True)
 class Snapshot:
     jobs: tuple[JobView, ...] = ()
+    checks: Any = None  # checks.RunnerView
     received: tuple[tuple[str, int], ...] = ()
     rejected: tuple[tuple[str, int], ...] = ()
     decode_seconds: float = 0.0
@@ -198,12 +252,15 @@ def snapshot(state, wall_now: float) -> Snapshot:
                 r.rank, r.host, r.local_rank, r.step, r.step_time, r.grad_norm, r.grad_nonfinite, r.steps,
                 r.probes, r.nonfinite_steps, r.received, r.lost, r.restarts,
                 wall_now - (mono_now - r.last_seen), r.agent_drops, r.agent_errors,
+                r.local_grad_norm, r.compute_time, r.closing,
+                (mono_now - r.heartbeat_at) if r.heartbeat_at else math.nan,
             )
             for r in sorted(job.ranks.values(), key=lambda x: x.rank)
         )
         jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete))
     return Snapshot(
         tuple(jobs),
+        state.runner.view() if state.runner is not None else None,
         tuple(sorted(state.received.items())),
         tuple(sorted(state.rejected.items())),
         state.decode_seconds,

@@ -45,6 +45,12 @@ class RankState:
     agent_sent: int = 0
     agent_drops: int = 0
     agent_errors: int = 0
+    local_grad_norm: float = math.nan
+    compute_time: float = math.nan
+    closing: bool = False  # the agent said goodbye: the rank finished, it is not silent
+    in_step_s: float = 0.0  # from the latest heartbeat
+    waiting: bool = False  # from the latest heartbeat: waiting on peers in all-reduce
+    heartbeat_at: float = 0.0  # aggregator clock of the latest heartbeat
     # (step, grad_norm, step_time, aggregator time) of recent steps, for the cross-rank checks
     history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
 
@@ -85,7 +91,7 @@ class State:
         max_pending: int = 64,
         rank_ttl_s: float = 600.0,
         clock: Callable[[], float] = None,
-        on_round: Callable[[JobState, RoundResult], None] | None = None,
+        runner=None,
     ):
         import time
 
@@ -93,7 +99,7 @@ class State:
         self.max_pending = max_pending
         self.rank_ttl_s = rank_ttl_s
         self.clock = clock or time.monotonic
-        self.on_round = on_round
+        self.runner = runner  # checks.Runner, or None
         self.jobs: dict[str, JobState] = {}
         self.received: collections.Counter = collections.Counter()  # by kind
         self.rejected: collections.Counter = collections.Counter()  # by reason
@@ -143,6 +149,9 @@ class State:
         elif isinstance(msg, wire.Heartbeat):
             self.received["heartbeat"] += 1
             r.agent_sent, r.agent_drops, r.agent_errors = msg.sent, msg.drops, msg.errors
+            r.closing, r.in_step_s, r.waiting, r.heartbeat_at = msg.closing, msg.in_step_s, msg.waiting, now
+            if self.runner is not None:
+                self.runner.dispatch("on_heartbeat", job, r, msg)
         else:
             self.received["report"] += 1
             self._report(job, r, msg, now)
@@ -150,11 +159,14 @@ class State:
     def _report(self, job: JobState, r: RankState, m: wire.Report, now: float) -> None:
         r.step = max(r.step, m.step)
         r.step_time, r.grad_norm, r.grad_nonfinite = m.step_time, m.grad_norm, m.grad_nonfinite
+        r.local_grad_norm, r.compute_time = m.local_grad_norm, m.compute_time
         r.agent_drops = max(r.agent_drops, m.drops)
         r.steps += 1
         if m.grad_nonfinite or not math.isfinite(m.grad_norm):
             r.nonfinite_steps += 1
         r.history.append((m.step, m.grad_norm, m.step_time, now))
+        if self.runner is not None:
+            self.runner.dispatch("on_report", job, r, m)
         if not m.probe:
             return
         r.probes += 1
@@ -177,12 +189,17 @@ class State:
             for rnd in sorted(job.rounds.values(), key=lambda x: x.step):
                 if now - rnd.opened >= self.grace_s:
                     self._close(job, rnd, complete=False)
+            if self.runner is not None:
+                self.runner.dispatch("on_tick", job, now)
+                self.version += 1  # checks may have raised or resolved findings
             for rank, r in list(job.ranks.items()):
                 if now - r.last_seen > self.rank_ttl_s:
                     del job.ranks[rank]
                     self.version += 1
             if not job.ranks:
                 del self.jobs[job.job]
+                if self.runner is not None:
+                    self.runner.forget(job.job)
                 self.version += 1
 
     def _close(self, job: JobState, rnd: Round, complete: bool) -> None:
@@ -196,5 +213,5 @@ class State:
         if job.last_round is None or result.step >= job.last_round.step:
             job.last_round = result
         self.version += 1
-        if self.on_round is not None:
-            self.on_round(job, result)
+        if self.runner is not None:
+            self.runner.dispatch("on_round", job, result)

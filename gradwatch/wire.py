@@ -46,8 +46,10 @@ never arrived, a parameter without a gradient); a real NaN statistic always come
 count >= 1.
 
 ``heartbeat`` adds ``step`` (latest step seen, -1 before the first), ``sent`` and ``drops``
-(cumulative messages sent and dropped by this agent), ``errors`` (internal agent failures) and
-``closing`` (the agent is shutting down: the rank finished, it did not go silent).
+(cumulative messages sent and dropped by this agent), ``errors`` (internal agent failures),
+``closing`` (the agent is shutting down: the rank finished, it did not go silent), ``in_step_s``
+(seconds since the rank's latest optimizer step ended) and ``waiting`` (the rank has handed its
+first gradient bucket of the current step to all-reduce, i.e. it waits on its peers).
 
 Decoding is defensive: sizes are capped before msgpack allocates anything (case C30), every field
 is type-checked, array byte lengths must match the schema's counts, and each failure raises
@@ -168,6 +170,8 @@ class Heartbeat:
     drops: int
     errors: int
     closing: bool = False
+    in_step_s: float = 0.0
+    waiting: bool = False
 
 
 Message = Union[Schema, Report, Heartbeat]
@@ -248,7 +252,10 @@ def encode(msg: Message) -> bytes:
             m.update(fp_grad=_u64_bytes(msg.fp_grad, n), fp_weight=_u64_bytes(msg.fp_weight, n))
     elif isinstance(msg, Heartbeat):
         m = _header_map("heartbeat", msg.header)
-        m.update(step=msg.step, sent=msg.sent, drops=msg.drops, errors=msg.errors, closing=bool(msg.closing))
+        m.update(
+            step=msg.step, sent=msg.sent, drops=msg.drops, errors=msg.errors, closing=bool(msg.closing),
+            in_step_s=float(msg.in_step_s), waiting=bool(msg.waiting),
+        )
     else:
         raise TypeError(f"not a wire message: {type(msg).__name__}")
     return msgpack.packb(m, use_bin_type=True)
@@ -432,4 +439,6 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None) -> Messag
         drops=_get(m, "drops", int, nonneg=True),
         errors=_get(m, "errors", int, nonneg=True),
         closing=_get(m, "closing", bool),
+        in_step_s=float(_get(m, "in_step_s", _NUM)),
+        waiting=_get(m, "waiting", bool),
     )

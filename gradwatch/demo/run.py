@@ -42,6 +42,12 @@ class DemoConfig(BaseSettings):
     agent: bool = Field(True, description="Attach the gradwatch agent (--no-agent trains without it).")
     linger_s: float = Field(2.0, ge=0, description="Seconds the demo's aggregator keeps serving after training, before the summary.")
     progress: bool = Field(True, description="Show a progress bar on rank 0.")
+    inject: list[str] = Field(
+        default_factory=list,
+        description="Fault to inject, KIND@STEP[:rank=R][:layer=L][:param=P][:scale=X][:seconds=S]; repeatable. "
+        "KIND: explode, nan, desync, drift, straggler, hang (see gradwatch.demo.inject).",
+    )
+    events_path: str = Field("", description="JSON-lines file the demo's own aggregator appends findings to.")
 
 
 def free_port() -> int:
@@ -50,11 +56,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, results=None, inject=None) -> dict:
+def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, results=None) -> dict:
     """Train one rank to the end; returns ``{"rank", "steps", "probes", "drops", "loss", "params"}``.
 
-    ``inject``, if given, is called as ``inject(rank, step, model, loss) -> loss`` before backward
-    (fault injection lives in the harness, never in the agent).
+    Faults from ``cfg.inject`` are applied here, in the harness, never in the agent.
     """
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(cfg.ranks), LOCAL_RANK=str(rank), TORCHELASTIC_RUN_ID=cfg.job,
@@ -67,6 +72,7 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
 
     from gradwatch import agent
 
+    from .inject import Injector, parse
     from .model import GPT, GPTConfig, batch, stdlib_text
 
     torch.set_num_threads(1)
@@ -79,6 +85,7 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
         opt = torch.optim.AdamW(ddp.parameters(), lr=cfg.lr)
         monitor = agent.attach(ddp, opt, endpoint=endpoint, every=cfg.every) if cfg.agent else agent.NullMonitor()
         text = stdlib_text()
+        faults = Injector([parse(s, cfg.ranks) for s in cfg.inject], rank)
         bar = None
         if rank == 0 and cfg.progress:
             from tqdm import tqdm
@@ -88,11 +95,12 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
         with monitor:
             for step in range(cfg.steps):
                 x, y = batch(text, cfg.seed, rank, step, cfg.batch_size, cfg.context)
-                loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
-                if inject is not None:
-                    loss = inject(rank, step, model, loss)
+                faults.before_forward(step, model)
+                loss = faults.loss(step, F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()))
                 loss.backward()
+                faults.after_backward(step, model)
                 opt.step()
+                faults.after_step(step, model)
                 opt.zero_grad(set_to_none=True)
                 if bar is not None:
                     loss_v = loss.item()
@@ -120,12 +128,21 @@ def _spawned(rank, cfg, master_port, endpoint, results):
 def run(cfg: DemoConfig) -> int:
     import torch.multiprocessing as mp
 
+    from .inject import parse
+
+    for spec in cfg.inject:
+        try:
+            parse(spec, cfg.ranks)
+        except ValueError as e:
+            print(f"gradwatch: demo.inject: {e}", file=sys.stderr)
+            return 2
+
     agg = None
     endpoint = cfg.aggregator
     if not endpoint:
         from gradwatch.aggregator import Aggregator, load
 
-        agg = Aggregator(load(listen=cfg.listen, metrics_port=cfg.metrics_port, metrics_host="127.0.0.1")).start()
+        agg = Aggregator(load(listen=cfg.listen, metrics_port=cfg.metrics_port, metrics_host="127.0.0.1", events_path=cfg.events_path)).start()
         endpoint = agg.endpoint
         print(f"gradwatch demo: aggregator at {endpoint}; metrics at {agg.metrics_url}", flush=True)
     else:

@@ -1,0 +1,346 @@
+"""Cross-rank checks: small self-registering units, one file each in this package.
+
+A check subclasses :class:`Check`, sets ``name``, ``description``, ``severity`` and ``default``
+(on or off), and is registered with :func:`register`. Adding a check is adding one file here: the
+package imports every module in it. A check reacts to any of four events, all delivered by the
+aggregator's single writer thread:
+
+    on_report(job, rank, report)   every report of every rank (every step)
+    on_heartbeat(job, rank, hb)    every heartbeat
+    on_round(job, result)          a reconciled probed step (:class:`~..reconcile.RoundResult`)
+    on_tick(job, now)              about every 0.1 s, ``now`` from the aggregator's monotonic clock
+
+and returns ``None`` (nothing to say this time) or an :class:`Evaluation`: an :class:`Outcome`
+(healthy, finding, not enough data) and the findings now active. :class:`Runner` turns changes of
+the active set into events — *raised* when a finding's key (rank, layer) appears, *resolved* when
+it goes — written to the event log, counted, and exported. A check that raises is counted in
+``gradwatch_check_errors_total{check}``, logged once, and never takes the aggregator down.
+
+All thresholds live in :class:`Thresholds`, one configuration for every check.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import importlib
+import json
+import logging
+import pkgutil
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Optional
+
+from pydantic import BaseModel, Field
+
+log = logging.getLogger("gradwatch.aggregator")
+
+
+class Outcome(str, enum.Enum):
+    HEALTHY = "healthy"
+    FINDING = "finding"
+    NO_DATA = "no_data"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem a check found.
+
+    Attributes:
+        check: the check's name.
+        job: job id.
+        step: optimizer step it refers to (-1 when not tied to a step).
+        summary: one line for people, values included.
+        rank: the rank it names, if any.
+        layer: the layer (module path) it names, if any.
+        details: everything else, for the event log and /api/findings (JSON-serialisable).
+    """
+
+    check: str
+    job: str
+    step: int
+    summary: str
+    rank: Optional[int] = None
+    layer: Optional[str] = None
+    details: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple:
+        return (self.rank, self.layer)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    outcome: Outcome
+    findings: tuple[Finding, ...] = ()
+
+    @staticmethod
+    def healthy() -> "Evaluation":
+        return Evaluation(Outcome.HEALTHY)
+
+    @staticmethod
+    def no_data() -> "Evaluation":
+        return Evaluation(Outcome.NO_DATA)
+
+    @staticmethod
+    def found(*findings: Finding) -> "Evaluation":
+        return Evaluation(Outcome.FINDING, tuple(findings)) if findings else Evaluation(Outcome.HEALTHY)
+
+
+class Thresholds(BaseModel):
+    """Every check's thresholds, in one place (CLI: ``--checks.NAME``, env:
+    ``GRADWATCH_AGGREGATOR_CHECKS__NAME``)."""
+
+    model_config = {"extra": "forbid", "frozen": True}
+
+    explode_above: float = Field(1e3, gt=0, description="Gradient norm (global, or a layer's) above which gradients are exploding.")
+    vanish_below: float = Field(1e-8, ge=0, description="Global gradient norm below which gradients are vanishing.")
+    spike_factor: float = Field(10.0, gt=1, description="A gradient norm above this multiple of its rolling median is a spike.")
+    spike_window: int = Field(20, ge=3, description="Steps in the rolling median the spike check compares against.")
+    outlier_z: float = Field(3.5, gt=0, description="Robust z-score (median/MAD across ranks, Iglewicz and Hoaglin 1993) beyond which a rank is an outlier.")
+    outlier_probes: int = Field(3, ge=1, description="Consecutive probed steps a rank must be an outlier before it is named.")
+    noise_ema: float = Field(0.9, ge=0, lt=1, description="Smoothing of the exponential moving averages in the gradient noise scale.")
+    noise_min_rounds: int = Field(5, ge=1, description="Probed steps before the gradient noise scale is reported.")
+    dead_ratio: float = Field(0.99, gt=0, le=1, description="Zero ratio of a ReLU-family layer's output above which its units are dead.")
+    dead_probes: int = Field(3, ge=1, description="Consecutive probed steps a layer must look dead before it is named.")
+    straggler_score: float = Field(0.7, gt=0, lt=1, description="Straggler score (0-1, 1 = as fast as the reference) below which a rank straggles.")
+    straggler_window: int = Field(16, ge=2, description="Steps per window of the straggler medians.")
+    silent_after_s: float = Field(15.0, gt=0, description="Seconds without any message after which a rank is silent.")
+    stall_after_s: float = Field(30.0, gt=0, description="Seconds without any rank completing a step after which training has stalled.")
+    skew_steps: int = Field(5, ge=1, description="Steps between the most and least advanced rank beyond which ranks are skewed.")
+    max_layers: int = Field(5, ge=1, le=100, description="Most layers a check names at once (the worst ones), to bound series.")
+
+
+class Check:
+    """Base class; see the module docstring."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    severity: ClassVar[str] = "warning"  # critical | warning | info
+    default: ClassVar[bool] = True
+    #: value series the check exports: short name -> (help, label names after job_id, unit)
+    metrics: ClassVar[dict[str, tuple[str, tuple[str, ...], str]]] = {}
+
+    def __init__(self, t: Thresholds):
+        self.t = t
+
+    def on_report(self, job, rank, report) -> Optional[Evaluation]:
+        return None
+
+    def on_heartbeat(self, job, rank, heartbeat) -> Optional[Evaluation]:
+        return None
+
+    def on_round(self, job, result) -> Optional[Evaluation]:
+        return None
+
+    def on_tick(self, job, now: float) -> Optional[Evaluation]:
+        return None
+
+    def values(self, job_id: str) -> dict[str, dict[tuple, float]]:
+        """Current values of :attr:`metrics` for one job: short name -> {label values: value}."""
+        return {}
+
+    def forget(self, job_id: str) -> None:
+        """Drop per-job state (the job ended)."""
+
+
+CHECKS: dict[str, type[Check]] = {}
+
+
+def register(cls: type[Check]) -> type[Check]:
+    if not cls.name or cls.name in CHECKS:
+        raise ValueError(f"check {cls.__name__} needs a unique name, got {cls.name!r}")
+    CHECKS[cls.name] = cls
+    return cls
+
+
+def load_all() -> dict[str, type[Check]]:
+    """Import every module of this package, so each check registers itself."""
+    for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        importlib.import_module(f"{__name__}.{m.name}")
+    return CHECKS
+
+
+def resolve(enable: list[str], disable: list[str]) -> list[str]:
+    """Names of the checks to run.
+
+    Raises:
+        ValueError: naming an unknown check.
+    """
+    load_all()
+    for n in [*enable, *disable]:
+        if n not in CHECKS:
+            raise ValueError(f"unknown check {n!r}; known: {', '.join(sorted(CHECKS))}")
+    return [n for n, c in CHECKS.items() if (c.default or n in enable) and n not in disable]
+
+
+# --- the runner ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    """A finding raised or resolved, as written to the event log and served at /api/findings."""
+
+    event: str  # raised | resolved
+    time: float  # wall clock, seconds since the epoch
+    check: str
+    severity: str
+    job: str
+    step: int
+    rank: Optional[int]
+    layer: Optional[str]
+    summary: str
+    details: dict
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), default=_json_default, allow_nan=False)
+
+
+def _json_default(o: Any):
+    try:
+        import numpy as np
+
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+    except ImportError:
+        pass
+    return str(o)
+
+
+def _clean(x):
+    """JSON has no NaN: non-finite floats become strings ("nan", "inf")."""
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return str(x)
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    try:
+        import numpy as np
+
+        if isinstance(x, np.generic):
+            return _clean(x.item())
+    except ImportError:
+        pass
+    return x
+
+
+class Runner:
+    """Runs the enabled checks, isolates their failures, keeps statuses and the active findings.
+
+    Args:
+        names: checks to run (see :func:`resolve`).
+        thresholds: their configuration.
+        events_path: JSON-lines file to append events to ('' for none).
+        sinks: callables receiving each raised :class:`Event` (e.g. a Grafana annotation poster).
+        wall: wall clock, seconds since the epoch.
+    """
+
+    def __init__(self, names: list[str], thresholds: Thresholds, events_path: str = "", sinks=(), wall=time.time):
+        load_all()
+        self.checks = {n: CHECKS[n](thresholds) for n in names}
+        self.t = thresholds
+        self.status: dict[tuple[str, str], Outcome] = {}
+        self.active: dict[tuple[str, str], dict[tuple, Finding]] = {}
+        self.raised = collections.Counter()  # (job, check) -> findings raised
+        self.errors = collections.Counter()  # check -> exceptions
+        self.seconds = collections.Counter()  # check -> time spent
+        self.events: collections.deque[Event] = collections.deque(maxlen=1000)
+        self._warned: set[str] = set()
+        self._wall = wall
+        self._sinks = list(sinks)
+        self._log = open(events_path, "a", encoding="utf-8") if events_path else None
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def dispatch(self, method: str, job, *args) -> None:
+        for name, check in self.checks.items():
+            t0 = time.perf_counter()
+            try:
+                ev = getattr(check, method)(job, *args)
+            except Exception as e:
+                self.errors[name] += 1
+                if name not in self._warned:
+                    self._warned.add(name)
+                    log.exception("gradwatch: check %s failed (counted, later failures not logged): %r", name, e)
+                ev = None
+            self.seconds[name] += time.perf_counter() - t0
+            if ev is not None:
+                self._record(job.job, check, ev)
+
+    def _record(self, job: str, check: Check, ev: Evaluation) -> None:
+        k = (job, check.name)
+        self.status[k] = ev.outcome
+        if ev.outcome == Outcome.NO_DATA:
+            return
+        before = self.active.get(k, {})
+        now = {f.key: f for f in ev.findings}
+        for key, f in now.items():
+            if key not in before:
+                self.raised[k] += 1
+                self._emit("raised", check, f)
+        for key, f in before.items():
+            if key not in now:
+                self._emit("resolved", check, f)
+        self.active[k] = now
+
+    def _emit(self, kind: str, check: Check, f: Finding) -> None:
+        e = Event(kind, self._wall(), f.check, check.severity, f.job, f.step, f.rank, f.layer, f.summary, _clean(f.details))
+        self.events.append(e)
+        (log.warning if kind == "raised" else log.info)("gradwatch %s %s: %s", kind, f.check, f.summary)
+        if self._log is not None:
+            self._log.write(e.to_json() + "\n")
+            self._log.flush()
+        if kind == "raised":
+            for sink in self._sinks:
+                try:
+                    sink(e)
+                except Exception as err:  # a dashboard being down must not stop the checks
+                    log.debug("gradwatch: event sink failed: %r", err)
+
+    def forget(self, job: str) -> None:
+        for name, c in self.checks.items():
+            c.forget(job)
+            self.status.pop((job, name), None)
+            self.active.pop((job, name), None)
+
+    def view(self) -> "RunnerView":
+        values: dict[str, dict[tuple, float]] = collections.defaultdict(dict)
+        jobs = {j for j, _ in self.status} | {j for j, _ in self.active}
+        for name, c in self.checks.items():
+            for job in jobs:
+                try:
+                    for metric, series in c.values(job).items():
+                        for labels, v in series.items():
+                            values[metric][(job, *labels)] = float(v)
+                except Exception:
+                    self.errors[name] += 1
+        return RunnerView(
+            status=tuple(sorted((j, c, o.value) for (j, c), o in self.status.items())),
+            active=tuple(f for fs in self.active.values() for f in fs.values()),
+            raised=tuple(sorted(self.raised.items())),
+            errors=tuple(sorted(self.errors.items())),
+            seconds=tuple(sorted(self.seconds.items())),
+            events=tuple(self.events),
+            values={k: dict(v) for k, v in values.items()},
+            severity={n: c.severity for n, c in self.checks.items()},
+        )
+
+
+@dataclass(frozen=True)
+class RunnerView:
+    """Immutable copy of the runner's state for the exporter and the HTTP API."""
+
+    status: tuple = ()
+    active: tuple = ()
+    raised: tuple = ()
+    errors: tuple = ()
+    seconds: tuple = ()
+    events: tuple = ()
+    values: dict = field(default_factory=dict)
+    severity: dict = field(default_factory=dict)
