@@ -55,6 +55,19 @@ class AggregatorProcess:
     metrics_url: str
     log: Path
 
+    @property
+    def base_url(self) -> str:
+        return self.metrics_url.rsplit("/", 1)[0]
+
+    def findings(self, job: str | None = None, active: bool = False) -> list[dict]:
+        """Events from /api/findings, newest first (or the active findings with ``active``)."""
+        params = {"active": "1"} if active else {}
+        if job:
+            params["job_id"] = job
+        r = requests.get(self.base_url + "/api/findings", params=params, timeout=5)
+        r.raise_for_status()
+        return r.json()["findings"]
+
     def scrape(self) -> str:
         r = requests.get(self.metrics_url, timeout=5)
         r.raise_for_status()
@@ -87,6 +100,19 @@ def start_aggregator(tmp_path: Path, *args: str, port: int | None = None) -> Agg
 
     wait_for(up, 20, what="aggregator /healthz")
     return agg
+
+
+def run_demo(endpoint: str, *, ranks: int = 3, steps: int = 40, every: int = 10, inject=(), job: str = "faults",
+             extra=(), timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``gradwatch demo`` (a real gloo DDP job, tiny model) against ``endpoint`` and wait for it."""
+    cmd = [sys.executable, "-m", "gradwatch.cli", "demo", "--aggregator", endpoint, "--ranks", str(ranks),
+           "--steps", str(steps), "--every", str(every), "--job", job, "--no-progress",
+           "--width", "32", "--layers", "2", "--heads", "2", "--batch-size", "8", "--context", "32"]
+    for spec in inject:
+        cmd += ["--inject", spec]
+    run = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run
 
 
 @pytest.fixture
