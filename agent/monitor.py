@@ -152,6 +152,7 @@ class Monitor:
             heartbeat_s=cfg.heartbeat_s,
             schema_every_s=cfg.schema_every_s,
         )
+        self.sender.start()
         _MONITORS.add(self)
         ref = weakref.ref(self)
         atexit.register(lambda: (m := ref()) and m.close())

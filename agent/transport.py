@@ -82,7 +82,12 @@ class Sender:
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         self._sock.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name="gradwatch-sender", daemon=True)
+
+    def start(self) -> "Sender":
+        """Start the thread; separate from construction so the owner can finish wiring first
+        (the thread's first heartbeat reads the owner's counters)."""
         self._thread.start()
+        return self
 
     # --- training thread side: O(1), never blocks ------------------------------------------
 
@@ -114,7 +119,11 @@ class Sender:
         """Flush what is queued without blocking, stop the thread, close socket and context."""
         self._stop.set()
         self._wake.set()
-        if threading.current_thread() is not self._thread:
+        if self._thread.ident is None:  # never started: the thread would have closed these
+            self._monitor.close(linger=0)
+            self._sock.close(linger=0)
+            self._ctx.term()
+        elif threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
     # --- sender thread -------------------------------------------------------------------------

@@ -1,0 +1,643 @@
+"""The aggregator as a black box: a real process on loopback, real ZeroMQ PUSH sockets, /metrics.
+
+Fake ranks are built from :mod:`gradwatch.wire` messages alone (no torch): a :class:`FakeRank`
+keeps a rank's header (job, rank, world, boot id, sequence number) and sends encoded frames.
+Frames that must arrive in order share one PUSH socket (ZeroMQ keeps a socket's order).
+Cases: C28 (sequence gaps), C30 (malformed input), C34 (label cardinality), C36 (NaN/Inf), C38
+(start-up errors, one exporter).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import requests
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from gradwatch import wire
+
+from .conftest import ROOT, AggregatorProcess, free_port, samples, start_aggregator, wait_for
+
+PARAMS = (
+    ("emb.weight", (16, 4), "float32"),
+    ("fc1.weight", (8, 4), "float32"),
+    ("fc1.bias", (8,), "float32"),
+    ("fc2.weight", (4, 8), "float32"),
+    ("fc2.bias", (4,), "float32"),
+)
+SLOTS = (
+    ("emb", "", "Embedding", "float32"),
+    ("fc1", "", "Linear", "float32"),
+    ("act", "", "ReLU", "float32"),
+    ("fc2", "", "Linear", "float32"),
+    ("lstm", "[0]", "LSTM", "float32"),
+)
+LAYERS = [m + o for m, o, _, _ in SLOTS]
+MODULES = ["emb", "fc1", "fc2"]
+OWNER = [0, 1, 1, 2, 2]  # index into MODULES of each parameter's module
+
+
+class FakeRank:
+    """One rank's agent reduced to its wire messages: header bookkeeping plus a PUSH socket."""
+
+    def __init__(self, sock, job: str, rank: int, world: int, params=PARAMS, slots=SLOTS, every: int = 5):
+        self.sock, self.job, self.rank, self.world = sock, job, rank, world
+        self.params, self.slots, self.every = params, slots, every
+        self.boot = secrets.token_hex(8)
+        self.seq = 0
+        self.schema_hash = wire.schema_hash(params, slots)
+
+    def header(self) -> wire.Header:
+        h = wire.Header(self.job, self.rank, self.world, self.boot, self.seq, time.time())
+        self.seq += 1
+        return h
+
+    def send(self, msg) -> None:
+        self.sock.send(wire.encode(msg))
+
+    def schema(self) -> None:
+        self.send(wire.Schema(self.header(), "node-0", self.rank % 8, self.every, self.params, self.slots))
+
+    def heartbeat(self, step: int = -1) -> None:
+        self.send(wire.Heartbeat(self.header(), step, self.seq, 0, 0))
+
+    def report(self, step: int, grad_norm: float = 1.0, grad_nonfinite: int = 0, probe: dict | None = None) -> None:
+        arrays = {}
+        if probe is not None:
+            n = len(self.params)
+            arrays = dict(probe=True, fp_grad=np.zeros(n, np.uint64), fp_weight=np.zeros(n, np.uint64), **probe)
+        self.send(wire.Report(self.header(), self.schema_hash, step, 0.05, grad_norm, grad_nonfinite, **arrays))
+
+    def restart(self, **kw) -> None:
+        """A new agent instance: new boot id, sequence numbers from 0 again."""
+        for k, v in kw.items():
+            setattr(self, k, v)
+        self.schema_hash = wire.schema_hash(self.params, self.slots)
+        self.boot, self.seq = secrets.token_hex(8), 0
+
+
+def probe_arrays(n_slots: int, n_params: int, seed: int) -> dict:
+    """Random but plausible per-layer statistics; counts are small whole numbers."""
+    rng = np.random.default_rng(seed)
+    act = rng.standard_normal((n_slots, 6)).astype(np.float32)
+    act[:, 5] = rng.integers(0, 4, n_slots)
+    act_grad = np.abs(rng.standard_normal((n_slots, 2))).astype(np.float32)
+    act_grad[:, 1] = rng.integers(0, 3, n_slots)
+    param = np.abs(rng.standard_normal((n_params, 3))).astype(np.float32)
+    param[:, 2] = rng.integers(0, 2, n_params)
+    return {"act": act, "act_grad": act_grad, "param": param}
+
+
+@pytest.fixture
+def push():
+    """``push(endpoint)`` -> a connected PUSH socket; all closed after the test."""
+    ctx = zmq.Context()
+
+    def make(endpoint: str):
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 2000)
+        s.connect(endpoint)
+        return s
+
+    yield make
+    ctx.destroy(linger=2000)
+
+
+def value(text: str, name: str, **labels) -> float | None:
+    """The value of one sample of a scrape, or None; parses only the lines of ``name``."""
+    lines = [line for line in text.splitlines() if line.startswith((name + "{", name + " "))]
+    return samples("\n".join(lines) + "\n", name).get(tuple(sorted(labels.items())))
+
+
+def scrape_until(agg, name: str, want, **labels) -> str:
+    """Scrape until ``name{labels}`` equals ``want``; return that scrape."""
+
+    def check():
+        text = agg.scrape()
+        return text if value(text, name, **labels) == want else None
+
+    return wait_for(check, 20, interval=0.05, what=f"{name}{labels} == {want}")
+
+
+def counter_samples(text: str):
+    """``(sample name, labels, value)`` of every counter and summary sample in a scrape."""
+    for fam in text_string_to_metric_families(text):
+        if fam.type in ("counter", "summary", "histogram"):
+            for s in fam.samples:
+                yield s.name, s.labels, s.value
+
+
+# --- (a) C30: a burst of malformed frames -------------------------------------------------------
+
+
+def malformed_burst(good: FakeRank, limits: wire.Limits) -> list[tuple[bytes, str]]:
+    """``(frame, expected reason)`` for every kind of bad frame; reasons checked locally first."""
+    bad = FakeRank(good.sock, good.job, 1, good.world)  # rank 1 sends nothing valid before the burst
+    base_hb = msgpack.unpackb(wire.encode(wire.Heartbeat(bad.header(), 3, 3, 0, 0)))
+    arrays = probe_arrays(len(SLOTS), len(PARAMS), 0)
+    base_rep = msgpack.unpackb(
+        wire.encode(wire.Report(bad.header(), good.schema_hash, 0, 0.1, 1.0, 0, probe=True,
+                                fp_grad=np.zeros(len(PARAMS), np.uint64), fp_weight=np.zeros(len(PARAMS), np.uint64), **arrays))
+    )
+
+    def hb(**change):
+        m = dict(base_hb, **change)
+        for k in [k for k, v in change.items() if v is None]:
+            del m[k]
+        return msgpack.packb(m, use_bin_type=True)
+
+    def rep(**change):
+        return msgpack.packb(dict(base_rep, **change), use_bin_type=True)
+
+    one = wire.encode(wire.Heartbeat(bad.header(), 4, 4, 0, 0))
+    frames = [
+        (b"\xdd\xff\xff\xff\xff", "malformed"),  # a 2**32-1 element array header
+        (b"\xc6" + (200 * 2**20).to_bytes(4, "big") + b"x" * 10, "malformed"),  # 200 MB bin, 10 bytes
+        (b"\x91" * 50_000 + b"\x00", "malformed"),
+        (b"", "malformed"),
+        (b"\x00" * (limits.max_message_bytes + 1), "too_large"),
+        (b"\x00" * (2 * limits.max_message_bytes), "too_large"),
+        (one + one, "extra_data"),  # two messages in one frame
+        (msgpack.packb([1, 2]), "not_a_map"),
+        (hb(v=2), "version"),
+        (hb(kind="metrics"), "unknown_kind"),
+        (hb(seq=None), "missing_field"),
+        (hb(seq=True), "bad_field"),  # bool where int
+        (hb(seq=-1), "bad_field"),
+        (hb(rank=2), "bad_field"),  # rank >= world
+        (rep(act=base_rep["act"][:-24]), "bad_array"),  # one slot short of the schema
+        (rep(param=base_rep["param"][:-4]), "bad_array"),  # not a multiple of the row width
+        # consistent with each other, one slot short of the schema the aggregator holds
+        (rep(act=base_rep["act"][:-24], act_grad=base_rep["act_grad"][:-8]), "bad_array"),
+    ]
+    sch = msgpack.unpackb(wire.encode(wire.Schema(bad.header(), "h", 1, 5, PARAMS, SLOTS)))
+    frames.append((msgpack.packb(dict(sch, hash="0" * 16), use_bin_type=True), "bad_field"))  # hash mismatch
+    for seed in range(200):  # random bytes: the reason is whatever decode says, counted exactly
+        rnd = np.random.default_rng(seed).bytes(1 + seed)
+        try:
+            wire.decode(rnd, limits)
+        except wire.WireError as e:
+            frames.append((rnd, e.reason))
+
+    known = {good.schema_hash: (len(PARAMS), len(SLOTS))}
+    for frame, want in frames:
+        with pytest.raises(wire.WireError) as e:
+            wire.decode(frame, limits, lambda h, d: known.get(d, (None, None)))
+        assert e.value.reason == want, (frame[:40], want)
+    return frames
+
+
+def test_C30_burst_of_malformed_frames_is_counted_by_reason_and_valid_traffic_still_flows(tmp_path, push):
+    agg = start_aggregator(tmp_path, "--max-message-bytes", str(2**20), "--publish-interval-s", "0.05", "--round-grace-s", "30")
+    try:
+        sock = push(agg.endpoint)
+        r0 = FakeRank(sock, "burst", 0, 2)
+        r0.schema()  # the aggregator must know the schema to check probe row counts
+        burst = malformed_burst(r0, wire.Limits(max_message_bytes=2**20))
+        for frame, _ in burst:
+            sock.send(frame)
+        want = collections.Counter(reason for _, reason in burst)
+        assert set(want) == {"malformed", "too_large", "extra_data", "not_a_map", "version", "unknown_kind", "missing_field", "bad_field", "bad_array"}
+
+        def all_counted():
+            text = agg.scrape()
+            got = samples(text, "gradwatch_messages_rejected_total")
+            return text if sum(got.values()) >= len(burst) else None
+
+        text = wait_for(all_counted, 20, what="every bad frame counted")
+        assert samples(text, "gradwatch_messages_rejected_total") == {(("reason", r),): float(n) for r, n in want.items()}
+        assert requests.get(agg.metrics_url.replace("/metrics", "/healthz"), timeout=5).json() == {"ok": True}
+        assert agg.proc.poll() is None
+        # nothing of the bad frames reached state: rank 1 is unknown, rank 0 saw only its schema
+        assert value(text, "gradwatch_rank_messages_received_total", job_id="burst", rank="1") is None
+        assert samples(text, "gradwatch_messages_received_total") == {(("kind", "schema"),): 1.0}
+
+        # valid traffic afterwards, on the same connection
+        r1 = FakeRank(sock, "burst", 1, 2)
+        r1.schema()
+        for step in range(3):
+            for r in (r0, r1):
+                r.report(step, probe=probe_arrays(len(SLOTS), len(PARAMS), step) if step == 2 else None)
+        text = scrape_until(agg, "gradwatch_rounds_total", 1.0, job_id="burst", outcome="complete")
+        for rank in ("0", "1"):
+            assert value(text, "gradwatch_rank_steps_total", job_id="burst", rank=rank) == 3
+            assert value(text, "gradwatch_rank_messages_lost_total", job_id="burst", rank=rank) == 0
+        assert samples(text, "gradwatch_messages_received_total") == {(("kind", "schema"),): 2.0, (("kind", "report"),): 6.0}
+        assert sum(samples(text, "gradwatch_messages_rejected_total").values()) == len(burst)
+    finally:
+        agg.stop()
+    assert "Traceback" not in agg.log.read_text()
+
+
+# --- (b) C28: sequence gaps and restarts --------------------------------------------------------
+
+
+def test_C28_sequence_gaps_count_lost_messages_and_a_new_boot_counts_a_restart(aggregator, push):
+    t0 = time.time()
+    r = FakeRank(push(aggregator.endpoint), "gaps", 0, 1)
+    r.heartbeat()  # seq 0
+    r.report(0)  # 1
+    r.report(1)  # 2
+    r.seq += 2  # 3 and 4 lost in flight
+    r.report(2)  # 5
+    r.heartbeat(2)  # 6
+    text = scrape_until(aggregator, "gradwatch_rank_messages_received_total", 5.0, job_id="gaps", rank="0")
+    assert value(text, "gradwatch_rank_messages_lost_total", job_id="gaps", rank="0") == 2
+    assert value(text, "gradwatch_rank_restarts_total", job_id="gaps", rank="0") == 0
+    last_seen = value(text, "gradwatch_rank_last_seen_timestamp_seconds", job_id="gaps", rank="0")
+    assert t0 - 1 <= last_seen <= time.time() + 1
+
+    # the rank restarts: a new boot id and sequence numbers from 0 are no gap ...
+    r.restart()
+    r.schema()  # seq 0 of the new boot
+    r.report(3)  # 1
+    text = scrape_until(aggregator, "gradwatch_rank_messages_received_total", 7.0, job_id="gaps", rank="0")
+    assert value(text, "gradwatch_rank_restarts_total", job_id="gaps", rank="0") == 1
+    assert value(text, "gradwatch_rank_messages_lost_total", job_id="gaps", rank="0") == 2
+    # ... while a gap within the new boot is one, counted from the new boot's numbers
+    r.seq += 1
+    r.report(4)  # 3: message 2 lost
+    text = scrape_until(aggregator, "gradwatch_rank_messages_received_total", 8.0, job_id="gaps", rank="0")
+    assert value(text, "gradwatch_rank_messages_lost_total", job_id="gaps", rank="0") == 3
+    assert value(text, "gradwatch_rank_restarts_total", job_id="gaps", rank="0") == 1
+    assert value(text, "gradwatch_rank_steps_total", job_id="gaps", rank="0") == 5
+
+
+# --- (c) C36: NaN and Inf -----------------------------------------------------------------------
+
+
+def assert_counters_finite(text: str) -> None:
+    bad = [(n, l, v) for n, l, v in counter_samples(text) if not math.isfinite(v)]
+    assert bad == [], bad
+
+
+def test_C36_nan_and_inf_grad_norms_reach_gauges_never_counters(aggregator, push):
+    sock = push(aggregator.endpoint)
+    ranks = [FakeRank(sock, "nan", r, 2) for r in range(2)]
+    for r in ranks:
+        r.schema()
+    ranks[0].report(0, grad_norm=math.nan, grad_nonfinite=3)
+    ranks[1].report(0, grad_norm=math.inf, grad_nonfinite=0)  # finite gradients whose norm overflowed
+    text = scrape_until(aggregator, "gradwatch_rank_steps_total", 1.0, job_id="nan", rank="1")
+    text = scrape_until(aggregator, "gradwatch_rank_steps_total", 1.0, job_id="nan", rank="0")
+    assert math.isnan(value(text, "gradwatch_rank_grad_norm", job_id="nan", rank="0"))
+    assert value(text, "gradwatch_rank_grad_norm", job_id="nan", rank="1") == math.inf
+    assert "+Inf" in [line.split()[-1] for line in text.splitlines() if line.startswith('gradwatch_rank_grad_norm{') and 'rank="1"' in line]
+    assert value(text, "gradwatch_rank_nonfinite_steps_total", job_id="nan", rank="0") == 1
+    assert value(text, "gradwatch_rank_nonfinite_steps_total", job_id="nan", rank="1") == 1
+    assert value(text, "gradwatch_rank_grad_nonfinite_params", job_id="nan", rank="0") == 3
+    assert_counters_finite(text)
+
+    # a probed step whose statistics hold NaN and Inf: layer gauges carry them, counters do not
+    for r in ranks:
+        p = probe_arrays(len(SLOTS), len(PARAMS), r.rank)
+        p["act"][1, 0] = np.nan  # a real NaN mean on fc1 (its count stays finite)
+        p["act"][1, 5] = 7
+        p["act"][3, 3] = np.inf
+        p["param"][1, 0] = np.inf
+        r.report(5, grad_norm=math.nan if r.rank == 0 else 2.0, grad_nonfinite=1, probe=p)
+    text = scrape_until(aggregator, "gradwatch_rounds_total", 1.0, job_id="nan", outcome="complete")
+    assert math.isnan(value(text, "gradwatch_layer_activation_mean", job_id="nan", layer="fc1", agg="median"))
+    assert value(text, "gradwatch_layer_activation_max", job_id="nan", layer="fc2", agg="max") == math.inf
+    assert value(text, "gradwatch_layer_grad_norm", job_id="nan", layer="fc1", agg="max") == math.inf
+    assert value(text, "gradwatch_rank_nonfinite_steps_total", job_id="nan", rank="0") == 2
+    assert value(text, "gradwatch_rank_nonfinite_steps_total", job_id="nan", rank="1") == 2
+    assert_counters_finite(text)
+
+    # recovery: a finite step brings the gauge back, the counter keeps its count
+    for r in ranks:
+        r.report(6, grad_norm=0.5)
+    text = scrape_until(aggregator, "gradwatch_rank_grad_norm", 0.5, job_id="nan", rank="0")
+    assert value(text, "gradwatch_rank_nonfinite_steps_total", job_id="nan", rank="0") == 2
+    assert_counters_finite(text)
+    promtool_clean(text)
+
+
+# --- (d) rounds: complete, incomplete, aggregates against numpy ----------------------------------
+
+
+def expected_aggregates(probes: dict[int, dict]) -> dict[tuple[str, str, str], float]:
+    """(metric, layer, agg) -> value, computed here from the raw arrays with numpy."""
+    ranks = sorted(probes)
+    act = np.stack([probes[r]["act"].astype(np.float64) for r in ranks])  # [R, L, 6]
+    act_grad = np.stack([probes[r]["act_grad"].astype(np.float64) for r in ranks])  # [R, L, 2]
+    param = np.stack([probes[r]["param"].astype(np.float64) for r in ranks])  # [R, P, 3]
+    out = {}
+
+    def put(metric, names, values, observed):
+        for i, name in enumerate(names):
+            v = values[observed[:, i], i]
+            if v.size:
+                out[(metric, name, "min")], out[(metric, name, "median")], out[(metric, name, "max")] = v.min(), np.median(v), v.max()
+
+    act_seen = ~np.isnan(act[..., 5])
+    for col, stat in enumerate(("mean", "std", "min", "max", "zero_ratio", "nonfinite")):
+        put(f"gradwatch_layer_activation_{stat}", LAYERS, act[..., col], act_seen)
+    grad_seen = ~np.isnan(act_grad[..., 1])
+    put("gradwatch_layer_output_grad_norm", LAYERS, act_grad[..., 0], grad_seen)
+    put("gradwatch_layer_output_grad_nonfinite", LAYERS, act_grad[..., 1], grad_seen)
+    # per module: L2 over its parameters' norms, counts summed, over parameters that had a gradient
+    R = len(ranks)
+    g2, w2, nf = np.zeros((R, 3)), np.zeros((R, 3)), np.zeros((R, 3))
+    has = np.zeros((R, 3), bool)
+    for k in range(R):
+        for p, m in enumerate(OWNER):
+            w2[k, m] += param[k, p, 1] ** 2
+            if not np.isnan(param[k, p, 2]):
+                g2[k, m] += param[k, p, 0] ** 2
+                nf[k, m] += param[k, p, 2]
+                has[k, m] = True
+    put("gradwatch_layer_grad_norm", MODULES, np.sqrt(g2), has)
+    put("gradwatch_layer_weight_norm", MODULES, np.sqrt(w2), np.ones_like(has))
+    put("gradwatch_layer_grad_nonfinite", MODULES, nf, has)
+    for k, r in enumerate(ranks):
+        out[("gradwatch_rank_activation_nonfinite", str(r), "")] = np.nansum(act[k, :, 5])
+        out[("gradwatch_rank_output_grad_nonfinite", str(r), "")] = np.nansum(act_grad[k, :, 1])
+        out[("gradwatch_rank_param_grad_nonfinite", str(r), "")] = np.nansum(param[k, :, 2])
+    return out
+
+
+def assert_aggregates(text: str, job: str, probes: dict[int, dict]) -> None:
+    want = expected_aggregates(probes)
+    layer_keys = [k for k in want if k[2]]
+    assert len(layer_keys) > 3 * 40
+    for (metric, name, agg), v in want.items():
+        if agg:
+            got = value(text, metric, job_id=job, layer=name, agg=agg)
+        else:
+            got = value(text, metric, job_id=job, rank=name)
+        assert got == pytest.approx(v, rel=1e-9, abs=1e-12), (metric, name, agg)
+    # an activation slot no rank observed is not exported at all
+    for metric in {k[0] for k in layer_keys}:
+        exported = {dict(k)["layer"] for k in samples(text, metric) if dict(k)["job_id"] == job}
+        assert exported == {k[1] for k in layer_keys if k[0] == metric}, metric
+
+
+def test_rounds_complete_when_every_rank_reports_and_close_incomplete_after_grace(tmp_path, push):
+    grace = 2.0
+    agg = start_aggregator(tmp_path, "--round-grace-s", str(grace), "--publish-interval-s", "0.05")
+    try:
+        sock = push(agg.endpoint)  # one socket: the three reports arrive back to back
+        ranks = [FakeRank(sock, "rounds", r, 3) for r in range(3)]
+        probes = {r.rank: probe_arrays(len(SLOTS), len(PARAMS), 10 + r.rank) for r in ranks}
+        probes[2]["act"][2, :5] = 0.0  # rank 2's ReLU did not run: a NaN count marks it not observed,
+        probes[2]["act"][2, 5] = np.nan  # whatever the other columns hold
+        for r in (0, 1, 2):
+            probes[r]["act_grad"][0, :] = np.nan  # no rank sees the embedding's output gradient
+        probes[1]["param"][0, [0, 2]] = np.nan  # rank 1's embedding had no gradient
+        probes[0]["act"][4, 5] = 5  # non-finite elements count into the rank totals
+        for r in ranks:
+            r.schema()
+        for r in ranks:
+            r.report(0, probe=probes[r.rank])
+        text = scrape_until(agg, "gradwatch_job_probe_step", 0.0, job_id="rounds")
+        assert value(text, "gradwatch_rounds_total", job_id="rounds", outcome="complete") == 1
+        assert value(text, "gradwatch_rounds_total", job_id="rounds", outcome="incomplete") == 0
+        assert value(text, "gradwatch_job_world_size", job_id="rounds") == 3
+        assert_aggregates(text, "rounds", probes)
+        assert "emb" not in {dict(k)["layer"] for k in samples(text, "gradwatch_layer_output_grad_norm")}
+
+        # step 5: rank 2 never reports; the round waits out its grace period, then closes incomplete
+        late = {r: probe_arrays(len(SLOTS), len(PARAMS), 20 + r) for r in (0, 1)}
+        t_sent = time.monotonic()
+        for r in ranks[:2]:
+            r.report(5, probe=late[r.rank])
+        text = scrape_until(agg, "gradwatch_rank_probes_total", 2.0, job_id="rounds", rank="1")
+        if time.monotonic() - t_sent < grace / 2:  # seen well within the grace period: still open
+            assert value(text, "gradwatch_rounds_total", job_id="rounds", outcome="incomplete") == 0
+            assert value(text, "gradwatch_job_probe_step", job_id="rounds") == 0
+        text = scrape_until(agg, "gradwatch_rounds_total", 1.0, job_id="rounds", outcome="incomplete")
+        assert time.monotonic() - t_sent >= grace
+        assert value(text, "gradwatch_job_probe_step", job_id="rounds") == 5
+        assert value(text, "gradwatch_rounds_total", job_id="rounds", outcome="complete") == 1
+        assert_aggregates(text, "rounds", late)
+        assert value(text, "gradwatch_rank_activation_nonfinite", job_id="rounds", rank="2") is None
+    finally:
+        agg.stop()
+
+
+# --- (e) C38: start-up errors name the setting ----------------------------------------------------
+
+
+def run_aggregator(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gradwatch.aggregator", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_out_of_range_port_fails_at_start_naming_metrics_port():
+    run = run_aggregator("--metrics-port", "70000", "--listen", f"tcp://127.0.0.1:{free_port()}")
+    assert run.returncode == 2
+    assert "metrics_port" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_C38_http_port_in_use_fails_at_start_naming_metrics_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = run_aggregator("--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--listen", f"tcp://127.0.0.1:{free_port()}")
+    assert run.returncode == 2, run.stderr
+    assert "metrics_port" in run.stderr and "--metrics-port" in run.stderr  # says how to pick another
+    assert "Traceback" not in run.stderr
+
+
+def test_listen_endpoint_in_use_fails_at_start_naming_listen():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        run = run_aggregator("--listen", f"tcp://127.0.0.1:{taken.getsockname()[1]}", "--metrics-host", "127.0.0.1", "--metrics-port", str(free_port()))
+    assert run.returncode == 2, run.stderr
+    assert "listen" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("args, setting", [(["--round-grace-s", "0"], "round_grace_s"), (["--listen", "localhost:5555"], "listen")])
+def test_invalid_settings_fail_naming_them(args, setting):
+    run = run_aggregator(*args, "--metrics-port", str(free_port()))
+    assert run.returncode == 2 and setting in run.stderr, run.stderr
+
+
+def test_unknown_flag_fails():
+    run = run_aggregator("--no-such-flag", "1", "--metrics-port", str(free_port()))
+    assert run.returncode != 0
+    assert "no-such-flag" in run.stderr
+
+
+def test_gradwatch_aggregator_help_works():
+    exe = shutil.which("gradwatch", path=str(Path(sys.executable).parent)) or ""
+    cmd = [exe] if exe else [sys.executable, "-m", "gradwatch.cli"]
+    run = subprocess.run([*cmd, "aggregator", "--help"], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    for flag in ("--listen", "--metrics-port", "--round-grace-s", "--max-message-bytes"):
+        assert flag in run.stdout
+    assert "waits for missing ranks" in " ".join(run.stdout.split())  # the field's description is its help
+
+
+# --- (f) the aggregator runs with torch unimportable ------------------------------------------------
+
+NO_TORCH = """
+import importlib.abc, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+sys.meta_path.insert(0, NoTorch())
+"""
+
+
+def test_aggregator_runs_without_torch(tmp_path, push):
+    blocked = subprocess.run([sys.executable, "-c", NO_TORCH + "import torch"], capture_output=True, text=True, timeout=30)
+    assert blocked.returncode != 0 and "torch is blocked" in blocked.stderr  # the blocker works
+
+    zport, mport = free_port(), free_port()
+    log = tmp_path / "aggregator-no-torch.log"
+    code = NO_TORCH + "from gradwatch.cli import main\nsys.exit(main(['aggregator', *sys.argv[1:]]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "--listen", f"tcp://127.0.0.1:{zport}", "--metrics-host", "127.0.0.1",
+         "--metrics-port", str(mport), "--publish-interval-s", "0.05"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    agg = AggregatorProcess(proc, f"tcp://127.0.0.1:{zport}", f"http://127.0.0.1:{mport}/metrics", log)
+    try:
+        def up():
+            assert proc.poll() is None, log.read_text()
+            return requests.get(f"http://127.0.0.1:{mport}/healthz", timeout=1).json()["ok"]
+
+        wait_for(up, 20, what="torch-less aggregator /healthz")
+        r = FakeRank(push(agg.endpoint), "notorch", 0, 1)
+        r.schema()
+        r.report(0, probe=probe_arrays(len(SLOTS), len(PARAMS), 1))
+        text = scrape_until(agg, "gradwatch_rounds_total", 1.0, job_id="notorch", outcome="complete")
+        assert value(text, "gradwatch_layer_activation_std", job_id="notorch", layer="fc1", agg="max") is not None
+    finally:
+        agg.stop()
+    assert proc.returncode == 0, log.read_text()
+    assert "Traceback" not in log.read_text()
+
+
+# --- (g) promtool lint on a real 2-rank demo run ------------------------------------------------------
+
+
+def promtool_clean(text: str) -> None:
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed")
+    lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0 and lint.stdout.strip() == "" and lint.stderr.strip() == "", lint.stdout + lint.stderr
+
+
+def test_promtool_check_metrics_is_clean_after_a_real_demo_run(aggregator):
+    """Two DDP ranks (child processes of the demo) report to the aggregator; only it serves HTTP
+    (C38: that no rank opens an HTTP port is checked statically in test_layout.py)."""
+    cmd = [sys.executable, "-m", "gradwatch.cli", "demo", "--aggregator", aggregator.endpoint, "--steps", "12",
+           "--every", "5", "--no-progress", "--job", "lint", "--width", "32", "--context", "32", "--batch-size", "8", "--heads", "2"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    text = scrape_until(aggregator, "gradwatch_job_probe_step", 10.0, job_id="lint")
+    assert value(text, "gradwatch_rank_steps_total", job_id="lint", rank="1") == 12
+    assert samples(text, "gradwatch_layer_grad_norm")  # per-layer series are in the linted text
+    promtool_clean(text)
+
+
+def test_promtool_flags_a_bad_exposition():
+    """The lint above can fail: promtool does flag a counter without _total."""
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed")
+    bad = "# HELP gradwatch_things Things.\n# TYPE gradwatch_things counter\ngradwatch_things 1\n"
+    lint = subprocess.run(["promtool", "check", "metrics"], input=bad, capture_output=True, text=True, timeout=60)
+    assert lint.returncode != 0 or lint.stdout.strip() or lint.stderr.strip()
+
+
+# --- (h) C34: label cardinality stays bounded ------------------------------------------------------
+
+
+def test_C34_series_count_constant_across_steps_restarts_and_compiled_names(aggregator, push):
+    """8 healthy ranks x 50 layers, every step reported, 30 probed steps; halfway, rank 3 restarts
+    (new boot id) under torch.compile, its module paths normalised by the agent's own function.
+    Once the checks have data, the set of series never changes, and nothing that grows (a step, a
+    pid, an address, a boot id) is ever a label value. While the restarted rank rebuilds its history
+    a per-rank check value may go missing for a while ("not enough data"), but no series appears."""
+    from gradwatch.agent.hooks import normalise  # the agent's own normalisation of module paths
+
+    n_ranks, n_blocks = 8, 25
+    raw_modules = [f"blocks.{b}.{part}" for b in range(n_blocks) for part in ("attn", "mlp")]  # 50 layers
+
+    def layout(prefix: str):
+        names = [normalise(prefix + m) for m in raw_modules]
+        params = tuple((f"{n}.{w}", (4, 4) if w == "weight" else (4,), "float32") for n in names for w in ("weight", "bias"))
+        slots = tuple((n, "", "Linear", "float32") for n in names)
+        return params, slots
+
+    params, slots = layout("")
+    compiled = layout("_orig_mod.")  # what a torch.compile'd model's named_modules() yields
+    assert compiled == (params, slots), "normalise must strip torch.compile's _orig_mod. prefix"
+
+    def healthy_probe(k: int, rank: int) -> dict:
+        """Gradients and weights agree across ranks (after all-reduce); activations differ by 1%."""
+        p = probe_arrays(len(slots), len(params), k)
+        p["act"][:, :4] *= 1 + 0.01 * rank
+        return p
+
+    sock = push(aggregator.endpoint)
+    ranks = [FakeRank(sock, "wide", r, n_ranks, params, slots, every=5) for r in range(n_ranks)]
+    for r in ranks:
+        r.schema()
+        r.heartbeat()
+    step0, every, n_probes, restart_at, warm, settle = 7_654_321, 5, 30, 15, 5, 5
+    keys: list[frozenset] = []
+    all_values: set[str] = set()
+    label_names: set[str] = set()
+    for k in range(n_probes):
+        step = step0 + every * k
+        if k == restart_at:  # rank 3 restarts (a new process, a new boot id), now under torch.compile
+            ranks[3].restart(params=compiled[0], slots=compiled[1])
+            ranks[3].schema()
+        for s in range(step - every + 1, step):
+            for r in ranks:
+                r.report(s)
+        for r in ranks:
+            r.report(step, probe=healthy_probe(k, r.rank))
+        text = scrape_until(aggregator, "gradwatch_job_probe_step", float(step), job_id="wide")
+        now = set()
+        for f in text_string_to_metric_families(text):
+            for smp in f.samples:
+                now.add((smp.name, tuple(sorted(smp.labels.items()))))
+                label_names.update(smp.labels)
+                all_values.update(smp.labels.values())
+                assert not ("rank" in smp.labels and "layer" in smp.labels), smp  # never rank x layer
+        keys.append(frozenset(now))
+
+    assert value(text, "gradwatch_rank_restarts_total", job_id="wide", rank="3") == 1
+    assert value(text, "gradwatch_rounds_total", job_id="wide", outcome="complete") == n_probes
+    steady = keys[restart_at - 1]
+    counts = [len(x) for x in keys]
+    for k in [*range(warm, restart_at), *range(restart_at + settle, n_probes)]:
+        assert keys[k] == steady, (
+            f"series changed at probe {k}: added {sorted(keys[k] - steady)[:5]}, removed {sorted(steady - keys[k])[:5]}; counts {counts}"
+        )
+    new = frozenset().union(*keys[warm:]) - steady
+    assert not new, f"series appeared after warm-up: {sorted(new)[:10]}"
+
+    layer_values = {dict(labels)["layer"] for name, labels in steady if name.startswith("gradwatch_layer_")}
+    assert layer_values == {n for n, _, _, _ in slots}
+    assert not any("_orig_mod" in v for v in all_values)
+    assert {v for v in all_values if v.isdigit()} <= {str(r) for r in range(n_ranks)}
+    steps_sent = {str(s) for s in range(step0 - every, step0 + every * n_probes)}
+    assert not any(s in v for v in all_values for s in steps_sent), "a step number in a label value"
+    pids = {str(os.getpid()), str(aggregator.proc.pid)}
+    boots = {r.boot for r in ranks}
+    address = re.compile(r"0x[0-9a-f]{6,}|tcp://|\d+\.\d+\.\d+\.\d+|:\d{2,5}$")
+    for v in all_values:
+        assert v not in pids and v not in boots and not address.search(v), f"unbounded label value {v!r}"
+    assert not label_names & {"step", "pid", "boot", "seq", "host", "address", "endpoint", "instance_id"}

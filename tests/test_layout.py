@@ -1,0 +1,195 @@
+"""The shape of the package: data flows one way, and each side imports only what it must.
+
+    agent (in the rank, torch)  ->  gradwatch.wire (bytes)  ->  aggregator (daemon, no torch)
+
+Checked statically with ``ast`` over the source files (imports inside functions included), then
+dynamically in fresh interpreters. Also pins the public surface (``__all__``) of both sides.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENT, AGGREGATOR, WIRE = ROOT / "agent", ROOT / "aggregator", ROOT / "gradwatch" / "wire.py"
+
+
+def imports(source: str, package: str) -> set[str]:
+    """Absolute names of every module ``source`` imports, anywhere in it.
+
+    ``package`` resolves relative imports (the package the file belongs to). ``from a import b``
+    yields both ``a`` and ``a.b`` since ``b`` may be a submodule; ``importlib.import_module("x")``
+    and ``__import__("x")`` with a literal name count too.
+    """
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = parts[: len(parts) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                out.add(node.args[0].value)
+    return out
+
+
+def source_imports(folder: Path, package: str) -> dict[str, set[str]]:
+    """``{path relative to folder: imports}`` of every source file under ``folder``, subpackages
+    included; ``package`` is the dotted name ``folder`` installs as."""
+    files = sorted(folder.rglob("*.py"))
+    assert files, f"no sources under {folder}"
+    out = {}
+    for f in files:
+        rel = f.relative_to(folder)
+        pkg = ".".join([package, *rel.parent.parts])
+        out[str(rel)] = imports(f.read_text(), pkg)
+    return out
+
+
+def offenders(found: dict[str, set[str]], forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    bad = {}
+    for name, mods in found.items():
+        hit = sorted(m for m in mods if any(m == f or m.startswith(f + ".") for f in forbidden))
+        if hit:
+            bad[name] = hit
+    return bad
+
+
+def test_import_finder_sees_relative_nested_and_dynamic_imports():
+    src = textwrap.dedent(
+        """
+        import os.path
+        from .. import aggregator
+        def later():
+            from ..aggregator.state import State
+            import importlib
+            importlib.import_module("torch.nn")
+        """
+    )
+    found = imports(src, "gradwatch.agent")
+    assert {"os.path", "gradwatch", "gradwatch.aggregator", "gradwatch.aggregator.state", "torch.nn"} <= found
+    assert offenders({"x.py": found}, ("gradwatch.aggregator",)) == {"x.py": ["gradwatch.aggregator", "gradwatch.aggregator.state", "gradwatch.aggregator.state.State"]}
+    assert offenders({"x.py": found}, ("torch",)) == {"x.py": ["torch.nn"]}
+    assert offenders({"x.py": {"torchvision"}}, ("torch",)) == {}
+
+
+def test_source_walk_covers_subpackages():
+    found = source_imports(AGGREGATOR, "gradwatch.aggregator")
+    subdirs = {str(p.parent.relative_to(AGGREGATOR)) for p in AGGREGATOR.rglob("*.py")} - {"."}
+    assert {str(Path(n).parent) for n in found if "/" in n} == subdirs
+    # relative imports in a subpackage resolve against the subpackage
+    assert imports("from .. import state\nfrom . import x", "gradwatch.aggregator.checks") >= {
+        "gradwatch.aggregator.state", "gradwatch.aggregator.checks.x",
+    }
+
+
+def test_agent_never_imports_the_aggregator():
+    assert offenders(source_imports(AGENT, "gradwatch.agent"), ("gradwatch.aggregator", "aggregator")) == {}
+
+
+def test_aggregator_never_imports_the_agent_or_torch():
+    found = source_imports(AGGREGATOR, "gradwatch.aggregator")
+    assert offenders(found, ("gradwatch.agent", "agent", "torch", "gradwatch.demo")) == {}
+
+
+def test_wire_imports_neither_torch_nor_prometheus():
+    found = {"wire.py": imports(WIRE.read_text(), "gradwatch")}
+    assert offenders(found, ("torch", "prometheus_client", "zmq", "gradwatch.agent", "gradwatch.aggregator")) == {}
+
+
+def test_agent_serves_no_http_C38():
+    """C38: ranks never open HTTP ports; only the aggregator serves /metrics."""
+    found = source_imports(AGENT, "gradwatch.agent")
+    assert offenders(found, ("prometheus_client", "http.server", "wsgiref", "socketserver", "aiohttp")) == {}
+
+
+def test_only_the_wire_module_touches_msgpack():
+    """One module owns the wire format: no other module builds or parses message bytes."""
+    for folder, package in ((AGENT, "gradwatch.agent"), (AGGREGATOR, "gradwatch.aggregator")):
+        assert offenders(source_imports(folder, package), ("msgpack",)) == {}, package
+
+
+def fresh(code: str) -> str:
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def test_importing_the_aggregator_leaves_torch_out_of_sys_modules():
+    out = fresh(
+        """
+        import importlib, pkgutil, sys
+        import gradwatch.aggregator, gradwatch.cli, gradwatch.wire
+        for m in pkgutil.walk_packages(gradwatch.aggregator.__path__, "gradwatch.aggregator."):
+            if not m.name.endswith("__main__"):
+                importlib.import_module(m.name)
+        assert "gradwatch.aggregator.daemon" in sys.modules
+        print(sorted(n for n in sys.modules if n.split(".")[0] == "torch" or n.startswith(("gradwatch.agent", "gradwatch.demo"))))
+        """
+    )
+    assert out == "[]"
+
+
+def test_importing_the_wire_module_pulls_in_neither_torch_nor_prometheus():
+    out = fresh(
+        """
+        import sys
+        import gradwatch.wire
+        print(sorted({n.split(".")[0] for n in sys.modules} & {"torch", "prometheus_client", "zmq"}))
+        """
+    )
+    assert out == "[]"
+
+
+def test_agent_public_surface_is_pinned():
+    import gradwatch.agent as agent
+
+    assert sorted(agent.__all__) == sorted(["attach", "AgentConfig", "ConfigError", "Monitor", "NullMonitor"])
+    for name in agent.__all__:
+        assert getattr(agent, name) is not None, name
+
+
+def test_aggregator_public_surface_is_pinned():
+    import gradwatch.aggregator as aggregator
+
+    assert sorted(aggregator.__all__) == sorted(["Aggregator", "AggregatorConfig", "ConfigError", "load", "main"])
+    for name in aggregator.__all__:
+        assert getattr(aggregator, name) is not None, name
+
+
+@pytest.mark.parametrize("pkg", ["agent", "aggregator"])
+def test_both_sides_report_config_errors_as_value_errors(pkg):
+    import importlib
+
+    mod = importlib.import_module(f"gradwatch.{pkg}")
+    assert issubclass(mod.ConfigError, ValueError)
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """A subpackage missing from pyproject's explicit list is absent from a wheel (non-editable
+    installs would fail to import it)."""
+    import tomllib
+
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(conf["packages"])
+    found = set()
+    for name, folder in conf["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([name, *rel.parts]) if rel.parts else name)
+    assert found <= listed, f"not in pyproject packages: {sorted(found - listed)}"
