@@ -22,12 +22,15 @@ __all__ = ["attach", "AgentConfig", "ConfigError", "Monitor", "NullMonitor"]
 log = logging.getLogger("gradwatch.agent")
 
 
-def attach(model, optimizer, **settings):
+def attach(model, optimizer, *, scaler=None, **settings):
     """Attach the agent to ``model`` (plain or DistributedDataParallel) and its ``optimizer``.
 
     Args:
         model: the ``torch.nn.Module`` being trained, optionally wrapped in DDP or torch.compile.
         optimizer: its ``torch.optim.Optimizer``; its step marks the step boundary.
+        scaler: the ``torch.amp.GradScaler``, if the script uses one: steps it skips (inf/NaN
+            gradients) are then counted and labelled instead of reported (case C10), and reports
+            carry the loss scale.
         **settings: any field of :class:`AgentConfig` (``endpoint``, ``every``, ``job``, ...);
             unset fields come from ``GRADWATCH_*`` variables, then torchrun's environment.
 
@@ -44,7 +47,7 @@ def attach(model, optimizer, **settings):
     if not cfg.enabled:
         return NullMonitor()
     try:
-        return Monitor(model, optimizer, cfg)
+        return Monitor(model, optimizer, cfg, scaler=scaler)
     except ConfigError:
         raise
     except Exception as e:  # the agent must never stop a training job from starting

@@ -103,7 +103,7 @@ class Monitor:
     are for inspection.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: AgentConfig):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: AgentConfig, scaler=None):
         self.cfg = cfg
         self.job, self.rank, self.world_size, self.local_rank, self.host = resolve_identity(cfg)
         self.boot = secrets.token_hex(8)
@@ -129,6 +129,10 @@ class Monitor:
         self._burst_until = 0  # written by the sender thread, read at step boundaries
         self._recent_norms: collections.deque = collections.deque(maxlen=32)  # sender thread only
         self._local_sq: list = []
+        self._losses: list = []
+        self._stepped = True  # an optimizer step happened since the loss scaler's last update
+        self._skipped = 0  # steps the loss scaler skipped since the last report (case C10)
+        self._scaler = None
         self._first_bucket: Optional[float] = None
         self._comm_inner = None
         self._ddp_ref = None
@@ -152,6 +156,8 @@ class Monitor:
             heartbeat_s=cfg.heartbeat_s,
             schema_every_s=cfg.schema_every_s,
         )
+        if scaler is not None:
+            self._wrap_scaler(scaler)
         self.sender.start()
         _MONITORS.add(self)
         ref = weakref.ref(self)
@@ -174,6 +180,9 @@ class Monitor:
         for h in self._step_handles:
             h.remove()
         self._step_handles = []
+        if self._scaler is not None and "update" in vars(self._scaler):
+            del self._scaler.update
+            self._scaler = None
         if not self._forked:
             try:
                 self.sender.close()
@@ -244,6 +253,39 @@ class Monitor:
             self._comm_inner = (state, hook)
 
         ddp.register_comm_hook = register_comm_hook
+
+    # --- AMP loss scaler (case C10) --------------------------------------------------------------
+
+    def _wrap_scaler(self, scaler) -> None:
+        """Watch a ``torch.amp.GradScaler``: its ``update()`` runs once per iteration, and an
+        iteration without an optimizer step before it is a step the scaler skipped (inf/NaN
+        gradients, normal while the scale is searched). Such a step sends no report; its partial
+        statistics are discarded and the next report counts it in ``skipped``."""
+        ref = weakref.ref(self)
+        original = scaler.update
+
+        def update(*args, **kwargs):
+            m = ref()
+            if m is not None and m.active:
+                m._scaler_update()
+            return original(*args, **kwargs)
+
+        scaler.update = update  # an instance attribute: close() deletes it, restoring the method
+        self._scaler = scaler
+
+    def _scaler_update(self) -> None:
+        if not self._stepped:
+            self._skipped += 1
+            self._local_sq, self._losses, self._first_bucket, self._batch, self._pre = [], [], None, 0, None
+            self.recorder.reset()
+        self._stepped = False
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Report ``loss`` (a scalar tensor, any dtype and device) with this step, without a host
+        sync: kept on the device and copied with the step's other statistics. Called once per
+        micro-step, the step reports the mean."""
+        if self.active and isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._losses.append(loss.detach().reshape(()).float())
 
     def wrap_comm_hook(self, hook):
         """Wrap a user's DDP communication hook so the agent still sees local gradient norms.
@@ -322,7 +364,14 @@ class Monitor:
             sq = norms * norms
             local = self._local_sq
             local_sq = torch.stack([x.to(dev) for x in local]).sum() if local else torch.full((), float("nan"), device=dev)
-            parts = [sq.sum().reshape(1), (~torch.isfinite(norms)).sum().to(torch.float32).reshape(1), local_sq.reshape(1), sq]
+            losses = self._losses
+            loss = torch.stack([x.to(dev) for x in losses]).mean() if losses else torch.full((), float("nan"), device=dev)
+            scale = getattr(self._scaler, "_scale", None)  # a device tensor; get_scale() would sync
+            scale = scale.to(dev, torch.float32).reshape(()) if isinstance(scale, torch.Tensor) else torch.full((), float("nan"), device=dev)
+            parts = [
+                sq.sum().reshape(1), (~torch.isfinite(norms)).sum().to(torch.float32).reshape(1),
+                local_sq.reshape(1), loss.reshape(1), scale.reshape(1), sq,
+            ]
             if self._probing:
                 parts.append(torch.stack([(~torch.isfinite(g)).sum().to(dev, torch.float32) for g in grads]))
                 parts.append(_bitcast_f32(torch.stack([fingerprint(g).to(dev) for g in grads])))
@@ -345,6 +394,8 @@ class Monitor:
         self.step = step + 1
         self.recorder.reset()
         self._local_sq = []
+        self._losses = []
+        self._stepped = True
         self._first_bucket = None
         self._batch = 0
         try:
@@ -397,6 +448,7 @@ class Monitor:
             compute_time=compute_time,
             batch=batch if probe else 0,
             burst=probe and step % self.cfg.every != 0,
+            skipped=self._skipped,
             probe=probe,
             present=tuple(present),
             has_grads=grad_part is not None,
@@ -407,6 +459,7 @@ class Monitor:
             micro=rec.micro if probe else 0,
             schema=self._schema.hash if self._schema is not None else "",
         )
+        self._skipped = 0
         self.sender.submit(lambda h: self._finalise(h, layout, host, event))
 
     # --- finalisation (sender thread) ----------------------------------------------------------
@@ -419,22 +472,24 @@ class Monitor:
             flat = raw.astype(np.float64)
         k = len(L.present)
         off = 0
-        grad_norm = local_norm = float("nan")
+        grad_norm = local_norm = loss = loss_scale = float("nan")
         grad_nonfinite = 0
         sq = counts = fp_grad_present = None
         if L.has_grads:
             grad_norm = math.sqrt(flat[0]) if flat[0] >= 0 else float("nan")
             grad_nonfinite = int(flat[1])
             local_norm = math.sqrt(flat[2]) if flat[2] >= 0 else float("nan")
-            sq = flat[3 : 3 + k]
-            off = 3 + k
+            loss, loss_scale = float(flat[3]), float(flat[4])
+            sq = flat[5 : 5 + k]
+            off = 5 + k
             if L.probe:
                 counts = flat[off : off + k]
                 fp_grad_present = raw[off + k : off + 3 * k].view(np.uint64)
                 off += 3 * k
         self._watch_sentinel(L.step, grad_norm)
         common = dict(
-            drops=self.sender.drops, local_grad_norm=local_norm, compute_time=L.compute_time,
+            drops=self.sender.drops, local_grad_norm=local_norm, compute_time=L.compute_time, loss=loss,
+            loss_scale=loss_scale, skipped=L.skipped,
         )
         if not L.probe:
             return wire.Report(h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite, **common)
@@ -491,7 +546,7 @@ class Monitor:
 class _Layout:
     """Host-side description of where each statistic sits in a step's flat tensor."""
 
-    __slots__ = ("step", "step_time", "compute_time", "batch", "burst", "probe", "present", "has_grads", "n_params", "n_slots", "act", "grad", "micro", "schema")
+    __slots__ = ("step", "step_time", "compute_time", "batch", "burst", "skipped", "probe", "present", "has_grads", "n_params", "n_slots", "act", "grad", "micro", "schema")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -504,6 +559,9 @@ class NullMonitor:
     active = False
     step = probes = errors = 0
     not_instrumented: list = []
+
+    def observe_loss(self, loss) -> None:
+        pass
 
     def close(self) -> None:
         pass

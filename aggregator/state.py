@@ -47,6 +47,9 @@ class RankState:
     agent_errors: int = 0
     local_grad_norm: float = math.nan
     compute_time: float = math.nan
+    loss: float = math.nan
+    loss_scale: float = math.nan
+    skipped_steps: int = 0  # steps the AMP loss scaler skipped (case C10): labelled, not alerted
     closing: bool = False  # the agent said goodbye: the rank finished, it is not silent
     in_step_s: float = 0.0  # from the latest heartbeat
     waiting: bool = False  # from the latest heartbeat: waiting on peers in all-reduce
@@ -159,10 +162,12 @@ class State:
     def _report(self, job: JobState, r: RankState, m: wire.Report, now: float) -> None:
         r.step = max(r.step, m.step)
         r.step_time, r.grad_norm, r.grad_nonfinite = m.step_time, m.grad_norm, m.grad_nonfinite
-        r.local_grad_norm, r.compute_time = m.local_grad_norm, m.compute_time
+        r.local_grad_norm, r.compute_time, r.loss, r.loss_scale = m.local_grad_norm, m.compute_time, m.loss, m.loss_scale
+        r.skipped_steps += m.skipped
         r.agent_drops = max(r.agent_drops, m.drops)
         r.steps += 1
-        if m.grad_nonfinite or not math.isfinite(m.grad_norm):
+        # a NaN norm with no non-finite parameter means "no gradients this step", not a fault
+        if m.grad_nonfinite or math.isinf(m.grad_norm):
             r.nonfinite_steps += 1
         r.history.append((m.step, m.grad_norm, m.step_time, now))
         if self.runner is not None:

@@ -22,6 +22,10 @@ this one, from 0), ``step_time`` (seconds since the previous step ended), ``comp
 (seconds from the previous step's end until this rank's first gradient bucket was ready for
 all-reduce: the rank's own work, without waiting for peers; NaN when unknown), ``grad_norm``
 (global L2 norm of all gradients before the optimizer step, after all-reduce; may be NaN or Inf),
+``loss`` (mean of the losses the training script handed to ``Monitor.observe_loss`` this step;
+NaN when none), ``loss_scale`` (the AMP GradScaler's scale at this step; NaN without one),
+``skipped`` (steps the loss scaler skipped since the previous report: their inf/NaN gradients
+are normal, so they send no report of their own),
 ``local_grad_norm`` (the same before all-reduce, from the DDP communication hook; NaN when
 unknown), ``grad_nonfinite`` (number of parameters whose gradient holds a NaN or Inf), ``micro``
 (forward passes of the root module during this step, 0 when not counted), ``batch`` (samples the
@@ -158,6 +162,9 @@ class Report:
     fp_weight: np.ndarray | None = field(default=None, compare=False)  # [n_params] uint64
     local_grad_norm: float = math.nan
     compute_time: float = math.nan
+    loss: float = math.nan
+    loss_scale: float = math.nan
+    skipped: int = 0
     batch: int = 0
     burst: bool = False
 
@@ -239,6 +246,9 @@ def encode(msg: Message) -> bytes:
             probe=bool(msg.probe),
             local_grad_norm=float(msg.local_grad_norm),
             compute_time=float(msg.compute_time),
+            loss=float(msg.loss),
+            loss_scale=float(msg.loss_scale),
+            skipped=int(msg.skipped),
             batch=int(msg.batch),
             burst=bool(msg.burst),
         )
@@ -382,6 +392,9 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
         fp_weight=fp_weight,
         local_grad_norm=float(_get(m, "local_grad_norm", _NUM)),
         compute_time=float(_get(m, "compute_time", _NUM)),
+        loss=float(_get(m, "loss", _NUM)),
+        loss_scale=float(_get(m, "loss_scale", _NUM)),
+        skipped=_get(m, "skipped", int, nonneg=True),
         batch=_get(m, "batch", int, nonneg=True),
         burst=_get(m, "burst", bool),
     )

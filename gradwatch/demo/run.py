@@ -97,6 +97,7 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
                 x, y = batch(text, cfg.seed, rank, step, cfg.batch_size, cfg.context)
                 faults.before_forward(step, model)
                 loss = faults.loss(step, F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()))
+                monitor.observe_loss(loss)
                 loss.backward()
                 faults.after_backward(step, model)
                 opt.step()
