@@ -41,8 +41,13 @@ class AggregatorConfig(BaseSettings):
     rcv_hwm: int = Field(10_000, ge=1, description="ZeroMQ receive high-water mark, messages.")
     publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read.")
     events_path: str = Field("", description="JSON-lines file findings are appended to as they are raised and resolved ('' for none).")
+    grafana_url: str = Field("", description="Grafana base URL (http[s]://host[:port][/path]) to post each raised finding to as an annotation ('' for none).")
+    grafana_token: str = Field("", description="Grafana service account token for --grafana-url (prefer the environment variable GRADWATCH_AGGREGATOR_GRAFANA_TOKEN).")
+    grafana_basic_auth: str = Field("", description="USER:PASSWORD for --grafana-url with basic auth (GRADWATCH_AGGREGATOR_GRAFANA_BASIC_AUTH); ignored when a token is set.")
     enable_checks: list[str] = Field(default_factory=list, description="Checks to run that are off by default.")
     disable_checks: list[str] = Field(default_factory=list, description="Checks not to run.")
+    layer_depth: int = Field(0, ge=0, le=64, description="Per-layer series merge layers into the first N dot-separated components of their module path (0: one series per layer); norms combine as L2 norms, counts add up (case C34, README: Cardinality budget).")
+    rank_detail_max: int = Field(256, ge=1, description="In jobs with more ranks, only the essential per-rank series (steps, non-finite steps, last seen, drops, losses, flags) are exported for every rank, the others for the ranks a finding names (case C34).")
     checks: Thresholds = Field(default_factory=Thresholds, description="Thresholds of the cross-rank checks.")
 
     @field_validator("enable_checks", "disable_checks")
@@ -54,6 +59,13 @@ class AggregatorConfig(BaseSettings):
     @property
     def check_names(self) -> list[str]:
         return resolve(self.enable_checks, self.disable_checks)
+
+    @field_validator("grafana_url")
+    @classmethod
+    def _grafana_url(cls, v: str) -> str:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError(f"must look like http[s]://host[:port], got {v!r}")
+        return v
 
     @field_validator("listen")
     @classmethod

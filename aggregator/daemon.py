@@ -60,6 +60,12 @@ class Aggregator:
     ):
         self.cfg = cfg
         self.clock = clock
+        self.annotations = None
+        if cfg.grafana_url:  # findings as Grafana annotations, posted off the writer thread
+            from .annotations import GrafanaAnnotations
+
+            self.annotations = GrafanaAnnotations.from_config(cfg)
+            sinks = (*sinks, self.annotations)
         try:
             self.runner = Runner(cfg.check_names, cfg.checks, cfg.events_path, sinks=sinks)
         except OSError as e:
@@ -67,7 +73,7 @@ class Aggregator:
         self.state = State(cfg.round_grace_s, cfg.max_pending_rounds, cfg.rank_ttl_s, clock, runner=self.runner)
         self._snapshot = Snapshot()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
-        self.registry.register(SnapshotCollector(lambda: self._snapshot))
+        self.registry.register(SnapshotCollector(lambda: self._snapshot, cfg.layer_depth, cfg.rank_detail_max))
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._ctx: Optional[zmq.Context] = None
@@ -136,6 +142,8 @@ class Aggregator:
         if self._ctx is not None:
             self._ctx.term()
         self.runner.close()
+        if self.annotations is not None:
+            self.annotations.close()
 
     def __enter__(self) -> "Aggregator":
         return self.start()

@@ -13,13 +13,13 @@ Counters only ever carry finite, non-decreasing values; NaN or Inf reach gauges 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from .reconcile import AGGS, LAYER_STATS, Snapshot
+from .reconcile import AGGS, LAYER_STATS, Snapshot, group_layers
 
 PREFIX = "gradwatch_"
 
@@ -66,6 +66,10 @@ def _rank_metric(name, kind, help, attr, unit=""):
 # --- per rank (sentinel, every step) ------------------------------------------------------------
 _rank_metric("rank_step", "gauge", "Latest optimizer step reported by the rank (0-based).", "step")
 _rank_metric("rank_grad_norm", "gauge", "Global L2 norm of the rank's gradients before its latest optimizer step; NaN/Inf pass through.", "grad_norm")
+_rank_metric("rank_loss", "gauge", "Loss the training script handed to Monitor.observe_loss at the rank's latest step (mean over micro-steps); NaN when not observed.", "loss")
+_rank_metric("rank_loss_scale", "gauge", "AMP GradScaler loss scale at the rank's latest step; NaN without a scaler.", "loss_scale")
+_rank_metric("rank_skipped_steps", "counter", "Steps the rank's AMP loss scaler skipped (inf/NaN gradients while it searches the scale): labelled, not alerted (case C10).", "skipped_steps")
+_rank_metric("rank_local_grad_norm", "gauge", "L2 norm of the rank's own gradients before all-reduce at its latest step (DDP communication hook); NaN when the agent cannot measure it.", "local_grad_norm")
 _rank_metric("rank_grad_nonfinite_params", "gauge", "Parameters whose gradient held NaN or Inf at the rank's latest step.", "grad_nonfinite")
 _rank_metric("rank_step_seconds", "gauge", "Wall time of the rank's latest optimizer step, host clock.", "step_time", "seconds")
 _rank_metric("rank_steps", "counter", "Optimizer steps reported by the rank.", "steps")
@@ -169,9 +173,15 @@ def _status(s: Snapshot):
 
 
 metric("check_status", "gauge", "Outcome of each check's latest evaluation: 1 for the current status (healthy, finding, no_data), 0 for the others.", ("job_id", "check", "status"))(_status)
-metric("findings", "counter", "Findings raised by each check (a finding stays raised until it resolves).", ("job_id", "check"))(
-    lambda s: (((j, c), n) for (j, c), n in (_checks(s).raised if _checks(s) else ()))
-)
+def _findings(s: Snapshot):
+    v = _checks(s)
+    raised = dict(v.raised) if v else {}
+    # 0 for every check with a status too, so that increase() sees a job's first finding
+    for k in sorted({*raised, *((j, c) for j, c, _ in (v.status if v else ()))}):
+        yield k, raised.get(k, 0)
+
+
+metric("findings", "counter", "Findings raised by each check (a finding stays raised until it resolves).", ("job_id", "check"))(_findings)
 metric("check_errors", "counter", "Exceptions raised inside a check (each is isolated; the check is skipped for that event).", ("check",))(
     lambda s: (((c,), n) for c, n in (_checks(s).errors if _checks(s) else ()))
 )
@@ -215,22 +225,70 @@ def _dedupe(samples):
             yield labels, value
 
 
-class SnapshotCollector(Collector):
-    """Yields every registered metric from ``get_snapshot()`` at scrape time."""
+#: per-rank series exported for every rank of a job however large (the alerts need them); the
+#: others only up to ``rank_detail_max`` ranks, beyond that for the ranks an active finding names
+ESSENTIAL_RANK_METRICS = frozenset(PREFIX + n for n in (
+    "rank_step", "rank_steps", "rank_nonfinite_steps", "rank_last_seen_timestamp_seconds",
+    "agent_dropped_reports", "rank_messages_lost", "check_rank_flagged",
+))
 
-    def __init__(self, get_snapshot: Callable[[], Snapshot]):
+
+class SnapshotCollector(Collector):
+    """Yields every registered metric from ``get_snapshot()`` at scrape time.
+
+    Args:
+        get_snapshot: returns the latest published snapshot.
+        layer_depth: merge per-layer series into module-path prefixes of this many components
+            (0: one series per layer; see :func:`~.reconcile.group_layers`).
+        rank_detail_max: in jobs with more ranks, per-rank series other than
+            :data:`ESSENTIAL_RANK_METRICS` are exported only for the ranks an active finding names
+            (None: for every rank). Both bound the series count (case C34).
+    """
+
+    def __init__(self, get_snapshot: Callable[[], Snapshot], layer_depth: int = 0, rank_detail_max: int | None = None):
         self._get = get_snapshot
+        self.layer_depth = layer_depth
+        self.rank_detail_max = rank_detail_max
+        self._grouped: dict = {}  # job -> (its latest RoundResult, grouped)
+
+    def _group(self, snap: Snapshot) -> Snapshot:
+        jobs, cache = [], {}
+        for j in snap.jobs:
+            rr = j.last_round
+            if rr is not None:
+                src, grouped = self._grouped.get(j.job, (None, None))
+                if src is not rr:
+                    grouped = group_layers(rr, self.layer_depth)
+                cache[j.job] = (rr, grouped)
+                j = replace(j, last_round=grouped)
+            jobs.append(j)
+        self._grouped = cache
+        return replace(snap, jobs=tuple(jobs))
+
+    def _detail_filter(self, snap: Snapshot, d: MetricDef, samples):
+        """Drop non-essential per-rank samples of jobs above ``rank_detail_max`` ranks, but for
+        the ranks an active finding names."""
+        if self.rank_detail_max is None or "rank" not in d.labels or "job_id" not in d.labels or d.name in ESSENTIAL_RANK_METRICS:
+            return samples
+        big = {j.job for j in snap.jobs if max(j.world, len(j.ranks)) > self.rank_detail_max}
+        if not big:
+            return samples
+        named = {(f.job, str(f.rank)) for f in (snap.checks.active if snap.checks else ()) if f.rank is not None}
+        ji, ri = d.labels.index("job_id"), d.labels.index("rank")
+        return ((lv, v) for lv, v in samples if lv[ji] not in big or (lv[ji], lv[ri]) in named)
 
     def collect(self):
         snap = self._get()
+        if self.layer_depth > 0:
+            snap = self._group(snap)
         for d in METRICS.values():
             if d.kind == "gauge":
                 fam = GaugeMetricFamily(d.name, d.help, labels=d.labels, unit=d.unit)
-                for labels, value in _dedupe(d.samples(snap)):
+                for labels, value in _dedupe(self._detail_filter(snap, d, d.samples(snap))):
                     fam.add_metric(labels, float(value))
             else:
                 fam = CounterMetricFamily(d.name, d.help, labels=d.labels, unit=d.unit)
-                for labels, value in _dedupe(d.samples(snap)):
+                for labels, value in _dedupe(self._detail_filter(snap, d, d.samples(snap))):
                     v = float(value)
                     if math.isfinite(v):  # case C36: a counter never carries NaN/Inf
                         fam.add_metric(labels, v)

@@ -12,7 +12,7 @@ over the module's parameters.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -104,16 +104,15 @@ def _owner(param: str) -> str:
 def _aggregate(values: np.ndarray, observed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """min/median/max over axis 0 of ``values`` where ``observed``: float64 [3, n], and bool [n]
     telling which columns any rank observed. An observed NaN propagates."""
-    v = np.where(observed, values, np.nan)
     out = np.full((3, values.shape[1]), np.nan)
     cols = observed.any(axis=0)
-    if cols.any():
-        vc = v[:, cols]
-        out[0, cols] = np.nanmin(vc, axis=0)
-        out[1, cols] = np.nanmedian(vc, axis=0)
-        out[2, cols] = np.nanmax(vc, axis=0)
-        poisoned = (np.isnan(values) & observed)[:, cols].any(axis=0)
-        out[:, np.flatnonzero(cols)[poisoned]] = np.nan
+    # a column with an observed NaN stays NaN; the others have at least one value to reduce
+    clean = cols & ~(np.isnan(values) & observed).any(axis=0)
+    if clean.any():
+        vc = np.where(observed, values, np.nan)[:, clean]
+        out[0, clean] = np.nanmin(vc, axis=0)
+        out[1, clean] = np.nanmedian(vc, axis=0)
+        out[2, clean] = np.nanmax(vc, axis=0)
     return out, cols
 
 
@@ -195,6 +194,74 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
     )
 
 
+def layer_group(name: str, depth: int) -> str:
+    """The first ``depth`` dot-separated components of a layer's module path (``depth`` 0: all)."""
+    return ".".join(name.split(".")[:depth]) if depth > 0 else name
+
+
+def _groups(names: tuple[str, ...], depth: int) -> tuple[tuple[str, ...], list[np.ndarray]]:
+    members: dict[str, list[int]] = {}
+    for i, n in enumerate(names):
+        members.setdefault(layer_group(n, depth), []).append(i)
+    return tuple(members), [np.array(v, dtype=np.int64) for v in members.values()]
+
+
+def group_layers(rr: RoundResult, depth: int) -> RoundResult:
+    """``rr`` with its layers and modules merged by :func:`layer_group` (case C34: bounded series).
+
+    Member layers are combined per rank, then aggregated over ranks as :func:`reconcile` does:
+    norms (output gradient, parameter gradient, weight) as the L2 norm over the members
+    (sqrt of the sum of squares), non-finite counts summed, activation min and max as the min and
+    max, the mean as the mean of the members' means and the std pooled from the members' means and
+    stds (each member weighted equally: element counts are not on the wire), the zero ratio as the
+    largest member's (a dead member stays visible). Unobserved members are left out; an observed
+    NaN propagates. Only the per-layer fields change; parameters and fingerprints are untouched.
+    """
+    if depth <= 0:
+        return rr
+    layers, lgroups = _groups(rr.layers, depth)
+    modules, mgroups = _groups(rr.modules, depth)
+    R = len(rr.ranks)
+    act = np.full((R, len(layers), 6), np.nan)
+    act_grad = np.full((R, len(layers), 2), np.nan)
+    module = np.full((R, len(modules), 3), np.nan)
+    a_obs, g_obs, m_obs = ~np.isnan(rr.act[..., 5]), ~np.isnan(rr.act_grad[..., 1]), ~np.isnan(rr.module[..., 2])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for g, idx in enumerate(lgroups):
+            o, v = a_obs[:, idx], rr.act[:, idx]
+            n = o.sum(axis=1)
+            mean = np.where(o, v[..., 0], 0).sum(axis=1) / n
+            var = np.where(o, v[..., 1] ** 2 + v[..., 0] ** 2, 0).sum(axis=1) / n - mean**2
+            act[:, g] = np.stack([
+                mean, np.sqrt(np.maximum(var, 0)),
+                np.where(o, v[..., 2], np.inf).min(axis=1), np.where(o, v[..., 3], -np.inf).max(axis=1),
+                np.where(o, v[..., 4], -np.inf).max(axis=1), np.where(o, v[..., 5], 0).sum(axis=1),
+            ], axis=-1)
+            act[n == 0, g] = np.nan
+            o, v = g_obs[:, idx], rr.act_grad[:, idx]
+            act_grad[:, g] = np.stack([
+                np.sqrt(np.where(o, v[..., 0] ** 2, 0).sum(axis=1)), np.where(o, v[..., 1], 0).sum(axis=1),
+            ], axis=-1)
+            act_grad[~o.any(axis=1), g] = np.nan
+        for g, idx in enumerate(mgroups):
+            o, v = m_obs[:, idx], rr.module[:, idx]
+            module[:, g, 0] = np.sqrt(np.where(o, v[..., 0] ** 2, 0).sum(axis=1))
+            module[:, g, 1] = np.sqrt((v[..., 1] ** 2).sum(axis=1))
+            module[:, g, 2] = np.where(o, v[..., 2], 0).sum(axis=1)
+            module[~o.any(axis=1), g, 0::2] = np.nan
+    arrays = {"act": act, "act_grad": act_grad, "module": module}
+    observed = {"act": ~np.isnan(act[..., 5]), "act_grad": ~np.isnan(act_grad[..., 1]), "module": ~np.isnan(module[..., 2])}
+    agg = {}
+    for name, (src, col) in LAYER_STATS.items():
+        obs = observed[src] if not (src == "module" and col == 1) else np.ones_like(observed["module"])
+        agg[name] = _aggregate(arrays[src][..., col], obs)
+    types = tuple(
+        rr.layer_types[idx[0]] if rr.layer_types and len({rr.layer_types[i] for i in idx}) == 1 else ""
+        for idx in lgroups
+    )
+    return replace(rr, layers=layers, modules=modules, act=act, act_grad=act_grad, module=module, agg=agg, layer_types=types)
+
+
 # --- the snapshot read at scrape time ---------------------------------------------------------
 
 
@@ -220,6 +287,9 @@ class RankView:
     compute_time: float = math.nan
     closing: bool = False
     heartbeat_age: float = math.nan  # seconds since the latest heartbeat
+    loss: float = math.nan
+    loss_scale: float = math.nan
+    skipped_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -254,6 +324,7 @@ def snapshot(state, wall_now: float) -> Snapshot:
                 wall_now - (mono_now - r.last_seen), r.agent_drops, r.agent_errors,
                 r.local_grad_norm, r.compute_time, r.closing,
                 (mono_now - r.heartbeat_at) if r.heartbeat_at else math.nan,
+                r.loss, r.loss_scale, r.skipped_steps,
             )
             for r in sorted(job.ranks.values(), key=lambda x: x.rank)
         )

@@ -7,6 +7,8 @@ import sys
 COMMANDS = {
     "aggregator": ("gradwatch.aggregator", "Run the aggregator daemon (receives agents' reports, serves /metrics)."),
     "demo": ("gradwatch.demo", "Train a small transformer on 2 DDP ranks with agents and an aggregator."),
+    "grafana": ("gradwatch.grafana", "Generate the dashboards, or push folder, datasource and dashboards to Grafana."),
+    "stack": ("gradwatch.stack", "Run a local Prometheus and Alertmanager with the shipped alert rules against an aggregator."),
 }
 
 

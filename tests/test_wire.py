@@ -54,7 +54,7 @@ def report(probe=True, **kw) -> wire.Report:
     base = dict(
         header=header(), schema=schema().hash, step=20, step_time=0.125, grad_norm=3.5,
         grad_nonfinite=0, micro=4, drops=2, probe=probe, local_grad_norm=2.25, compute_time=0.0625,
-        batch=32, burst=True,
+        batch=32, burst=True, loss=1.75, loss_scale=65536.0, skipped=1,
     )
     if probe:
         base.update(probe_arrays())

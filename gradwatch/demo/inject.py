@@ -84,7 +84,11 @@ class Injector:
                 time.sleep(float(f.options["seconds"]))
             elif f.kind == "nan" and step == f.step:
                 module = dict(model.named_modules())[f.options["layer"]]
-                self._handles.append(module.register_forward_hook(lambda m, a, out: out * float("nan")))
+                # prepend: the module itself yields NaN, so every observer (the agent's probe hooks,
+                # registered earlier) sees it, as it would a NaN made inside the module's forward
+                self._handles.append(
+                    module.register_forward_hook(lambda m, a, out: out * float("nan"), prepend=True)
+                )
 
     def loss(self, step: int, loss):
         for f in self.faults:

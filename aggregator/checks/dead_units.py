@@ -1,0 +1,99 @@
+"""Dead units: a ReLU-family layer whose output is (almost) all exact zeros, probe after probe.
+
+A unit is dead when its output is exactly zero for every input *and* its gradient there is zero,
+so it never learns its way back. The agent measures each layer's zero ratio: the fraction of
+output elements that are exactly 0. The layers judged are the leaf modules whose type produces
+exact zeros with a zero gradient over a whole input region:
+
+* ``ReLU``, ``ReLU6``: 0 (gradient 0) for inputs <= 0;
+* ``Threshold``: its ``value`` (gradient 0) at or below its threshold: zeros when value is 0,
+  otherwise no zeros at all, so the ratio stays low and it is never named;
+* ``Hardsigmoid``, ``Hardswish``: 0 (gradient 0) for inputs <= -3;
+* ``Hardshrink``, ``Softshrink``: 0 (gradient 0) for inputs within [-lambda, lambda].
+
+Left out: ``LeakyReLU``, ``PReLU``, ``RReLU``, ``ELU``, ``CELU``, ``SELU``, ``GELU``, ``SiLU``
+(no exact zeros: a negative slope or a smooth tail keeps the gradient alive), ``Hardtanh`` (it
+saturates at ``min_val``, -1 by default, not at 0, so the zero ratio cannot see it), ``Dropout``
+(zeros by design). A ReLU applied functionally (``F.relu`` inside another module's forward) has
+no layer of its own and is not seen.
+
+A layer is named when the median over ranks of its zero ratio exceeds ``dead_ratio`` at
+``dead_probes`` consecutive probed steps that observed it (a probe that did not run the layer
+neither counts nor breaks the run; a non-finite ratio breaks it). The ratio is per layer, not per
+unit: a few dead units among many live ones are invisible; a layer above 0.99 is one whose units
+are almost all dead. At most ``max_layers`` layers are named, the highest ratios first. A finding
+resolves at the first probe where the layer's ratio is back at or below ``dead_ratio``. No layer of
+these types in the model: no data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from . import Check, Evaluation, Finding, register
+
+#: leaf module types whose output has exact zeros with zero gradient (see the module docstring)
+RELU_FAMILY = frozenset({"ReLU", "ReLU6", "Threshold", "Hardsigmoid", "Hardswish", "Hardshrink", "Softshrink"})
+
+
+@dataclass
+class _Dead:
+    streak: dict = field(default_factory=dict)  # layer -> (consecutive probes above, first step of the run)
+    last_step: int = -1
+
+
+@register
+class DeadUnits(Check):
+    name = "dead_units"
+    severity = "warning"
+    description = (
+        "Zero ratio of ReLU-family layer outputs (ReLU, ReLU6, Threshold, Hardsigmoid, Hardswish, Hardshrink, "
+        "Softshrink: exact zeros with zero gradient), median over ranks, above dead_ratio for dead_probes "
+        "consecutive probed steps: the layer's units are dead. Names at most max_layers layers."
+    )
+
+    def __init__(self, t):
+        super().__init__(t)
+        self._jobs: dict[str, _Dead] = {}
+
+    def on_round(self, job, r):
+        st = self._jobs.setdefault(job.job, _Dead())
+        if r.step <= st.last_step:
+            return None
+        st.last_step = r.step
+        values, observed = r.agg["activation_zero_ratio"]
+        judged = False
+        dead = []
+        for i, (layer, typ) in enumerate(zip(r.layers, r.layer_types)):
+            if typ not in RELU_FAMILY:
+                continue
+            judged = True
+            if not observed[i]:
+                continue
+            ratio = float(values[1, i])
+            if math.isfinite(ratio) and ratio > self.t.dead_ratio:
+                n, first = st.streak.get(layer, (0, r.step))
+                st.streak[layer] = (n + 1, first)
+                if n + 1 >= self.t.dead_probes:
+                    dead.append((ratio, i, layer, typ, n + 1, first))
+            else:
+                st.streak.pop(layer, None)
+        if not judged:
+            return Evaluation.no_data()
+        dead.sort(key=lambda x: (-x[0], x[1]))
+        findings = []
+        for ratio, i, layer, typ, n, first in dead[: self.t.max_layers]:
+            per_rank = {rk: float(r.act[k, i, 4]) for k, rk in enumerate(r.ranks)}
+            findings.append(Finding(
+                self.name, job.job, first,
+                f"layer {layer} ({typ}) looks dead: {ratio:.1%} of its outputs are exactly zero (median over ranks) "
+                f"at {n} consecutive probed steps since step {first}",
+                layer=layer,
+                details={"zero_ratio": ratio, "zero_ratio_per_rank": per_rank, "probes": n, "type": typ,
+                         "probed_step": r.step, "layers_dead": len(dead)},
+            ))
+        return Evaluation.found(*findings)
+
+    def forget(self, job_id):
+        self._jobs.pop(job_id, None)

@@ -1,0 +1,284 @@
+"""Non-finite provenance: where NaN or Inf first appeared — step, rank, module and pass.
+
+Step and rank, from every step's reports (evaluated once per step, see :mod:`._steps`). The event
+is the first step where a rank's gradient held NaN/Inf: ``grad_nonfinite > 0`` or an infinite
+``grad_norm`` (a NaN ``grad_norm`` with no non-finite parameter means the step had no gradients),
+or a rank's local gradient norm (before all-reduce, from the DDP communication hook) is
+non-finite. After all-reduce every rank's gradient is non-finite, so only the local norms tell the
+*origin* rank(s): those whose local norm was non-finite. A NaN local norm also means "unknown"
+(no communication hook), so a rank's NaN counts only once the rank has reported a finite local
+norm before. Local norms all finite but the all-reduced one not: the reduction itself overflowed
+(or a compressing communication hook did); no rank is named.
+
+Module and pass, from probed steps at or after the event, on the origin rank, in the order the
+values are computed:
+
+1. ``activation``: the first module in forward order whose output held NaN/Inf;
+2. ``output_gradient``: else the *last* module in forward order whose output gradient did (the
+   first one backward reaches);
+3. ``parameter_gradient``: else the last module whose parameters' gradient did (after
+   all-reduce, so not rank-specific);
+4. ``weight``: else the first module whose weights after the optimizer step did.
+
+A probed step *after* the event whose weights are already non-finite cannot locate it: the
+optimizer has applied the non-finite gradient, so every forward pass is non-finite from the first
+module using those weights on. The finding then says so, with pass ``weight`` and no module. With
+the agent's defaults the event step is probed when it falls on the cadence (``every``); otherwise
+the agent's burst probes the following steps, which with an optimizer like AdamW already see
+non-finite weights.
+
+Lifetime: one finding per job, raised once with everything known (keyed by the origin rank and the
+module), and kept active for the job's life — a NaN run does not heal, and a finding that
+resolved and re-raised would only repeat itself. To raise with the module, the finding waits for
+the probed step of the event (when that step was probed) or for the next probed step, at most
+``HOLD_STEPS`` steps or ``HOLD_S`` seconds of the aggregator's clock; then it is raised with what
+is known. Values that are NaN or Inf travel in the finding's details as strings (case C36).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from . import Check, Evaluation, Finding, register
+from ._steps import Steps
+
+PASSES = ("activation", "output_gradient", "parameter_gradient", "weight")
+#: steps past the event the finding waits for a probed step to locate the module
+HOLD_STEPS = 16
+#: seconds (aggregator clock) the finding waits for a probed step to locate the module
+HOLD_S = 5.0
+
+
+@dataclass
+class _Job:
+    steps: Steps
+    known_local: set = field(default_factory=set)  # ranks that reported a finite local norm
+    rounds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
+    event: Optional[dict] = None
+    event_seen: Optional[float] = None  # aggregator clock at the first tick after the event
+    last_step: int = -1
+    finding: Optional[Finding] = None
+    evaluated: bool = False
+
+
+def _bad_grad(rep) -> bool:
+    return rep.grad_nonfinite > 0 or math.isinf(rep.grad_norm)
+
+
+def _has_grad(rep) -> bool:
+    return not (math.isnan(rep.grad_norm) and rep.grad_nonfinite == 0)
+
+
+@register
+class NonFinite(Check):
+    name = "nonfinite"
+    severity = "critical"
+    description = (
+        "Finds where NaN/Inf first appeared: the first step with a non-finite gradient, the origin rank "
+        "(the one whose local gradient norm before all-reduce was non-finite) and, from the probed steps, "
+        "the first module in forward order and the pass (forward activation, output gradient, parameter "
+        "gradient, weight). One finding per job, kept active."
+    )
+
+    def __init__(self, t):
+        super().__init__(t)
+        self._jobs: dict[str, _Job] = {}
+
+    def _job(self, job) -> _Job:
+        st = self._jobs.get(job.job)
+        if st is None or st.steps.world != job.world:
+            st = self._jobs[job.job] = _Job(Steps(job.world))
+        return st
+
+    def forget(self, job_id):
+        self._jobs.pop(job_id, None)
+
+    # --- events ---------------------------------------------------------------------------------
+
+    def on_report(self, job, rank, report):
+        st = self._job(job)
+        released = st.steps.add(rank.rank, report)
+        if not released:
+            return None
+        self._released(st, released)
+        self._maybe_raise(job.job, st, None)
+        return self._evaluation(st)
+
+    def on_round(self, job, r):
+        st = self._job(job)
+        st.rounds.append(r)
+        if st.event is None or st.finding is not None:
+            return None
+        return self._evaluation(st) if self._maybe_raise(job.job, st, None) else None
+
+    def on_tick(self, job, now):
+        st = self._jobs.get(job.job)
+        if st is None:
+            return None
+        released = st.steps.tick(now)
+        self._released(st, released)
+        if st.event is not None and st.event_seen is None:
+            st.event_seen = now
+        raised = self._maybe_raise(job.job, st, now)
+        return self._evaluation(st) if released or raised else None
+
+    # --- the event ------------------------------------------------------------------------------
+
+    def _released(self, st: _Job, released) -> None:
+        for step, reports in released:
+            st.evaluated = True
+            st.last_step = max(st.last_step, step)
+            if st.event is None:
+                st.event = self._detect(st, step, reports)
+            for k, rep in reports.items():
+                if math.isfinite(rep.local_grad_norm):
+                    st.known_local.add(k)
+
+    def _detect(self, st: _Job, step: int, reports: dict) -> Optional[dict]:
+        def local_bad(k, rep):
+            v = rep.local_grad_norm
+            return math.isinf(v) or (math.isnan(v) and k in st.known_local and _has_grad(rep))
+
+        bad_grad = sorted(k for k, rep in reports.items() if _bad_grad(rep))
+        origin = sorted(k for k, rep in reports.items() if local_bad(k, rep))
+        if not bad_grad and not origin:
+            return None
+        if origin:
+            where = "local"
+        elif all(math.isfinite(rep.local_grad_norm) for rep in reports.values()):
+            where = "all-reduce"
+        elif st.steps.world == 1:
+            where, origin = "local", bad_grad
+        else:
+            where = "unknown"
+        return {
+            "step": step,
+            "origin_ranks": origin,
+            "where": where,
+            "probed": any(rep.probe for rep in reports.values()),
+            "ranks_reporting": sorted(reports),
+            "local_grad_norms": {k: reports[k].local_grad_norm for k in sorted(reports)},
+            "grad_norms": {k: reports[k].grad_norm for k in sorted(reports)},
+            "grad_nonfinite_params": {k: reports[k].grad_nonfinite for k in sorted(reports)},
+        }
+
+    # --- locating the module --------------------------------------------------------------------
+
+    def _maybe_raise(self, job_id: str, st: _Job, now: Optional[float]) -> bool:
+        ev = st.event
+        if ev is None or st.finding is not None:
+            return False
+        loc = self._locate_in(st)
+        expired = st.last_step >= ev["step"] + HOLD_STEPS or (
+            now is not None and st.event_seen is not None and now - st.event_seen >= HOLD_S
+        )
+        if loc is None and not expired:
+            return False
+        st.finding = self._finding(job_id, ev, loc)
+        return True
+
+    def _locate_in(self, st: _Job) -> Optional[dict]:
+        ev = st.event
+        rounds = sorted((r for r in st.rounds if r.step >= ev["step"]), key=lambda r: r.step)
+        if ev["probed"] and not any(r.step == ev["step"] for r in rounds):
+            return None  # the event step's own probe is on its way: it is the one that can tell
+        for r in rounds:
+            loc = self._locate(r, ev["step"], ev["origin_ranks"])
+            if loc is not None:
+                return loc
+        return None
+
+    def _locate(self, r, event_step: int, origin: list[int]) -> Optional[dict]:
+        if r.step > event_step:
+            w = ~np.isfinite(r.module[:, :, 1])
+            if w.any():
+                first = int(np.flatnonzero(w.any(axis=0))[0])
+                return {
+                    "module": None, "pass": "weight", "located": False, "probed_step": r.step,
+                    "first_nonfinite_weight_module": r.modules[first],
+                }
+        if origin:
+            ks = [r.ranks.index(o) for o in origin if o in r.ranks]
+            if not ks:
+                return None  # the origin rank's report is missing from this round
+        else:
+            ks = list(range(len(r.ranks)))
+        searches = (
+            ("activation", r.act[:, :, 5] > 0, r.layers, min),
+            ("output_gradient", r.act_grad[:, :, 1] > 0, r.layers, max),
+            ("parameter_gradient", r.module[:, :, 2] > 0, r.modules, max),
+            ("weight", ~np.isfinite(r.module[:, :, 1]), r.modules, min),
+        )
+        for pass_, bad, names, pick in searches:
+            hits = [(int(i), k) for k in ks for i in np.flatnonzero(bad[k])]
+            if not hits:
+                continue
+            i, k = pick(hits, key=lambda h: (h[0], -h[1]) if pick is max else h)
+            values = self._values(r, pass_, k, i)
+            return {
+                "module": names[i], "pass": pass_, "located": True, "probed_step": r.step,
+                "rank": r.ranks[k], "values": values,
+                "modules_nonfinite": int(bad[k].sum()),
+            }
+        return None
+
+    @staticmethod
+    def _values(r, pass_: str, k: int, i: int) -> dict:
+        if pass_ == "activation":
+            mean, std, lo, hi, zero, n = (float(x) for x in r.act[k, i])
+            return {"nonfinite_elements": n, "mean": mean, "std": std, "min": lo, "max": hi}
+        if pass_ == "output_gradient":
+            norm, n = (float(x) for x in r.act_grad[k, i])
+            return {"nonfinite_elements": n, "norm": norm}
+        g, w, n = (float(x) for x in r.module[k, i])
+        return {"grad_norm": g, "weight_norm": w, "grad_nonfinite_elements": n}
+
+    # --- the finding ----------------------------------------------------------------------------
+
+    def _finding(self, job_id: str, ev: dict, loc: Optional[dict]) -> Finding:
+        step, origin = ev["step"], ev["origin_ranks"]
+        rank = origin[0] if origin else None
+        if rank is None and loc and loc.get("located") and loc["pass"] in ("activation", "output_gradient"):
+            rank = loc["rank"]  # activations and output gradients are the rank's own, before all-reduce
+        if origin:
+            v = ev["local_grad_norms"][origin[0]]
+            who = (
+                f"on rank{'s' if len(origin) > 1 else ''} {', '.join(map(str, origin))} "
+                f"(local gradient norm {v} before all-reduce)"
+            )
+        elif ev["where"] == "all-reduce":
+            who = "in the all-reduce (every rank's local gradient norm was finite)"
+        elif rank is not None:
+            who = f"on rank {rank} (seen in its probe; no local gradient norms)"
+        else:
+            who = "on an unknown rank (no local gradient norms)"
+        summary = f"first non-finite gradient at step {step} {who}"
+        layer = None
+        if loc is None:
+            summary += "; not located: no probed step at or after it arrived"
+            details = {"module": None, "pass": None, "located": False}
+        elif not loc["located"]:
+            summary += (
+                f"; cannot be located: at probed step {loc['probed_step']} the weights were already "
+                f"non-finite (first {loc['first_nonfinite_weight_module']}), the optimizer had applied it"
+            )
+            details = dict(loc)
+        else:
+            layer = loc["module"]
+            what = loc["pass"].replace("_", " ")
+            summary += f"; first seen in the {what} of {layer} at probed step {loc['probed_step']}"
+            details = dict(loc)
+        details = dict(ev, **details)
+        return Finding(self.name, job_id, step, summary, rank=rank, layer=layer, details=details)
+
+    def _evaluation(self, st: _Job) -> Optional[Evaluation]:
+        if st.finding is not None:
+            return Evaluation.found(st.finding)
+        if not st.evaluated or st.event is not None:
+            return None  # nothing evaluated yet, or an event waiting to be located
+        return Evaluation.healthy()

@@ -1,0 +1,161 @@
+"""Outlier rank: one rank's own statistics stand apart from its peers' for several probed steps.
+
+Every rank of a data-parallel job computes the same model on different samples, so the statistics
+it measures *before* all-reduce — its local gradient norm, the scale of its activations, how many
+non-finite values it produced — agree across ranks up to sampling noise. A rank whose statistics
+sit far from the others' for ``outlier_probes`` consecutive probed steps is likely fed different
+data (a broken shard, a wrong normalisation), runs on a faulty device, or holds different
+weights. This check names that rank; after all-reduce the damage is spread over every rank.
+
+At each probed step (a reconciled :class:`~..reconcile.RoundResult` with at least three ranks) it
+scores every rank on three statistics with the modified z-score of Iglewicz and Hoaglin (1993),
+``0.6745 * (x - median) / MAD`` over ranks:
+
+* ``local_grad_norm``: the rank's global gradient norm before all-reduce (ranks whose agent does
+  not know it, NaN, are left out of this statistic);
+* ``activation_std``: the median over layers of the rank's activation standard deviation divided
+  by the median over ranks of that layer's (1.0 for a typical rank);
+* ``nonfinite``: NaN/Inf elements in the rank's activations, output gradients and parameter
+  gradients (``RoundResult.rank_totals`` summed).
+
+The MAD is floored at ``outlier_min_mad`` times the median's magnitude (for the counts, at one
+element as well), so a MAD of zero — ranks that agree exactly, or only three ranks of which two
+agree — does not turn every small difference into an outlier. A rank's score is its largest
+absolute z-score over the three statistics; it is an outlier when the score exceeds
+``outlier_z``. One-step events (a single spiking batch) are not outliers: the rank must stay out
+for ``outlier_probes`` consecutive probed steps, and the finding resolves at the first probed
+step where it is back among its peers. With fewer than three ranks there is no majority to stand
+apart from: no data.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+
+from . import Check, Evaluation, Finding, register
+
+_K = 0.6745  # Phi^-1(0.75): makes the MAD a consistent estimate of the standard deviation
+_TINY = 1e-12
+
+
+def robust_z(x: np.ndarray, min_mad: float, abs_floor: float = 0.0) -> tuple[np.ndarray, float]:
+    """Modified z-scores of ``x`` across ranks, and their median.
+
+    Non-finite entries are left out and get NaN; with fewer than three finite entries every score
+    is NaN. The MAD is raised to at least ``min_mad * |median|`` and ``abs_floor``.
+    """
+    x = np.asarray(x, np.float64)
+    z = np.full(x.shape, np.nan)
+    ok = np.isfinite(x)
+    if ok.sum() < 3:
+        return z, math.nan
+    v = x[ok]
+    med = float(np.median(v))
+    mad = float(np.median(np.abs(v - med)))
+    scale = max(mad, min_mad * abs(med), abs_floor, _TINY)
+    z[ok] = _K * (v - med) / scale
+    return z, med
+
+
+def rank_features(r) -> dict[str, np.ndarray]:
+    """The per-rank statistics the check scores, each float64 [n_ranks]."""
+    n = len(r.ranks)
+    out = {}
+    if r.local_grad_norm is not None:
+        out["local_grad_norm"] = np.asarray(r.local_grad_norm, np.float64)
+    std = np.asarray(r.act, np.float64)[..., 1] if r.act is not None and r.act.size else np.zeros((n, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN layers and ranks
+        std = np.where(np.isfinite(std), std, np.nan)
+        per_layer = np.nanmedian(std, axis=0) if std.shape[1] else np.zeros(0)
+        usable = np.isfinite(per_layer) & (per_layer > 0)
+        if usable.any():
+            ratio = std[:, usable] / per_layer[usable]
+            out["activation_std"] = np.nanmedian(ratio, axis=1)
+    out["nonfinite"] = np.nansum(np.asarray(r.rank_totals, np.float64), axis=1)
+    return out
+
+
+@register
+class OutlierRank(Check):
+    name = "outlier_rank"
+    severity = "warning"
+    description = (
+        "At each probed step scores every rank's local gradient norm (before all-reduce), activation "
+        "scale and non-finite count against the other ranks' with a robust z-score (median and MAD, "
+        "Iglewicz and Hoaglin); names a rank beyond outlier_z for outlier_probes consecutive probed "
+        "steps (bad data shard, faulty device, diverged weights). Needs at least three ranks."
+    )
+    metrics = {
+        "rank_outlier_zscore": (
+            "Largest absolute robust z-score of the rank's local gradient norm, activation scale and "
+            "non-finite count against the other ranks at the latest probed step.", ("rank",), "",
+        ),
+    }
+
+    def __init__(self, t):
+        super().__init__(t)
+        self._last_step: dict[str, int] = {}
+        self._streak: dict[str, dict[int, int]] = {}
+        self._z: dict[str, dict[int, float]] = {}
+        self._why: dict[str, dict[int, dict]] = {}
+
+    def on_round(self, job, r):
+        jid = job.job
+        if len(r.ranks) < 3:
+            return Evaluation.no_data()
+        if r.step <= self._last_step.get(jid, -1):
+            return None  # an older round closed late: it must not break the consecutive count
+        self._last_step[jid] = r.step
+        scores = np.zeros(len(r.ranks))
+        worst: list[dict] = [{} for _ in r.ranks]
+        scored = False
+        for feat, x in rank_features(r).items():
+            z, med = robust_z(x, self.t.outlier_min_mad, 1.0 if feat == "nonfinite" else 0.0)
+            if not np.isfinite(z).any():
+                continue
+            scored = True
+            for k in range(len(r.ranks)):
+                if np.isfinite(z[k]) and abs(z[k]) > scores[k]:
+                    scores[k] = abs(z[k])
+                    worst[k] = {"statistic": feat, "value": float(x[k]), "median": med, "z": float(z[k])}
+        if not scored:
+            return Evaluation.no_data()
+        streak = self._streak.setdefault(jid, {})
+        zs = self._z.setdefault(jid, {})
+        why = self._why.setdefault(jid, {})
+        for k, rank in enumerate(r.ranks):
+            zs[rank] = float(scores[k])
+            out = scores[k] > self.t.outlier_z
+            streak[rank] = streak.get(rank, 0) + 1 if out else 0
+            if out and streak[rank] >= self.t.outlier_probes:
+                why[rank] = dict(worst[k], step=r.step, probes=streak[rank])
+        for rank in [k for k in streak if k not in job.ranks]:  # forgotten ranks
+            streak.pop(rank, None)
+            zs.pop(rank, None)
+        findings = []
+        for rank, n in sorted(streak.items()):
+            if n < self.t.outlier_probes:
+                why.pop(rank, None)
+                continue
+            w = why[rank]
+            findings.append(Finding(
+                self.name, jid, w["step"],
+                f"rank {rank} is an outlier among {len(r.ranks)} ranks for {n} consecutive probed steps: "
+                f"{w['statistic']} {w['value']:.4g} against a median of {w['median']:.4g} "
+                f"(robust z {w['z']:+.1f}, step {w['step']})",
+                rank=rank,
+                details={**w, "ranks": list(r.ranks), "zscores": {str(k): v for k, v in sorted(zs.items())}},
+            ))
+        return Evaluation.found(*findings)
+
+    def values(self, job_id):
+        zs = self._z.get(job_id, {})
+        return {"rank_outlier_zscore": {(str(k),): v for k, v in zs.items()}}
+
+    def forget(self, job_id):
+        for d in (self._last_step, self._streak, self._z, self._why):
+            d.pop(job_id, None)

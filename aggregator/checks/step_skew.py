@@ -1,0 +1,64 @@
+"""Step skew: the ranks of one job are at steps too far apart.
+
+Synchronous data parallelism keeps ranks within a step of each other (each all-reduce waits for
+all of them), so a growing gap between the most and the least advanced rank means ranks no longer
+train together: a rank restarted from an older checkpoint, ranks that belong to different
+incarnations of the job, collectives that were skipped on some ranks, or pipeline stages drifting
+apart. The check compares the latest step each rank reported, over ranks that have not said
+goodbye and were heard within ``silent_after_s`` (a silent rank's stale step is ``rank_silent``'s
+business), and names the most-behind rank (the lowest rank number among ties) when the gap exceeds
+``skew_steps``. Fewer than two such ranks with a step: no data.
+"""
+
+from __future__ import annotations
+
+from . import Check, Evaluation, Finding, register
+
+
+@register
+class StepSkew(Check):
+    name = "step_skew"
+    severity = "warning"
+    description = (
+        "Names the most-behind rank when the latest steps of a job's live ranks differ by more than "
+        "skew_steps (a rank restarted from an older checkpoint, skipped collectives, ranks of "
+        "different job incarnations)."
+    )
+    metrics = {
+        "job_step_skew": ("Latest step of the most advanced live rank minus that of the least advanced.", (), ""),
+    }
+
+    def __init__(self, t):
+        super().__init__(t)
+        self._skew: dict[str, int] = {}
+
+    def on_tick(self, job, now):
+        live = [
+            r for _, r in sorted(job.ranks.items())
+            if not r.closing and r.step >= 0 and now - r.last_seen <= self.t.silent_after_s
+        ]
+        if len(live) < 2:
+            self._skew.pop(job.job, None)
+            return Evaluation.no_data()
+        behind = min(live, key=lambda r: (r.step, r.rank))
+        ahead = max(live, key=lambda r: (r.step, -r.rank))
+        skew = ahead.step - behind.step
+        self._skew[job.job] = skew
+        if skew <= self.t.skew_steps:
+            return Evaluation.healthy()
+        lagging = [r.rank for r in live if ahead.step - r.step > self.t.skew_steps]
+        return Evaluation.found(Finding(
+            self.name, job.job, behind.step,
+            f"rank {behind.rank} is {skew} steps behind rank {ahead.rank} (step {behind.step} against "
+            f"{ahead.step}; more than {self.t.skew_steps} apart)",
+            rank=behind.rank,
+            details={"skew": skew, "ahead_rank": ahead.rank, "lagging": lagging,
+                     "steps": {str(r.rank): r.step for r in live}},
+        ))
+
+    def values(self, job_id):
+        skew = self._skew.get(job_id)
+        return {"job_step_skew": {(): skew}} if skew is not None else {}
+
+    def forget(self, job_id):
+        self._skew.pop(job_id, None)

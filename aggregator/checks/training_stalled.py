@@ -1,0 +1,104 @@
+"""Training stalled: no rank completes a step, although the ranks are alive and heard.
+
+The agents keep heartbeating from their own thread while training is stuck, so the aggregator can
+tell a stalled job (heartbeats, no steps) from a dead one (silence, see ``rank_silent``). When no
+rank that has not said goodbye has reported a completed step for ``stall_after_s`` seconds and at
+least one of them was heard within ``silent_after_s``, training has stalled.
+
+Each heartbeat says whether the rank has handed its first gradient bucket of the current step to
+all-reduce (``waiting``: it waits on its peers). A rank that is *not* waiting while its peers are
+is where the job is stuck: its peers wait for it in the collective. A silent rank while its peers
+wait is the same case. The check raises one finding per such rank (naming it, so
+``gradwatch_check_rank_flagged`` shows it); when no rank can be told apart (every rank waits: a
+deadlock inside the collective or the network; or none does: every rank stuck in data loading,
+checkpointing or the host) it raises one job-level finding instead. Details carry every rank's
+waiting flag and seconds since its latest step. Training before its first completed step is not
+judged (start-up, compilation and data loading may take long): no data. The finding resolves at
+the next completed step, or when every rank has said goodbye.
+"""
+
+from __future__ import annotations
+
+from . import Check, Evaluation, Finding, register
+
+
+def _ranks(rs) -> str:
+    return ", ".join(str(r.rank) for r in rs)
+
+
+@register
+class TrainingStalled(Check):
+    name = "training_stalled"
+    severity = "critical"
+    description = (
+        "Raised when no rank completes a step for stall_after_s seconds while the aggregator still "
+        "hears the ranks' heartbeats. Names the ranks not waiting in all-reduce (or silent) while their "
+        "peers wait there, the likely hung ones; job-level when no rank can be told apart."
+    )
+    metrics = {
+        "job_step_age_seconds": (
+            "Seconds since any rank of the job (that has not said goodbye) last reported a completed step.",
+            (), "seconds",
+        ),
+    }
+
+    def __init__(self, t):
+        super().__init__(t)
+        self._idle: dict[str, float] = {}
+
+    def on_tick(self, job, now):
+        live = [r for _, r in sorted(job.ranks.items()) if not r.closing]
+        last = max((r.history[-1][3] for r in live if r.history), default=None)
+        if not live:
+            self._idle.pop(job.job, None)
+            return Evaluation.healthy() if job.ranks else Evaluation.no_data()  # all said goodbye
+        if last is None:
+            return Evaluation.no_data()
+        idle = now - last
+        self._idle[job.job] = idle
+        if idle < self.t.stall_after_s:
+            return Evaluation.healthy()
+        heard = [r for r in live if now - r.last_seen <= self.t.silent_after_s]
+        if not heard:
+            return Evaluation.no_data()  # everyone is silent: the job died, not stalled (rank_silent)
+        silent = [r for r in live if r not in heard]
+        waiting = [r for r in heard if r.waiting]
+        busy = [r for r in heard if not r.waiting]
+        step = max(r.step for r in live)
+        details = {
+            "stalled_s": idle, "last_step": step,
+            "waiting": [r.rank for r in waiting], "not_waiting": [r.rank for r in busy],
+            "silent": [r.rank for r in silent],
+            "in_step_s": {str(r.rank): r.in_step_s for r in heard},
+        }
+        head = f"training stalled: no rank completed a step for {idle:.0f} s (last step {step})"
+        if waiting and (busy or silent):
+            findings = [
+                Finding(
+                    self.name, job.job, step,
+                    f"{head}; rank {r.rank} is not waiting in all-reduce while rank(s) {_ranks(waiting)} "
+                    f"wait there: likely hung (in its step for {r.in_step_s:.0f} s)",
+                    rank=r.rank, details={**details, "reason": "not_waiting"},
+                )
+                for r in busy
+            ] + [
+                Finding(
+                    self.name, job.job, step,
+                    f"{head}; rank {r.rank} is silent while rank(s) {_ranks(waiting)} wait in all-reduce",
+                    rank=r.rank, details={**details, "reason": "silent"},
+                )
+                for r in silent
+            ]
+            return Evaluation.found(*sorted(findings, key=lambda f: f.rank))
+        why = (
+            "every heard rank waits in all-reduce (a deadlock in the collective or the network)" if waiting
+            else "no rank waits in all-reduce (stuck in data loading, checkpointing or the host)"
+        )
+        return Evaluation.found(Finding(self.name, job.job, step, f"{head}; {why}", details=details))
+
+    def values(self, job_id):
+        idle = self._idle.get(job_id)
+        return {"job_step_age_seconds": {(): idle}} if idle is not None else {}
+
+    def forget(self, job_id):
+        self._idle.pop(job_id, None)

@@ -1,0 +1,221 @@
+"""Cardinality budget (case C34): a synthetic 1,024-rank x 200-layer job, fed as real wire frames to an
+in-process aggregator (no sockets, no ranks), exports a bounded number of series; the figures are the
+ones README's "Cardinality budget" section and the scrape job's sample_limit state.
+
+Also: layer grouping combines member layers soundly, and the per-rank detail limit keeps the ranks a
+finding names."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+import yaml
+
+from gradwatch import wire
+from gradwatch.aggregator import Aggregator, load
+from gradwatch.aggregator.checks import Finding, RunnerView
+from gradwatch.aggregator.exporter import ESSENTIAL_RANK_METRICS, SnapshotCollector
+from gradwatch.aggregator.reconcile import JobView, Snapshot, group_layers, layer_group, reconcile
+
+from .conftest import ROOT
+
+WORLD, EVERY = 1024, 10
+#: the budget README states for this job with layer_depth=2 and the default rank_detail_max
+BUDGET = 8_000
+SAMPLE_LIMIT = 20_000
+
+
+def model_layers() -> list[str]:
+    """200 leaf modules of a GPT-style model: embedding, 33 blocks of 6, head."""
+    subs = ("ln_1", "attn.qkv", "attn.proj", "ln_2", "mlp.fc", "mlp.proj")
+    names = ["embed", *(f"blocks.{b}.{s}" for b in range(33) for s in subs), "head"]
+    assert len(names) == 200
+    return names
+
+
+def schema(rank: int, layers: list[str]) -> wire.Schema:
+    params = tuple(p for m in layers for p in ((f"{m}.weight", (64, 64), "float32"), (f"{m}.bias", (64,), "float32")))
+    slots = tuple((m, "", "Linear", "float32") for m in layers)
+    return wire.Schema(wire.Header("big", rank, WORLD, f"boot{rank}", 0, 0.0), "host", rank % 8, EVERY, params, slots)
+
+
+def report(rank: int, seq: int, step: int, sch: wire.Schema, rng) -> wire.Report:
+    n_slots, n_params = len(sch.slots), len(sch.params)
+    act = rng.random((n_slots, 6), dtype=np.float32)
+    act[:, 5] = 0
+    act_grad = np.stack([rng.random(n_slots, dtype=np.float32), np.zeros(n_slots, np.float32)], axis=1)
+    param = np.stack([rng.random(n_params, dtype=np.float32), np.ones(n_params, np.float32),
+                      np.zeros(n_params, np.float32)], axis=1)
+    fp = np.arange(n_params, dtype=np.uint64) + np.uint64(step)
+    return wire.Report(
+        wire.Header("big", rank, WORLD, f"boot{rank}", seq, 0.0), sch.hash, step, 0.1, 1.0, 0,
+        probe=True, act=act, act_grad=act_grad, param=param, fp_grad=fp, fp_weight=fp,
+        local_grad_norm=1.0, compute_time=0.05, batch=8,
+    )
+
+
+def series(registry) -> Counter:
+    """Series per metric family, as Prometheus would ingest them from the exposition."""
+    from prometheus_client import generate_latest
+
+    text = generate_latest(registry).decode()
+    return Counter(re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0) for line in text.splitlines() if line and line[0] != "#")
+
+
+@pytest.fixture(scope="module")
+def big_job():
+    """One in-process aggregator per setting, fed the same frames: two probed steps of every rank."""
+    layers = model_layers()
+    rng = np.random.default_rng(0)
+    schemas = [schema(r, layers) for r in range(WORLD)]
+    frames = [[wire.encode(s) for s in schemas]]
+    for k, step in enumerate((0, EVERY)):
+        frames.append([wire.encode(report(r, k + 1, step, schemas[r], rng)) for r in range(WORLD)])
+    now = [0.0]
+    aggs = {}
+    for name, settings in {"grouped": dict(layer_depth=2), "full": dict(layer_depth=0)}.items():
+        agg = Aggregator(load(listen="tcp://127.0.0.1:0", **settings), clock=lambda: now[0])
+        counts = []
+        for batch in frames:
+            for f in batch:
+                agg.handle(f)
+            now[0] += 0.05
+            agg.state.tick()
+            agg.publish()
+            counts.append(series(agg.registry))
+        agg.runner.close()
+        aggs[name] = (agg, counts)
+    return aggs
+
+
+def test_1024_rank_200_layer_job_stays_within_the_budget_C34(big_job):
+    agg, counts = big_job["grouped"]
+    got = counts[-1]
+    total = sum(got.values())
+    assert agg.snapshot.jobs[0].last_round.complete and len(agg.snapshot.jobs[0].ranks) == WORLD
+    assert total <= BUDGET, f"{total} series > budget {BUDGET}: {got.most_common(12)}"
+    # every rank keeps its essential series; layer series are per group of blocks, not per layer
+    for name in ESSENTIAL_RANK_METRICS - {"gradwatch_check_rank_flagged"}:
+        fam = name + ("_total" if name.endswith(("_steps", "_reports", "_lost")) else "")
+        assert got[fam] == WORLD, fam
+    assert got["gradwatch_layer_grad_norm"] == 3 * (33 + 2)
+    assert got["gradwatch_rank_grad_norm"] == 0 and got["gradwatch_rank_step_seconds"] == 0
+    print(f"\ncardinality: {total} series with layer_depth=2 (budget {BUDGET})")
+
+
+def test_series_count_is_constant_across_steps_C34(big_job):
+    for name in ("grouped", "full"):
+        _, counts = big_job[name]
+        assert counts[1] == counts[2], name  # a new probed step adds no series
+
+
+def test_full_layer_paths_fit_the_scrape_sample_limit(big_job):
+    """Even without grouping (the default), the job fits the shipped scrape job's sample_limit."""
+    _, counts = big_job["full"]
+    total = sum(counts[-1].values())
+    assert counts[-1]["gradwatch_layer_grad_norm"] == 3 * 200
+    assert total <= SAMPLE_LIMIT, total
+    print(f"\ncardinality: {total} series with layer_depth=0 (sample_limit {SAMPLE_LIMIT})")
+
+
+def test_shipped_scrape_job_sets_the_sample_limit_the_budget_assumes():
+    cfg = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    (job,) = [j for j in cfg["scrape_configs"] if j["job_name"] == "gradwatch"]
+    assert job["sample_limit"] == SAMPLE_LIMIT
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Cardinality budget", 1)[1].split("\n## ", 1)[0]
+    assert f"{BUDGET:,}" in section and f"{SAMPLE_LIMIT:,}" in section
+
+
+# --- layer grouping and the rank detail limit, on small hand-made rounds ---------------------------
+
+
+def _round(values_by_rank: dict[int, dict[str, tuple]], layers: list[str]):
+    """A reconciled round of ``len(values_by_rank)`` ranks from per-layer (mean, std, min, max, zero,
+    nonfinite, out_grad_norm, param_grad_norm, weight_norm) tuples; one param per layer."""
+    params = tuple((f"{m}.weight", (4,), "float32") for m in layers)
+    slots = tuple((m, "", "ReLU", "float32") for m in layers)
+    sch = wire.Schema(wire.Header("j", 0, len(values_by_rank), "b", 0, 0.0), "h", 0, 1, params, slots)
+    reports = {}
+    for r, vals in values_by_rank.items():
+        v = np.array([vals[m] for m in layers], np.float32)
+        reports[r] = wire.Report(
+            wire.Header("j", r, len(values_by_rank), "b", 1, 0.0), sch.hash, 0, 0.1, 1.0, 0, probe=True,
+            act=v[:, :6], act_grad=np.stack([v[:, 6], np.zeros(len(layers), np.float32)], 1),
+            param=np.stack([v[:, 7], v[:, 8], np.zeros(len(layers), np.float32)], 1),
+            fp_grad=np.zeros(len(layers), np.uint64), fp_weight=np.zeros(len(layers), np.uint64),
+        )
+    return reconcile(len(values_by_rank), {sch.hash: sch}, 0, reports, True)
+
+
+def test_layer_group_keeps_the_first_components():
+    assert layer_group("blocks.3.mlp.fc", 2) == "blocks.3"
+    assert layer_group("head", 2) == "head" and layer_group("blocks.3.mlp.fc", 0) == "blocks.3.mlp.fc"
+
+
+def test_grouping_combines_member_layers_soundly():
+    layers = ["b.0.fc", "b.0.act", "head"]
+    rr = _round({
+        0: {"b.0.fc": (1, 1, -2, 3, 0.0, 0, 3, 3, 1), "b.0.act": (3, 1, 0, 5, 0.5, 2, 4, 4, 1), "head": (0, 1, -1, 1, 0, 0, 1, 1, 1)},
+        1: {"b.0.fc": (1, 1, -2, 3, 0.0, 0, 6, 6, 1), "b.0.act": (3, 1, 0, 5, 0.9, 0, 8, 8, 1), "head": (0, 1, -1, 1, 0, 0, 1, 1, 1)},
+    }, layers)
+    g = group_layers(rr, 2)
+    assert g.layers == ("b.0", "head") and g.modules == ("b.0", "head") and g.layer_types == ("ReLU", "ReLU")
+    i = g.layers.index("b.0")
+
+    def agg(stat):
+        values, observed = g.agg[stat]
+        assert observed[i]
+        return tuple(values[:, i])  # min, median, max over ranks
+
+    assert agg("output_grad_norm") == pytest.approx((5.0, 7.5, 10.0))  # sqrt(3^2+4^2), sqrt(6^2+8^2)
+    assert agg("grad_norm") == pytest.approx((5.0, 7.5, 10.0))
+    assert agg("weight_norm") == pytest.approx((math.sqrt(2),) * 3)
+    assert agg("activation_nonfinite") == (0.0, 1.0, 2.0)  # summed per rank
+    assert agg("activation_zero_ratio") == pytest.approx((0.5, 0.7, 0.9))  # the worst member
+    assert agg("activation_min")[0] == -2 and agg("activation_max")[2] == 5
+    assert agg("activation_mean") == pytest.approx((2.0,) * 3)
+    # pooled std of two equal-sized members with means 1 and 3 and stds 1: sqrt(1 + 1) = sqrt(2)
+    assert agg("activation_std") == pytest.approx((math.sqrt(2),) * 3)
+
+
+def test_grouping_propagates_nan_and_skips_unobserved_members():
+    layers = ["b.0.fc", "b.0.act"]
+    nan = float("nan")
+    rr = _round({
+        0: {"b.0.fc": (1, 1, 0, 1, 0, 1, nan, nan, 1), "b.0.act": (1, 1, 0, 1, 0, 0, 2, 2, 1)},
+        1: {"b.0.fc": (1, 1, 0, 1, 0, 0, 1, 1, 1), "b.0.act": (1, 1, 0, 1, 0, 0, 2, 2, 1)},
+    }, layers)
+    rr.act_grad[1, 0] = np.nan  # rank 1 never got b.0.fc's output gradient: not observed
+    g = group_layers(rr, 2)
+    values, observed = g.agg["output_grad_norm"]
+    assert observed[0] and all(math.isnan(x) for x in values[:, 0])  # rank 0's NaN poisons the group
+    assert g.act_grad[1, 0, 0] == pytest.approx(2.0)  # rank 1: only its observed member
+
+
+def _snap(world: int, active=()):
+    from gradwatch.aggregator.reconcile import RankView
+
+    ranks = tuple(RankView(r, "h", 0, 5, 0.1, 1.0, 0, 6, 1, 0, 7, 0, 0, 0.0, 0, 0) for r in range(world))
+    return Snapshot(jobs=(JobView("j", world, ranks, None, 0, 0),), checks=RunnerView(active=tuple(active)))
+
+
+def test_rank_detail_limit_keeps_essential_series_and_the_ranks_a_finding_names():
+    from prometheus_client import CollectorRegistry
+
+    flagged = Finding("straggler", "j", 5, "slow", rank=3)
+    counts = {}
+    for limit in (None, 4):
+        reg = CollectorRegistry()
+        reg.register(SnapshotCollector(lambda: _snap(8, [flagged]), rank_detail_max=limit))
+        counts[limit] = series(reg)
+    assert counts[None]["gradwatch_rank_step_seconds"] == 8
+    assert counts[4]["gradwatch_rank_step_seconds"] == 1  # only rank 3, the one named
+    assert counts[4]["gradwatch_rank_steps_total"] == 8 and counts[4]["gradwatch_rank_nonfinite_steps_total"] == 8
+    reg = CollectorRegistry()
+    reg.register(SnapshotCollector(lambda: _snap(4), rank_detail_max=4))  # at the limit: everything
+    assert series(reg)["gradwatch_rank_step_seconds"] == 4

@@ -1,0 +1,138 @@
+"""Alerting end to end on real servers: a real aggregator process, real 3-rank gloo DDP demo jobs,
+and Prometheus and Alertmanager started by ``gradwatch stack``'s code with the shipped configuration
+(1 s scrapes and evaluations, ``for:`` x 0.02, 1 s notification delays) on loopback, delivering to
+a webhook receiver run here.
+
+- A clean run fires nothing but the Watchdog, which Alertmanager delivers.
+- A replica drift injected on rank 1 fires ReplicaDivergence in Prometheus's /api/v1/alerts, with
+  job_id and rank, and Alertmanager delivers it to the critical receiver, grouped by job_id.
+- Alertmanager holds back a warning while a critical alert of the same job fires, not another
+  job's (the shipped inhibit rule).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from .conftest import run_demo, samples, start_aggregator, wait_for
+from .promstack import require_servers, start_promstack
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    require_servers()
+    tmp = tmp_path_factory.mktemp("alerting")
+    agg = start_aggregator(tmp, "--round-grace-s", "3", "--publish-interval-s", "0.05")
+    try:
+        ps = start_promstack(tmp / "stack", [agg.metrics_url.split("://", 1)[1].rsplit("/", 1)[0]])
+    except BaseException:
+        agg.stop()
+        raise
+    try:
+        wait_for(lambda: ps.query('up{job="gradwatch"} == 1'), 30, what="Prometheus scraping the aggregator")
+        yield agg, ps
+    finally:
+        ps.stop()
+        agg.stop()
+
+
+def _settled(agg, ps, job: str, last_probe: int) -> None:
+    """Wait until the job's last probed step is published and Prometheus has scraped it."""
+    wait_for(lambda: samples(agg.scrape(), "gradwatch_job_probe_step").get((("job_id", job),)) == last_probe,
+             20, what=f"probe step {last_probe} of {job} at /metrics")
+    wait_for(lambda: ps.query(f'gradwatch_job_probe_step{{job_id="{job}"}} == {last_probe}'), 15,
+             what=f"probe step {last_probe} of {job} in Prometheus")
+
+
+class AlertSampler:
+    """Polls Prometheus's active alerts (pending and firing) in the background, keeping every one seen."""
+
+    def __init__(self, ps):
+        self.ps, self.seen, self._stop = ps, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(0.5):
+            try:
+                self.seen.extend(self.ps.alerts())
+            except Exception:  # one failed poll is not a finding
+                pass
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self._thread.join(5)
+        self.seen.extend(self.ps.alerts())
+        return self.seen
+
+
+def test_clean_run_fires_nothing_but_the_watchdog(env):
+    agg, ps = env
+    # the pipeline delivers: the Watchdog reaches its receiver ...
+    wait_for(lambda: [a for _, a in ps.webhook.alerts("/watchdog") if a["labels"]["alertname"] == "Watchdog"], 30,
+             what="the Watchdog at the webhook")
+    # ... and start-up transients (no scrape yet: absent(up)) are over
+    wait_for(lambda: {a["labels"]["alertname"] for a in ps.alerts()} == {"Watchdog"}, 30,
+             what="only the Watchdog active")
+    ps.webhook.clear()
+    sampler = AlertSampler(ps)
+    try:
+        run_demo(agg.endpoint, ranks=3, steps=25, every=10, job="clean")
+        _settled(agg, ps, "clean", 20)
+        time.sleep(3)  # a few more scrapes and evaluations of the finished job
+    finally:
+        seen = sampler.stop()
+    assert {a["labels"]["alertname"] for a in seen} == {"Watchdog"}, [a["labels"] for a in seen if a["labels"]["alertname"] != "Watchdog"]
+    delivered = {a["labels"]["alertname"] for _, a in ps.webhook.alerts()}
+    assert delivered <= {"Watchdog"}, ps.webhook.notifications()
+    assert not ps.query('job_id:gradwatch_checks_in_finding:sum{job_id="clean"} > 0')
+
+
+def test_replica_drift_fires_in_prometheus_and_reaches_the_webhook(env):
+    agg, ps = env
+    run_demo(agg.endpoint, ranks=3, steps=25, every=10, inject=["drift@9:rank=1"], job="drift")
+
+    (alert,) = wait_for(lambda: ps.firing("ReplicaDivergence", job_id="drift"), 30,
+                        what=f"ReplicaDivergence firing in Prometheus\n{ps.logs()}")
+    labels = alert["labels"]
+    assert (labels["rank"], labels["severity"], labels["check"], labels["job"]) == ("1", "critical", "replica_drift", "gradwatch")
+    assert alert["annotations"]["runbook_url"].endswith("RUNBOOK.md#replicadivergence")
+    assert "Rank 1" in alert["annotations"]["description"]
+
+    def delivered():
+        return [
+            (n, a) for n in ps.webhook.notifications("/critical") for a in n["alerts"]
+            if a["labels"].get("alertname") == "ReplicaDivergence" and a["labels"].get("job_id") == "drift"
+        ]
+
+    (note, got), *_ = wait_for(delivered, 30, what=f"ReplicaDivergence at the webhook\n{ps.logs()}")
+    assert got["status"] == "firing" and got["labels"]["rank"] == "1" and got["labels"]["severity"] == "critical"
+    assert note["receiver"] == "gradwatch-critical" and note["groupLabels"] == {"job_id": "drift"}
+
+
+def test_alertmanager_holds_back_warnings_under_a_critical_of_the_same_job(env):
+    _, ps = env
+
+    def alert(name, severity, job):
+        return {"labels": {"alertname": name, "severity": severity, "job_id": job}, "annotations": {"summary": name}}
+
+    ps.post_alerts([alert("TestCritical", "critical", "inhibited"), alert("TestWarning", "warning", "inhibited"),
+                    alert("TestWarning", "warning", "free")])
+
+    def got(path, name):
+        return {a["labels"]["job_id"] for _, a in ps.webhook.alerts(path) if a["labels"]["alertname"] == name}
+
+    wait_for(lambda: got("/critical", "TestCritical") == {"inhibited"}, 20, what="the critical test alert delivered")
+    wait_for(lambda: "free" in got("/warning", "TestWarning"), 20, what="the other job's warning delivered")
+
+    def state(job):
+        (a,) = [a for a in ps.am_alerts() if a["labels"]["alertname"] == "TestWarning" and a["labels"]["job_id"] == job]
+        return a["status"]
+
+    assert state("inhibited")["state"] == "suppressed" and state("inhibited")["inhibitedBy"]
+    assert state("free")["state"] == "active"
+    time.sleep(2)  # more than group_wait and group_interval: the inhibited warning would be out by now
+    assert got("/warning", "TestWarning") == {"free"}

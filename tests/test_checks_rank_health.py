@@ -1,0 +1,484 @@
+"""Rank-health checks: outlier_rank, straggler, rank_silent, training_stalled, step_skew.
+
+Two tiers. First each check on recorded inputs: real :mod:`gradwatch.wire` messages folded into a
+real :class:`~gradwatch.aggregator.state.State` with a real :class:`~gradwatch.aggregator.checks.Runner`
+and a fake clock, asserting outcomes, the findings raised and resolved, and exported values. Then
+fault injection on real 3-rank gloo DDP runs (``gradwatch demo``) against a real aggregator process
+with short thresholds: a straggler, three exploding steps on one rank, a hung rank, a rank killed
+with SIGKILL, and a clean run that must raise none of these checks' findings.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gradwatch import wire
+from gradwatch.aggregator.checks import Outcome, Runner, Thresholds
+from gradwatch.aggregator.checks.outlier_rank import robust_z
+from gradwatch.aggregator.state import State
+
+from .conftest import run_demo, samples, start_aggregator, wait_for
+
+RANK_HEALTH = {"outlier_rank", "straggler", "rank_silent", "training_stalled", "step_skew"}
+
+PARAMS = (("fc.weight", (4, 4), "float32"), ("fc.bias", (4,), "float32"))
+SLOTS = (("fc", "", "Linear", "float32"), ("act", "", "ReLU", "float32"), ("head", "", "Linear", "float32"))
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Job:
+    """A job of fake ranks speaking the wire format into a real State + Runner (no sockets)."""
+
+    def __init__(self, checks, world: int = 3, job: str = "j", **thresholds):
+        self.clock = Clock()
+        self.runner = Runner(list(checks), Thresholds(**thresholds), wall=self.clock)
+        self.state = State(grace_s=5.0, clock=self.clock, runner=self.runner)
+        self.job, self.world = job, world
+        self.seq = {r: 0 for r in range(world)}
+        self.boot = {r: f"boot{r}" for r in range(world)}
+
+    def header(self, rank: int) -> wire.Header:
+        h = wire.Header(self.job, rank, self.world, self.boot[rank], self.seq[rank], 0.0)
+        self.seq[rank] += 1
+        return h
+
+    def schema(self, rank: int) -> None:
+        self.state.apply(wire.Schema(self.header(rank), "node", rank, 1, PARAMS, SLOTS))
+
+    def heartbeat(self, rank: int, step: int = -1, waiting: bool = False, closing: bool = False, in_step_s: float = 0.0):
+        self.state.apply(wire.Heartbeat(self.header(rank), step, self.seq[rank], 0, 0, closing=closing,
+                                        in_step_s=in_step_s, waiting=waiting))
+
+    def report(self, rank: int, step: int, *, step_time=0.1, compute_time=math.nan, local=math.nan,
+               probe=False, act_std=1.0, nonfinite=0.0):
+        arrays = {}
+        if probe:
+            act = np.tile(np.array([0.0, act_std, -1.0, 1.0, 0.1, nonfinite], np.float32), (len(SLOTS), 1))
+            arrays = dict(
+                act=act, act_grad=np.tile(np.array([0.5, 0.0], np.float32), (len(SLOTS), 1)),
+                param=np.tile(np.array([0.3, 2.0, 0.0], np.float32), (len(PARAMS), 1)),
+                fp_grad=np.arange(len(PARAMS), dtype=np.uint64), fp_weight=np.arange(len(PARAMS), dtype=np.uint64),
+            )
+        self.state.apply(wire.Report(
+            self.header(rank), wire.schema_hash(PARAMS, SLOTS), step, step_time, 1.0, 0,
+            probe=probe, local_grad_norm=local, compute_time=compute_time, **arrays,
+        ))
+
+    def tick(self, dt: float = 0.0) -> None:
+        self.clock.t += dt
+        self.state.tick()
+
+    def status(self, check: str) -> Outcome:
+        return self.runner.status.get((self.job, check))
+
+    def named(self, check: str) -> list:
+        return sorted((f.rank for f in self.runner.active.get((self.job, check), {}).values()),
+                      key=lambda r: -1 if r is None else r)
+
+    def events(self, check: str) -> list[tuple[str, object]]:
+        return [(e.event, e.rank) for e in self.runner.events if e.check == check]
+
+    def value(self, metric: str, *labels: str) -> float:
+        return self.runner.view().values[metric][(self.job, *labels)]
+
+
+# --- outlier_rank --------------------------------------------------------------------------------
+
+
+def test_outlier_rank_robust_z_is_iglewicz_hoaglin_with_a_floored_mad():
+    z, med = robust_z(np.array([1.0, 2.0, 3.0, 4.0, 100.0]), 0.0)
+    assert med == 3.0  # MAD = median(|-2, -1, 0, 1, 97|) = 1
+    np.testing.assert_allclose(z, 0.6745 * np.array([-2, -1, 0, 1, 97]))
+    # ranks that agree exactly (MAD 0): the floor, 10% of the median here, keeps 5% apart harmless
+    z, _ = robust_z(np.array([1.0, 1.0, 1.0, 1.05]), 0.1)
+    np.testing.assert_allclose(z, [0, 0, 0, 0.6745 * 0.05 / 0.1])
+    z, _ = robust_z(np.array([1.0, np.nan, 1.0]), 0.1)  # two finite values: no majority
+    assert np.isnan(z).all()
+
+
+def _outlier_round(j: Job, step: int, locals_, stds=None, nonfinite=None):
+    for r in range(j.world):
+        j.report(r, step, local=locals_[r], probe=True, act_std=(stds or [1.0] * j.world)[r],
+                 nonfinite=(nonfinite or [0.0] * j.world)[r])
+
+
+def test_outlier_rank_names_a_rank_only_after_k_consecutive_outlying_probes_and_resolves():
+    j = Job(["outlier_rank"], world=5, outlier_probes=3)
+    for r in range(5):
+        j.schema(r)
+    normal = [1.0, 1.1, 0.9, 1.05, 0.95]
+    _outlier_round(j, 0, normal)
+    assert j.status("outlier_rank") == Outcome.HEALTHY
+    bad = [1.0, 1.1, 0.9, 10.0, 0.95]
+    _outlier_round(j, 10, bad)
+    _outlier_round(j, 20, normal)  # back in line: the count starts over
+    _outlier_round(j, 30, bad)
+    _outlier_round(j, 40, bad)
+    assert j.named("outlier_rank") == []  # two in a row are not enough
+    _outlier_round(j, 50, bad)
+    assert j.named("outlier_rank") == [3] and j.status("outlier_rank") == Outcome.FINDING
+    (f,) = j.runner.active[("j", "outlier_rank")].values()
+    assert f.step == 50 and f.details["statistic"] == "local_grad_norm" and f.details["probes"] == 3
+    assert j.value("rank_outlier_zscore", "3") > 3.5 > j.value("rank_outlier_zscore", "0")
+    _outlier_round(j, 60, normal)
+    assert j.events("outlier_rank") == [("raised", 3), ("resolved", 3)]
+
+
+def test_outlier_rank_scores_activation_scale_and_nonfinite_counts():
+    j = Job(["outlier_rank"], world=4, outlier_probes=2)
+    for r in range(4):
+        j.schema(r)
+    same = [1.0, 1.0, 1.0, 1.0]
+    for step in (0, 1):  # rank 0's activations are three times wider than its peers'
+        _outlier_round(j, step, same, stds=[3.0, 1.0, 1.02, 0.98])
+    (f,) = j.runner.active[("j", "outlier_rank")].values()
+    assert (f.rank, f.details["statistic"]) == (0, "activation_std")
+    for step in (2, 3):  # rank 2 produces NaN activations, its peers none
+        _outlier_round(j, step, same, nonfinite=[0.0, 0.0, 64.0, 0.0])
+    (f,) = j.runner.active[("j", "outlier_rank")].values()
+    assert (f.rank, f.details["statistic"]) == (2, "nonfinite")
+    assert j.events("outlier_rank") == [("raised", 0), ("resolved", 0), ("raised", 2)]
+
+
+def test_outlier_rank_has_no_data_below_three_ranks_and_tolerates_noise():
+    j = Job(["outlier_rank"], world=2)
+    for r in range(2):
+        j.schema(r)
+    _outlier_round(j, 0, [1.0, 50.0])
+    assert j.status("outlier_rank") == Outcome.NO_DATA
+    # recorded local norms of a clean 3-rank demo run: ranks differ by up to ~2x at batch 8
+    j = Job(["outlier_rank"], world=3, outlier_probes=1)  # a single outlying probe would show
+    for r in range(3):
+        j.schema(r)
+    recorded = [[0.927, 1.183, 1.102], [1.482, 1.138, 1.466], [1.673, 1.297, 1.346], [0.829, 0.834, 1.046],
+                [0.757, 0.591, 0.593], [0.369, 0.998, 0.478], [0.403, 0.403, 0.508], [0.492, 0.357, 0.405]]
+    for i, norms in enumerate(recorded):
+        _outlier_round(j, i, norms)
+    assert j.events("outlier_rank") == []
+
+
+# --- straggler -----------------------------------------------------------------------------------
+
+
+def _steps(j: Job, start: int, n: int, compute, step_time=0.2):
+    for step in range(start, start + n):
+        for r in range(j.world):
+            j.report(r, step, step_time=step_time, compute_time=compute[r])
+
+
+def test_straggler_names_the_slow_rank_after_two_windows_from_compute_time_and_resolves():
+    j = Job(["straggler"], world=3, straggler_window=4, straggler_score=0.7, straggler_windows=2)
+    j.report(0, 0, compute_time=99.0)  # step 0 (start-up) is not timed
+    # DDP: every rank's step takes the same wall time; only the own work tells the straggler apart
+    _steps(j, 1, 4, [0.010, 0.050, 0.011])
+    assert j.named("straggler") == []  # one slow window is not enough
+    assert j.value("rank_straggler_relative_score", "1") == pytest.approx(0.2)
+    assert j.value("rank_straggler_relative_score", "0") == 1.0
+    _steps(j, 5, 4, [0.010, 0.050, 0.011])
+    assert j.named("straggler") == [1]
+    (f,) = j.runner.active[("j", "straggler")].values()
+    assert f.details["source"] == "compute_time" and f.details["fastest_rank"] == 0 and f.step == 8
+    _steps(j, 9, 4, [0.010, 0.0105, 0.011])
+    assert j.events("straggler") == [("raised", 1), ("resolved", 1)]
+    _steps(j, 13, 4, [0.010, 0.020, 0.011])  # rank 1 got slower than its own best window
+    assert j.value("rank_straggler_individual_score", "1") == pytest.approx(0.0105 / 0.020)
+    assert j.value("rank_straggler_individual_score", "0") == 1.0
+
+
+def test_straggler_falls_back_to_step_time_and_ignores_jitter_below_min_seconds():
+    j = Job(["straggler"], world=2, straggler_window=3, straggler_min_s=0.01)
+    for step in range(1, 7):  # no compute time (no DDP comm hook): step times
+        j.report(0, step, step_time=0.10)
+        j.report(1, step, step_time=0.40)
+    (f,) = j.runner.active[("j", "straggler")].values()
+    assert (f.rank, f.details["source"]) == (1, "step_time")
+    # 1 ms against 3 ms: a score of 0.33, but only 2 ms apart
+    j = Job(["straggler"], world=2, straggler_window=3, straggler_min_s=0.01)
+    _steps(j, 1, 9, [0.001, 0.003])
+    assert j.status("straggler") == Outcome.HEALTHY and j.events("straggler") == []
+
+
+def test_straggler_has_no_data_with_one_rank():
+    j = Job(["straggler"], world=1, straggler_window=2)
+    _steps(j, 1, 4, [0.01])
+    assert j.status("straggler") == Outcome.NO_DATA
+
+
+# --- rank_silent ---------------------------------------------------------------------------------
+
+
+def test_rank_silent_names_a_rank_without_messages_but_not_one_that_said_goodbye():
+    j = Job(["rank_silent"], silent_after_s=5)
+    for r in range(3):
+        j.heartbeat(r)
+    j.tick(1)
+    assert j.status("rank_silent") == Outcome.HEALTHY
+    j.heartbeat(2, closing=True)  # rank 2 finished and says so
+    for _ in range(6):
+        j.tick(1)
+        j.heartbeat(0)
+    assert j.named("rank_silent") == [1]
+    (f,) = j.runner.active[("j", "rank_silent")].values()
+    assert f.details["silent_s"] > 5
+    j.heartbeat(1)  # heard again
+    j.tick(0.1)
+    assert j.events("rank_silent") == [("raised", 1), ("resolved", 1)]
+
+
+# --- training_stalled ----------------------------------------------------------------------------
+
+
+def test_training_stalled_names_the_rank_not_waiting_while_its_peers_wait():
+    j = Job(["training_stalled"], stall_after_s=4, silent_after_s=3)
+    for r in range(3):
+        j.heartbeat(r)
+    j.tick(1)
+    assert j.status("training_stalled") == Outcome.NO_DATA  # no step completed yet
+    for r in range(3):
+        j.report(r, 0)
+    for _ in range(6):  # heartbeats only: ranks 0 and 1 wait in all-reduce, rank 2 does not
+        j.tick(1)
+        j.heartbeat(0, 0, waiting=True)
+        j.heartbeat(1, 0, waiting=True)
+        j.heartbeat(2, 0, waiting=False, in_step_s=6)
+        if j.clock.t - 1001 < 4:
+            assert j.status("training_stalled") == Outcome.HEALTHY
+    assert j.named("training_stalled") == [2]
+    (f,) = j.runner.active[("j", "training_stalled")].values()
+    assert f.details["waiting"] == [0, 1] and f.details["reason"] == "not_waiting"
+    assert j.value("job_step_age_seconds") >= 4
+    for r in range(3):
+        j.report(r, 1)  # the rank came back: a step completed
+    j.tick(0.1)
+    assert j.events("training_stalled") == [("raised", 2), ("resolved", 2)]
+
+
+def test_training_stalled_is_job_level_when_no_rank_stands_out_and_names_a_silent_one():
+    j = Job(["training_stalled"], stall_after_s=4, silent_after_s=3)
+    for r in range(3):
+        j.report(r, 0)
+    for _ in range(5):  # everyone waits: a deadlock inside the collective
+        j.tick(1)
+        for r in range(3):
+            j.heartbeat(r, 0, waiting=True)
+    assert j.named("training_stalled") == [None]
+    for _ in range(4):  # rank 1 stops talking, its peers keep waiting
+        j.tick(1)
+        for r in (0, 2):
+            j.heartbeat(r, 0, waiting=True)
+    assert j.named("training_stalled") == [1]
+    (f,) = j.runner.active[("j", "training_stalled")].values()
+    assert f.details["reason"] == "silent"
+    for r in range(3):  # all finish and say goodbye
+        j.heartbeat(r, 0, closing=True)
+    j.tick(0.1)
+    assert j.status("training_stalled") == Outcome.HEALTHY and j.named("training_stalled") == []
+
+
+# --- step_skew -----------------------------------------------------------------------------------
+
+
+def test_step_skew_names_the_most_behind_live_rank():
+    j = Job(["step_skew"], world=4, skew_steps=5, silent_after_s=10)
+    for r, step in enumerate([10, 10, 3, 8]):
+        j.report(r, step)
+    j.tick(0.1)
+    assert j.named("step_skew") == [2] and j.value("job_step_skew") == 7
+    (f,) = j.runner.active[("j", "step_skew")].values()
+    assert f.details["lagging"] == [2] and f.details["ahead_rank"] == 0
+    j.report(2, 5)  # catching up: 5 behind is within the threshold
+    j.tick(0.1)
+    assert j.status("step_skew") == Outcome.HEALTHY and j.value("job_step_skew") == 5
+    j.report(2, 12)
+    j.heartbeat(3, closing=True)  # rank 3 finished at step 8: not live, not skewed
+    for r in (0, 1):
+        j.report(r, 12)
+    j.tick(0.1)
+    assert j.value("job_step_skew") == 0
+    assert j.events("step_skew") == [("raised", 2), ("resolved", 2)]
+
+
+def test_step_skew_has_no_data_with_one_live_rank():
+    j = Job(["step_skew"], world=2, silent_after_s=3)
+    j.report(0, 10)
+    j.report(1, 1)
+    j.tick(4)  # both silent now
+    j.report(0, 11)
+    j.tick(0.1)
+    assert j.status("step_skew") == Outcome.NO_DATA
+
+
+# --- real DDP runs -------------------------------------------------------------------------------
+
+SHORT = (
+    "--round-grace-s", "3", "--publish-interval-s", "0.05",
+    "--checks.silent-after-s", "3", "--checks.stall-after-s", "4",
+    # the demo's tiny model on shared CPUs: compute times of 5-30 ms that jitter by 10 ms between
+    # ranks, local gradient norms up to ~2x apart at batch 8; the faults below are far larger
+    "--checks.straggler-window", "5", "--checks.straggler-score", "0.5", "--checks.straggler-min-s", "0.05",
+    "--checks.outlier-min-mad", "0.3",
+)
+
+
+def _raised(agg, job):
+    return sorted(
+        ((e["check"], e["rank"]) for e in agg.findings(job) if e["event"] == "raised" and e["check"] in RANK_HEALTH),
+        key=str,
+    )
+
+
+@pytest.fixture(scope="module")
+def fault_and_clean(tmp_path_factory):
+    """One straggling and exploding job, and one clean job of the same length, run side by side."""
+    agg = start_aggregator(tmp_path_factory.mktemp("agg"), *SHORT)
+    try:
+        runs = {
+            "faulty": ["straggler@10:rank=1:seconds=0.2", "explode@20:rank=2", "explode@21:rank=2", "explode@22:rank=2"],
+            "clean": [],
+        }
+        errors = []
+
+        def go(job, inject):
+            try:
+                run_demo(agg.endpoint, ranks=3, steps=30, every=1, inject=inject, job=job)
+            except BaseException as e:  # reported below, in the test's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=go, args=item) for item in runs.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        time.sleep(5)  # past silent_after_s and stall_after_s: goodbyes must keep both quiet
+        yield agg, {job: (_raised(agg, job), agg.findings(job)) for job in runs}, agg.scrape()
+    finally:
+        agg.stop()
+
+
+def test_straggler_real_run_names_only_the_sleeping_rank(fault_and_clean):
+    _, runs, metrics = fault_and_clean
+    raised, events = runs["faulty"]
+    assert [r for c, r in raised if c == "straggler"] == [1]
+    f = next(e for e in events if e["check"] == "straggler" and e["event"] == "raised")
+    assert f["details"]["source"] == "compute_time" and f["details"]["relative_score"] < 0.5
+    rel = {dict(k)["rank"]: v for k, v in samples(metrics, "gradwatch_rank_straggler_relative_score").items()
+           if ("job_id", "faulty") in k}
+    assert set(rel) == {"0", "1", "2"} and rel["1"] < 0.5 and min(rel, key=rel.get) == "1"
+
+
+def test_outlier_rank_real_run_names_the_rank_whose_loss_exploded_three_probes_in_a_row(fault_and_clean):
+    _, runs, _ = fault_and_clean
+    raised, events = runs["faulty"]
+    assert [r for c, r in raised if c == "outlier_rank"] == [2]
+    f = next(e for e in events if e["check"] == "outlier_rank" and e["event"] == "raised")
+    assert f["step"] == 22 and f["details"]["statistic"] == "local_grad_norm"
+    assert ("resolved", 2) in {(e["event"], e["rank"]) for e in events if e["check"] == "outlier_rank"}
+
+
+def test_rank_health_clean_real_run_raises_no_finding(fault_and_clean):
+    agg, runs, metrics = fault_and_clean
+    raised, _ = runs["clean"]
+    assert raised == []
+    # the fault run's only findings are the two injected ones: no silent, stalled or skewed ranks
+    assert {c for c, _ in runs["faulty"][0]} == {"straggler", "outlier_rank"}
+    status = samples(metrics, "gradwatch_check_status")
+    for check in ("straggler", "outlier_rank"):
+        assert status[(("check", check), ("job_id", "clean"), ("status", "healthy"))] == 1
+
+
+def _demo(endpoint, job, steps, inject=()):
+    cmd = [sys.executable, "-m", "gradwatch.cli", "demo", "--aggregator", endpoint, "--ranks", "3",
+           "--steps", str(steps), "--every", "10", "--job", job, "--no-progress",
+           "--width", "32", "--layers", "2", "--heads", "2", "--batch-size", "8", "--context", "32"]
+    for spec in inject:
+        cmd += ["--inject", spec]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _active(agg, job, check):
+    return sorted(f["rank"] for f in agg.findings(job, active=True) if f["check"] == check)
+
+
+def test_training_stalled_real_run_names_the_hung_rank_while_it_hangs(tmp_path):
+    agg = start_aggregator(tmp_path, *SHORT)
+    demo = _demo(agg.endpoint, "hang", 25, ["hang@15:rank=2:seconds=12"])
+    try:
+        named = wait_for(lambda: _active(agg, "hang", "training_stalled"), 120, 0.2, what="training_stalled")
+        assert named == [2]
+        f = next(f for f in agg.findings("hang", active=True) if f["check"] == "training_stalled")
+        assert f["details"]["waiting"] == [0, 1] and f["step"] == 14
+        assert _active(agg, "hang", "rank_silent") == []  # hung, but its agent still heartbeats
+        out, _ = demo.communicate(timeout=120)
+        assert demo.returncode == 0, out
+        wait_for(lambda: _active(agg, "hang", "training_stalled") == [], 10, what="the stall to resolve")
+        assert _raised(agg, "hang") == [("training_stalled", 2)]
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+        agg.stop()
+
+
+def _rank_processes(pid: int) -> list[int]:
+    """The demo's rank processes (spawned children running spawn_main), in start order = rank order."""
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    ranks = []
+    for k in kids:
+        try:
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{k}/stat") as f:
+                start = int(f.read().rsplit(")", 1)[1].split()[19])
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmd:
+            ranks.append((start, k))
+    return [k for _, k in sorted(ranks)]
+
+
+def test_rank_silent_real_run_names_the_rank_killed_with_sigkill(tmp_path):
+    agg = start_aggregator(tmp_path, *SHORT)
+    demo = _demo(agg.endpoint, "kill", 100_000)
+    try:
+        def training():
+            steps = {dict(k).get("rank"): v for k, v in samples(agg.scrape(), "gradwatch_rank_step").items()
+                     if ("job_id", "kill") in k}
+            return len(steps) == 3 and min(steps.values()) >= 5
+
+        wait_for(training, 120, 0.2, what="all three ranks training")
+        ranks = _rank_processes(demo.pid)
+        assert len(ranks) == 3, ranks
+        # torch.multiprocessing would SIGTERM the other ranks the moment one dies (then they die
+        # without a goodbye and are rightly silent too); stopped, it leaves them to their own fate:
+        # their all-reduce fails, they exit saying goodbye, or they keep waiting and heartbeating
+        os.kill(demo.pid, signal.SIGSTOP)
+        os.kill(ranks[1], signal.SIGKILL)
+        assert wait_for(lambda: _active(agg, "kill", "rank_silent"), 30, 0.2, what="rank_silent") == [1]
+        time.sleep(4)  # longer than silent_after_s: the surviving ranks must not be named
+        assert _active(agg, "kill", "rank_silent") == [1]
+        assert [r for c, r in _raised(agg, "kill") if c == "rank_silent"] == [1]
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+        demo.wait()
+        agg.stop()
