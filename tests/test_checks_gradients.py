@@ -162,12 +162,13 @@ def test_explosion_spike_is_a_factor_of_the_rolling_median(history, norm, kinds)
         assert job.active("explosion")[0].details["kinds"] == kinds
 
 
-def test_explosion_vanishing_names_no_rank():
-    job = Job(["explosion"])
+def test_vanishing_is_its_own_check_and_names_no_rank():
+    job = Job(["explosion", "vanishing"])
     for s in range(3):
         job.step(s, 1e-9)
-    assert job.events("explosion") == [("raised", 0, None, None)]
-    assert job.active("explosion")[0].details["kinds"] == ["vanish"]
+    assert job.events("vanishing") == [("raised", 0, None, None)]
+    assert job.active("vanishing")[0].details["kinds"] == ["vanish"]
+    assert job.events("explosion") == []  # explosion judges explode and spike only
 
 
 def test_explosion_lost_report_step_evaluated_after_wait_with_the_ranks_that_reported():

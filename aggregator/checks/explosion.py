@@ -83,8 +83,8 @@ class Explosion(Check):
     name = "explosion"
     severity = "critical"
     description = (
-        "Global gradient norm every step, and each layer's at probed steps, against explode_above and "
-        "vanish_below and against spike_factor times its rolling median over spike_window steps. Names "
+        "Global gradient norm every step, and each layer's at probed steps, against explode_above "
+        "and against spike_factor times its rolling median over spike_window steps. Names "
         "the rank with the largest local (pre-all-reduce) gradient norm as the likely source, and at most "
         "max_layers layers. A finding lasts spike_window steps past its last bad step. Non-finite norms "
         "are left to the nonfinite check; steps AMP's loss scaler skipped are not reported by the agent "
@@ -96,6 +96,9 @@ class Explosion(Check):
             "finite values only; the spike reference.", (), "",
         ),
     }
+
+    #: kinds of trouble this check judges; the vanishing check is this one judging "vanish" alone
+    kinds = frozenset({"explode", "spike"})
 
     def __init__(self, t):
         super().__init__(t)
@@ -176,7 +179,8 @@ class Explosion(Check):
         if median > 0 and norm > t.spike_factor * median:
             kinds["spike"] = {"median": median, "factor": norm / median}
             score = max(score, norm / (t.spike_factor * median))
-        return kinds, score
+        kinds = {k: v for k, v in kinds.items() if k in self.kinds}
+        return kinds, score if kinds else 0.0
 
     def _steps(self, job_id: str, st: _Job, released) -> Optional[Evaluation]:
         if not released:

@@ -1,0 +1,31 @@
+"""Vanishing gradients: the global gradient norm below ``vanish_below``.
+
+The explosion check's machinery (steps lined up across ranks, findings that last ``spike_window``
+steps past the last bad step) judging one kind of trouble, so alerts and dashboards can tell a
+vanishing job from an exploding one by the check's name alone.
+"""
+
+from __future__ import annotations
+
+from . import register
+from .explosion import Explosion
+
+
+@register
+class Vanishing(Explosion):
+    name = "vanishing"
+    severity = "warning"
+    description = (
+        "Global gradient norm (after all-reduce) every step against vanish_below: the model has stopped "
+        "learning (a learning rate at zero, a frozen model, a loss that no longer depends on the "
+        "parameters, saturated activations). Names no rank. A finding lasts spike_window steps past the "
+        "last step below the threshold."
+    )
+    kinds = frozenset({"vanish"})
+    metrics = {}  # the rolling median is the explosion check's series
+
+    def on_round(self, job, r):
+        return None  # per-layer norms are judged for explosion only
+
+    def values(self, job_id):
+        return {}
