@@ -53,6 +53,10 @@ class AgentConfig(BaseSettings):
     def _endpoint(cls, v: str) -> str:
         if not v.startswith(("tcp://", "ipc://", "inproc://")) or "://" == v[-3:]:
             raise ValueError(f"must look like tcp://host:port or ipc://path, got {v!r}")
+        if v.startswith("tcp://"):
+            port = v.rpartition(":")[2]
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"a tcp endpoint needs a port, tcp://host:port, got {v!r}")
         return v
 
     @field_validator("job")

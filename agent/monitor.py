@@ -83,6 +83,19 @@ def _bitcast_f32(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.float32)
 
 
+def allreduce_mean(process_group, bucket):
+    """DDP communication hook doing exactly what DDP's reducer does without one: scale the bucket
+    by 1/world size, then sum it over the ranks. ``torch.distributed``'s ``allreduce_hook`` divides
+    instead, which rounds differently when the world size is not a power of two: training results
+    would change with the agent attached."""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    t = bucket.buffer()
+    t.mul_(1.0 / group.size())
+    return dist.all_reduce(t, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside DistributedDataParallel or torch.compile wrappers."""
     while True:
@@ -137,15 +150,7 @@ class Monitor:
         self._comm_inner = None
         self._ddp_ref = None
         self._batch = 0
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and cfg.local_norms:
-            self._install_comm_hook(model)
-        self._param_meta = tuple(
-            (name, tuple(p.shape), str(p.dtype).replace("torch.", "")) for name, p in self._params
-        )
-        self._step_handles = [
-            optimizer.register_step_pre_hook(self._pre_step),
-            optimizer.register_step_post_hook(self._post_step),
-        ]
+        # the socket first: if it cannot be made, attach fails before any hook is in place
         self.sender = Sender(
             cfg.endpoint,
             header=self._header,
@@ -156,6 +161,15 @@ class Monitor:
             heartbeat_s=cfg.heartbeat_s,
             schema_every_s=cfg.schema_every_s,
         )
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and cfg.local_norms:
+            self._install_comm_hook(model)
+        self._param_meta = tuple(
+            (name, tuple(p.shape), str(p.dtype).replace("torch.", "")) for name, p in self._params
+        )
+        self._step_handles = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
         if scaler is not None:
             self._wrap_scaler(scaler)
         self.sender.start()
@@ -237,9 +251,7 @@ class Monitor:
             log.info("gradwatch: the model already has a DDP communication hook; per-rank local gradient "
                      "norms need it wrapped: ddp.register_comm_hook(state, monitor.wrap_comm_hook(hook))")
             return
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        self._comm_inner = (ddp.process_group, default_hooks.allreduce_hook)
+        self._comm_inner = (ddp.process_group, allreduce_mean)
         try:
             ddp.register_comm_hook(None, self._comm_hook)
         except Exception as e:
@@ -438,7 +450,7 @@ class Monitor:
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(flat.device))  # the stream the copy runs on
         else:
             host = flat
         batch = self.cfg.batch_size * max(rec.micro, 1) if self.cfg.batch_size else self._batch
@@ -460,13 +472,13 @@ class Monitor:
             schema=self._schema.hash if self._schema is not None else "",
         )
         self._skipped = 0
-        self.sender.submit(lambda h: self._finalise(h, layout, host, event))
+        # the sender polls the event rather than waiting on it: a collective stuck on the device
+        # must not stop its heartbeats (they tell a hung rank from the peers waiting for it)
+        self.sender.submit(lambda h: self._finalise(h, layout, host), None if event is None else event.query)
 
     # --- finalisation (sender thread) ----------------------------------------------------------
 
-    def _finalise(self, h: wire.Header, L: "_Layout", host: torch.Tensor, event) -> wire.Report:
-        if event is not None:
-            event.synchronize()
+    def _finalise(self, h: wire.Header, L: "_Layout", host: torch.Tensor) -> wire.Report:
         raw = host.numpy()  # float32; fingerprints are read from it before any conversion
         with np.errstate(invalid="ignore"):  # fingerprint bytes may read as NaN floats here
             flat = raw.astype(np.float64)
@@ -486,7 +498,11 @@ class Monitor:
                 counts = flat[off : off + k]
                 fp_grad_present = raw[off + k : off + 3 * k].view(np.uint64)
                 off += 3 * k
-        self._watch_sentinel(L.step, grad_norm)
+        self._watch_sentinel(L.step, grad_norm, grad_nonfinite)
+        if math.isfinite(loss_scale) and loss_scale > 0:
+            # the comm hook and output tensor hooks saw gradients multiplied by the loss scale;
+            # the optimizer pre-hook sees them unscaled (case C10)
+            local_norm /= loss_scale
         common = dict(
             drops=self.sender.drops, local_grad_norm=local_norm, compute_time=L.compute_time, loss=loss,
             loss_scale=loss_scale, skipped=L.skipped,
@@ -523,6 +539,8 @@ class Monitor:
             np.add.at(sums, slot_of, g)
             seen = np.unique(slot_of)
             act_grad[seen, 0] = np.sqrt(sums[seen, 0])
+            if math.isfinite(loss_scale) and loss_scale > 0:
+                act_grad[seen, 0] /= loss_scale
             act_grad[seen, 1] = sums[seen, 1]
         return wire.Report(
             h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite,
@@ -531,14 +549,16 @@ class Monitor:
             fp_grad=fp_grad, fp_weight=fp_weight, **common,
         )
 
-    def _watch_sentinel(self, step: int, grad_norm: float) -> None:
-        """Sender thread: ask for a burst of probes after a non-finite or spiking gradient norm."""
+    def _watch_sentinel(self, step: int, grad_norm: float, grad_nonfinite: int) -> None:
+        """Sender thread: ask for a burst of probes after a non-finite or spiking gradient norm.
+        (A NaN norm with no non-finite parameter means "no gradients", not a fault.)"""
         burst = self.cfg.burst
         recent = self._recent_norms
         spike = len(recent) >= 4 and grad_norm > self.cfg.spike_factor * float(np.median(recent))
-        if burst and (not math.isfinite(grad_norm) or spike):
-            # probes start at the next step boundary the training thread reaches
-            self._burst_until = max(self._burst_until, self.step + burst)
+        if burst and (grad_nonfinite > 0 or math.isinf(grad_norm) or spike):
+            # anchored to the step, not to when this thread gets here, so every rank that sees the
+            # same all-reduced norm probes the same steps (those the training thread has not passed)
+            self._burst_until = max(self._burst_until, step + 1 + burst)
         if math.isfinite(grad_norm):
             recent.append(grad_norm)
 
@@ -562,6 +582,9 @@ class NullMonitor:
 
     def observe_loss(self, loss) -> None:
         pass
+
+    def wrap_comm_hook(self, hook):
+        return hook
 
     def close(self) -> None:
         pass

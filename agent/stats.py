@@ -109,8 +109,10 @@ class Reducer:
         x = t.detach().reshape(-1)
         if x.dtype != torch.float32:
             x = x.float()
-        if x.numel() == 0:
-            return torch.tensor([float("nan"), 0.0, float("nan"), float("nan"), 0.0, 0.0], device=x.device)
+        if x.numel() == 0:  # no host-to-device copy: new_full and slicing fill on the device
+            out = x.new_full((6,), float("nan"))
+            out[[1, 4, 5]] = 0.0
+            return out
         fused = self._fused
         if fused is None:
             if self.mode == "auto" and x.is_cuda and not self._compiling:

@@ -29,6 +29,7 @@ from gradwatch import wire
 log = logging.getLogger("gradwatch.agent")
 
 Build = Callable[[wire.Header], Optional[wire.Message]]
+Ready = Optional[Callable[[], bool]]
 
 
 class Sender:
@@ -61,7 +62,7 @@ class Sender:
         self._header = header
         self._schema = schema
         self._heartbeat = heartbeat
-        self._queue: collections.deque[Build] = collections.deque()
+        self._queue: collections.deque[tuple[Build, Ready]] = collections.deque()
         self._queue_size = queue_size
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -91,15 +92,19 @@ class Sender:
 
     # --- training thread side: O(1), never blocks ------------------------------------------
 
-    def submit(self, build: Build) -> None:
-        """Queue a report builder; drops (and counts) the oldest when the queue is full."""
+    def submit(self, build: Build, ready: Ready = None) -> None:
+        """Queue a report builder; drops (and counts) the oldest when the queue is full.
+
+        ``ready``, if given, says whether the builder's data has arrived (a CUDA event's
+        ``query``); reports go out in order, and an unready one holds back those after it
+        without holding back heartbeats."""
         if len(self._queue) >= self._queue_size:
             try:
                 self._queue.popleft()
                 self._queue_drops += 1
             except IndexError:
                 pass
-        self._queue.append(build)
+        self._queue.append((build, ready))
         self._wake.set()
 
     def request_schema(self) -> None:
@@ -177,9 +182,20 @@ class Sender:
                         next_schema = now + self._schema_every_s
                     elif self._schema(self._header(self.seq)) is None:
                         next_schema = now + self._schema_every_s  # nothing to say yet
+                waiting = False
                 while self._queue:
                     try:
-                        build = self._queue.popleft()
+                        build, ready = self._queue[0]
+                    except IndexError:
+                        break
+                    if ready is not None and not ready():
+                        waiting = True
+                        break
+                    if self._schema_due and self._send(self._schema):
+                        self._schema_due = False  # a report never overtakes the schema it names
+                        next_schema = now + self._schema_every_s
+                    try:
+                        self._queue.popleft()
                     except IndexError:
                         break
                     self._send(build)
@@ -188,7 +204,8 @@ class Sender:
                     next_beat = now + self._heartbeat_s
                 if stopping:
                     return
-                self._wake.wait(max(0.0, min(next_beat, next_schema) - self._clock()))
+                timeout = max(0.0, min(next_beat, next_schema) - self._clock())
+                self._wake.wait(min(timeout, 0.002) if waiting else timeout)
                 self._wake.clear()
         except Exception as e:  # never expected; keep the process healthy regardless
             self.errors += 1

@@ -202,8 +202,14 @@ class Aggregator:
                         self.handle(frame)
                 now = self.clock()
                 if now - last_tick >= 0.1:
-                    self.state.tick()
                     last_tick = now
+                    try:
+                        self.state.tick()
+                    except Exception as e:  # a bug of ours must not stop the receive loop
+                        self.state.reject("internal")
+                        if not self._internal_warned:
+                            self._internal_warned = True
+                            log.exception("gradwatch aggregator: tick failed: %r", e)
                 if self.state.version != published and now - last_pub >= interval:
                     published = self.state.version
                     self.publish()
@@ -225,8 +231,10 @@ class Aggregator:
             status = [dict(job_id=j, check=c, status=o) for j, c, o in (view.status if view else ())]
             return self._json(start_response, {"checks": status})
         if path == "/healthz":
-            body = json.dumps({"ok": self._thread is not None and self._thread.is_alive()}).encode()
-            start_response("200 OK", [("Content-Type", "application/json")])
+            ok = self._thread is not None and self._thread.is_alive()
+            body = json.dumps({"ok": ok}).encode()
+            # 503 when the receive loop died, so a liveness probe restarts the aggregator
+            start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "application/json")])
             return [body]
         start_response("404 Not Found", [("Content-Type", "text/plain")])
         return [b"not found: try /metrics\n"]

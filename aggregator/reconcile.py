@@ -321,7 +321,7 @@ def snapshot(state, wall_now: float) -> Snapshot:
             RankView(
                 r.rank, r.host, r.local_rank, r.step, r.step_time, r.grad_norm, r.grad_nonfinite, r.steps,
                 r.probes, r.nonfinite_steps, r.received, r.lost, r.restarts,
-                wall_now - (mono_now - r.last_seen), r.agent_drops, r.agent_errors,
+                wall_now - (mono_now - r.last_seen), r.drops_base + r.agent_drops, r.errors_base + r.agent_errors,
                 r.local_grad_norm, r.compute_time, r.closing,
                 (mono_now - r.heartbeat_at) if r.heartbeat_at else math.nan,
                 r.loss, r.loss_scale, r.skipped_steps,

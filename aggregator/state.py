@@ -20,9 +20,6 @@ from gradwatch import wire
 
 from .reconcile import RoundResult, reconcile
 
-HISTORY = 512
-
-
 @dataclass
 class RankState:
     rank: int
@@ -54,8 +51,11 @@ class RankState:
     in_step_s: float = 0.0  # from the latest heartbeat
     waiting: bool = False  # from the latest heartbeat: waiting on peers in all-reduce
     heartbeat_at: float = 0.0  # aggregator clock of the latest heartbeat
-    # (step, grad_norm, step_time, aggregator time) of recent steps, for the cross-rank checks
-    history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
+    last_report_at: float = 0.0  # aggregator clock of the latest report
+    # the agent's own counters restart with it; these carry earlier boots' totals so the exported
+    # counters never decrease
+    drops_base: int = 0
+    errors_base: int = 0
 
 
 @dataclass
@@ -135,9 +135,15 @@ class State:
         if r is None:
             r = job.ranks[h.rank] = RankState(h.rank)
         if h.boot != r.boot:
-            if r.boot:
+            if r.boot:  # the agent restarted: its sequence and counters start over
                 r.restarts += 1
-            r.boot, r.last_seq = h.boot, -1
+                r.drops_base += r.agent_drops
+                r.errors_base += r.agent_errors
+                r.agent_drops = r.agent_errors = 0
+                r.last_seq = -1
+            else:  # first contact (or the aggregator restarted): what came before is not a loss
+                r.last_seq = h.seq - 1
+            r.boot = h.boot
         if h.seq > r.last_seq + 1:
             r.lost += h.seq - r.last_seq - 1
         r.last_seq = max(r.last_seq, h.seq)
@@ -169,7 +175,7 @@ class State:
         # a NaN norm with no non-finite parameter means "no gradients this step", not a fault
         if m.grad_nonfinite or math.isinf(m.grad_norm):
             r.nonfinite_steps += 1
-        r.history.append((m.step, m.grad_norm, m.step_time, now))
+        r.last_report_at = now
         if self.runner is not None:
             self.runner.dispatch("on_report", job, r, m)
         if not m.probe:
@@ -201,6 +207,10 @@ class State:
                 if now - r.last_seen > self.rank_ttl_s:
                     del job.ranks[rank]
                     self.version += 1
+            if len(job.schemas) > len(job.ranks):  # keep the schemas a rank or a pending round uses
+                used = {r.schema for r in job.ranks.values()}
+                used.update(rep.schema for rnd in job.rounds.values() for rep in rnd.reports.values())
+                job.schemas = {k: v for k, v in job.schemas.items() if k in used}
             if not job.ranks:
                 del self.jobs[job.job]
                 if self.runner is not None:

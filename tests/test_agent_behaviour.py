@@ -182,9 +182,10 @@ def test_identical_run_plain_module(collector):
         assert torch.equal(params0[n], params1[n]), n
 
 
-# --- (b) identical run and (c) gradient accumulation on a real 2-rank gloo DDP job ---------------
+# --- (b) identical run and (c) gradient accumulation on a real 3-rank gloo DDP job ---------------
 
-DDP_STEPS, ACCUM_STEPS, MICRO, RANKS = 6, 3, 4, 2
+# 3 ranks: a world size that is not a power of two is where scaling by 1/W and dividing by W differ
+DDP_STEPS, ACCUM_STEPS, MICRO, RANKS = 6, 3, 4, 3
 
 
 def _ddp_worker(rank: int, world: int, port: int, endpoint: str, out_dir: str, acks) -> None:

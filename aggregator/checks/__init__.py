@@ -280,10 +280,9 @@ class Runner:
     def _record(self, job: str, check: Check, ev: Evaluation) -> None:
         k = (job, check.name)
         self.status[k] = ev.outcome
-        if ev.outcome == Outcome.NO_DATA:
-            return
         before = self.active.get(k, {})
-        now = {f.key: f for f in ev.findings}
+        # a check that can no longer judge (no_data) stands behind none of its earlier findings
+        now = {f.key: f for f in ev.findings} if ev.outcome != Outcome.NO_DATA else {}
         for key, f in now.items():
             if key not in before:
                 self.raised[k] += 1
@@ -298,8 +297,14 @@ class Runner:
         self.events.append(e)
         (log.warning if kind == "raised" else log.info)("gradwatch %s %s: %s", kind, f.check, f.summary)
         if self._log is not None:
-            self._log.write(e.to_json() + "\n")
-            self._log.flush()
+            try:
+                self._log.write(e.to_json() + "\n")
+                self._log.flush()
+            except (OSError, ValueError) as err:  # a full disk must not stop the checks
+                self.errors["event_log"] += 1
+                if "event_log" not in self._warned:
+                    self._warned.add("event_log")
+                    log.error("gradwatch: cannot append to the event log (counted, not logged again): %r", err)
         if kind == "raised":
             for sink in self._sinks:
                 try:
@@ -312,6 +317,7 @@ class Runner:
             c.forget(job)
             self.status.pop((job, name), None)
             self.active.pop((job, name), None)
+            self.raised.pop((job, name), None)
 
     def view(self) -> "RunnerView":
         values: dict[str, dict[tuple, float]] = collections.defaultdict(dict)

@@ -48,7 +48,7 @@ class TrainingStalled(Check):
 
     def on_tick(self, job, now):
         live = [r for _, r in sorted(job.ranks.items()) if not r.closing]
-        last = max((r.history[-1][3] for r in live if r.history), default=None)
+        last = max((r.last_report_at for r in live if r.steps), default=None)
         if not live:
             self._idle.pop(job.job, None)
             return Evaluation.healthy() if job.ranks else Evaluation.no_data()  # all said goodbye

@@ -1,0 +1,150 @@
+"""Edge cases found in review: first contact mid-stream, agent restarts, checks that lose their data,
+a failing event log, bursts of probes, and attach-time failures."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import requests
+import torch
+import zmq
+
+import gradwatch.agent as gw
+from gradwatch import wire
+from gradwatch.aggregator.checks import Runner, Thresholds
+from gradwatch.aggregator.reconcile import snapshot
+from gradwatch.aggregator.state import State
+
+from .conftest import start_aggregator, wait_for
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _hdr(rank=0, seq=0, boot="a", world=1):
+    return wire.Header("j", rank, world, boot, seq, 0.0)
+
+
+def _report(step, **kw):
+    h = kw.pop("header", None) or _hdr(seq=step)
+    return wire.Report(h, "", step, 0.01, 1.0, 0, **kw)
+
+
+def test_c28_first_contact_mid_stream_counts_no_loss_but_later_gaps_do():
+    st = State(clock=Clock())
+    st.apply(_report(0, header=_hdr(seq=5000)))  # the aggregator restarted; the agent did not
+    st.apply(_report(1, header=_hdr(seq=5003)))
+    assert st.jobs["j"].ranks[0].lost == 2
+
+
+def test_agent_counters_stay_monotonic_across_agent_restarts():
+    st = State(clock=Clock())
+    st.apply(wire.Heartbeat(_hdr(seq=0, boot="a"), step=3, sent=10, drops=7, errors=2))
+    st.apply(wire.Heartbeat(_hdr(seq=0, boot="b"), step=0, sent=1, drops=1, errors=0))
+    (view,) = snapshot(st, time.time()).jobs[0].ranks
+    assert (view.agent_drops, view.agent_errors, view.restarts) == (8, 2, 1)
+
+
+def test_a_check_without_data_resolves_its_findings():
+    clock = Clock()
+    runner = Runner(["rank_silent"], Thresholds(silent_after_s=5))
+    st = State(clock=clock, runner=runner)
+    st.apply(wire.Heartbeat(_hdr(rank=1, world=2), step=0, sent=1, drops=0, errors=0))
+    clock.t += 1
+    st.apply(wire.Heartbeat(_hdr(rank=0, world=2), step=0, sent=1, drops=0, errors=0))
+    clock.t += 5.5
+    st.tick()  # rank 1 silent for 6.5 s, rank 0 for 5.5 s: both named
+    assert {f.rank for f in runner.view().active} == {0, 1}
+    from gradwatch.aggregator.checks import Evaluation
+
+    runner._record("j", runner.checks["rank_silent"], Evaluation.no_data())
+    assert runner.view().active == ()
+    assert [e.event for e in runner.view().events].count("resolved") == 2
+
+
+def test_a_failing_event_log_does_not_stop_the_aggregator(tmp_path):
+    agg = start_aggregator(tmp_path, "--events-path", "/dev/full", "--checks.silent-after-s", "0.5",
+                           "--publish-interval-s", "0.05")
+    try:
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(agg.endpoint)
+        push.send(wire.encode(wire.Heartbeat(_hdr(rank=0, world=2), step=0, sent=1, drops=0, errors=0)))
+        # rank 0 goes silent: rank_silent raises a finding, whose log line cannot be written
+        wait_for(lambda: any(e["check"] == "rank_silent" for e in agg.findings("j")), 20, what="a finding")
+        push.send(wire.encode(wire.Heartbeat(_hdr(rank=1, world=2), step=0, sent=1, drops=0, errors=0)))
+        wait_for(lambda: 'gradwatch_job_ranks_reporting{job_id="j"} 2.0' in agg.scrape(), 20, what="later messages")
+        r = requests.get(agg.base_url + "/healthz", timeout=5)
+        assert r.status_code == 200 and r.json()["ok"]
+        assert 'gradwatch_check_errors_total{check="event_log"}' in agg.scrape()
+        push.close(linger=0)
+        ctx.term()
+    finally:
+        agg.stop()
+
+
+@pytest.fixture
+def pull():
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield sock, f"tcp://127.0.0.1:{port}"
+    sock.close(linger=0)
+    ctx.term()
+
+
+def _probes(sock, want_steps, timeout=10.0):
+    reports, deadline = {}, time.monotonic() + timeout
+    while time.monotonic() < deadline and not want_steps <= set(reports):
+        if sock.poll(100):
+            m = wire.decode(sock.recv())
+            if isinstance(m, wire.Report):
+                reports[m.step] = m
+    return reports
+
+
+def test_burst_follows_a_nonfinite_gradient_not_a_step_without_gradients(pull):
+    sock, endpoint = pull
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with gw.attach(model, opt, endpoint=endpoint, every=100, burst=3) as monitor:
+        for step in range(12):
+            if step != 2:  # step 2: no gradients at all (NaN norm, no non-finite parameter)
+                x = torch.ones(2, 3) * (float("nan") if step == 6 else 1.0)
+                model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.05)  # let the sender thread read the sentinel before the next step
+        reports = _probes(sock, set(range(12)))
+    assert math.isnan(reports[2].grad_norm) and reports[2].grad_nonfinite == 0
+    probed = sorted(s for s, r in reports.items() if r.probe)
+    assert probed == [0, 7, 8, 9]  # the cadence, then a burst of 3 after step 6 only
+    assert [reports[s].burst for s in probed] == [False, True, True, True]
+
+
+def test_attach_with_an_endpoint_without_port_fails_naming_it_and_leaves_no_hook():
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(gw.ConfigError, match="endpoint"):
+        gw.attach(model, opt, endpoint="tcp://aggregator")
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+def test_null_monitor_passes_a_comm_hook_through(monkeypatch):
+    monkeypatch.setenv("GRADWATCH_ENABLED", "0")
+    model = torch.nn.Linear(2, 1)
+    monitor = gw.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def hook(state, bucket):
+        return None
+
+    assert monitor.wrap_comm_hook(hook) is hook
+    monitor.observe_loss(torch.tensor(1.0))  # accepted and ignored
+    assert not monitor.active
