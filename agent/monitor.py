@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import secrets
+import statistics
 import threading
 import time
 import warnings
@@ -47,7 +48,7 @@ from gradwatch import wire
 
 from .config import AgentConfig, resolve_identity
 from .hooks import ProbeRecorder, leaf_modules, normalise
-from .stats import Reducer, combine_moments
+from .stats import Reducer, combine_moments, nonfinite_count
 from .transport import Sender
 
 log = logging.getLogger("gradwatch.agent")
@@ -76,6 +77,11 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     if x.is_complex():
         x = torch.view_as_real(x).reshape(-1)
     return torch.sum(x.view(_INT_OF_WIDTH[x.element_size()]), dtype=torch.int64)
+
+
+def _on(dev: torch.device, tensors):
+    """``tensors`` (0-d) on ``dev``: moves only those elsewhere (a model spread over devices)."""
+    return [t if t.device == dev else t.to(dev) for t in tensors]
 
 
 def _bitcast_f32(t: torch.Tensor) -> torch.Tensor:
@@ -141,7 +147,7 @@ class Monitor:
         self._schema: Optional[wire.Schema] = None
         self._burst_until = 0  # written by the sender thread, read at step boundaries
         self._recent_norms: collections.deque = collections.deque(maxlen=32)  # sender thread only
-        self._local_sq: list = []
+        self._local_sq: list = []  # per-bucket local gradient norms of this step
         self._losses: list = []
         self._stepped = True  # an optimizer step happened since the loss scaler's last update
         self._skipped = 0  # steps the loss scaler skipped since the last report (case C10)
@@ -324,8 +330,7 @@ class Monitor:
         try:
             if self._first_bucket is None:
                 self._first_bucket = time.perf_counter()
-            n = torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float32)
-            self._local_sq.append(n * n)
+            self._local_sq.append(torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float32))
         except Exception as e:
             self._on_error("comm-hook", e)
 
@@ -369,25 +374,25 @@ class Monitor:
             present = [i for i, (_, p) in enumerate(self._params) if p.grad is not None]
             grads = [self._params[i][1].grad for i in present]
             if not grads:
-                self._pre = (present, None)
+                self._pre = (present, None, (0, 0, False))
                 return
             dev = grads[0].device
-            norms = torch.stack([n.to(dev) for n in torch._foreach_norm(grads, 2, dtype=torch.float32)])
-            sq = norms * norms
-            local = self._local_sq
-            local_sq = torch.stack([x.to(dev) for x in local]).sum() if local else torch.full((), float("nan"), device=dev)
-            losses = self._losses
-            loss = torch.stack([x.to(dev) for x in losses]).mean() if losses else torch.full((), float("nan"), device=dev)
+            # Raw per-parameter norms, per-bucket local norms, losses and the loss scale go to the
+            # host as they are; sums, square roots and counts are the sender thread's work, so a
+            # step costs the training thread a handful of kernels.
+            scalars = [*self._local_sq, *self._losses]
             scale = getattr(self._scaler, "_scale", None)  # a device tensor; get_scale() would sync
-            scale = scale.to(dev, torch.float32).reshape(()) if isinstance(scale, torch.Tensor) else torch.full((), float("nan"), device=dev)
-            parts = [
-                sq.sum().reshape(1), (~torch.isfinite(norms)).sum().to(torch.float32).reshape(1),
-                local_sq.reshape(1), loss.reshape(1), scale.reshape(1), sq,
-            ]
+            if isinstance(scale, torch.Tensor):
+                scalars.append(scale.reshape(()).float())
+            parts = [torch.stack(_on(dev, torch._foreach_norm(grads, 2, dtype=torch.float32)))]
+            if scalars:
+                parts.append(torch.stack(_on(dev, scalars)))
             if self._probing:
-                parts.append(torch.stack([(~torch.isfinite(g)).sum().to(dev, torch.float32) for g in grads]))
-                parts.append(_bitcast_f32(torch.stack([fingerprint(g).to(dev) for g in grads])))
-            self._pre = (present, torch.cat(parts))
+                parts.append(torch.stack(_on(dev, [nonfinite_count(g) for g in grads])))
+                if self.world_size > 1:  # fingerprints compare replicas: nothing to compare alone
+                    parts.append(_bitcast_f32(torch.stack(_on(dev, [fingerprint(g) for g in grads]))))
+            sizes = (len(self._local_sq), len(self._losses), isinstance(scale, torch.Tensor))
+            self._pre = (present, torch.cat(parts) if len(parts) > 1 else parts[0], sizes)
         except Exception as e:
             self._pre = None
             self._on_error("sentinel", e)
@@ -420,7 +425,7 @@ class Monitor:
 
     def _submit(self, step: int, step_time: float, compute_time: float) -> None:
         pre, self._pre = self._pre, None
-        present, grad_part = pre if pre is not None else ([], None)
+        present, grad_part, sizes = pre if pre is not None else ([], None, (0, 0, False))
         probe = self._probing
         rec = self.recorder
         parts = [] if grad_part is None else [grad_part]
@@ -435,8 +440,9 @@ class Monitor:
             weights = [p.detach() for _, p in self._params]
             if weights:
                 dev = weights[0].device
-                parts.append(torch.stack([n.to(dev) for n in torch._foreach_norm(weights, 2, dtype=torch.float32)]))
-                parts.append(_bitcast_f32(torch.stack([fingerprint(w).to(dev) for w in weights])))
+                parts.append(torch.stack(_on(dev, torch._foreach_norm(weights, 2, dtype=torch.float32))))
+                if self.world_size > 1:
+                    parts.append(_bitcast_f32(torch.stack(_on(dev, [fingerprint(w) for w in weights]))))
             if rec.act:
                 act_meta = tuple((i, n) for i, n, _ in rec.act)
                 parts.append(torch.cat([r.to(parts[0].device if parts else r.device) for _, _, r in rec.act]))
@@ -444,7 +450,7 @@ class Monitor:
                 grad_meta = tuple(i for i, _ in rec.grad)
                 parts.append(torch.cat([r.to(parts[0].device) for _, r in rec.grad]))
             self.probes += 1
-        flat = torch.cat(parts) if parts else torch.empty(0)
+        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else torch.empty(0)
         event = None
         if flat.is_cuda:
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
@@ -464,6 +470,8 @@ class Monitor:
             probe=probe,
             present=tuple(present),
             has_grads=grad_part is not None,
+            sizes=sizes,
+            fingerprints=self.world_size > 1,
             n_params=len(self._params),
             n_slots=len(self._slots),
             act=act_meta,
@@ -474,7 +482,7 @@ class Monitor:
         self._skipped = 0
         # the sender polls the event rather than waiting on it: a collective stuck on the device
         # must not stop its heartbeats (they tell a hung rank from the peers waiting for it)
-        self.sender.submit(lambda h: self._finalise(h, layout, host), None if event is None else event.query)
+        self.sender.submit(lambda h: self._finalise(h, layout, host), None if event is None else event.query, urgent=probe)
 
     # --- finalisation (sender thread) ----------------------------------------------------------
 
@@ -488,16 +496,27 @@ class Monitor:
         grad_nonfinite = 0
         sq = counts = fp_grad_present = None
         if L.has_grads:
-            grad_norm = math.sqrt(flat[0]) if flat[0] >= 0 else float("nan")
-            grad_nonfinite = int(flat[1])
-            local_norm = math.sqrt(flat[2]) if flat[2] >= 0 else float("nan")
-            loss, loss_scale = float(flat[3]), float(flat[4])
-            sq = flat[5 : 5 + k]
-            off = 5 + k
+            norms = flat[:k]
+            sq = norms * norms
+            grad_norm = math.sqrt(sq.sum())  # NaN or Inf when a parameter's norm is
+            grad_nonfinite = int((~np.isfinite(norms)).sum())
+            n_buckets, n_losses, has_scale = L.sizes
+            off = k
+            if n_buckets:
+                local_norm = math.sqrt(float(np.square(flat[off : off + n_buckets]).sum()))
+            off += n_buckets
+            if n_losses:
+                loss = float(flat[off : off + n_losses].mean())
+            off += n_losses
+            if has_scale:
+                loss_scale = float(flat[off])
+            off += has_scale
             if L.probe:
                 counts = flat[off : off + k]
-                fp_grad_present = raw[off + k : off + 3 * k].view(np.uint64)
-                off += 3 * k
+                off += k
+                if L.fingerprints:
+                    fp_grad_present = raw[off : off + 2 * k].view(np.uint64)
+                    off += 2 * k
         self._watch_sentinel(L.step, grad_norm, grad_nonfinite)
         if math.isfinite(loss_scale) and loss_scale > 0:
             # the comm hook and output tensor hooks saw gradients multiplied by the loss scale;
@@ -514,13 +533,16 @@ class Monitor:
         fp_weight = np.zeros(L.n_params, np.uint64)
         if L.n_params:
             param[:, 1] = flat[off : off + L.n_params]
-            fp_weight[:] = raw[off + L.n_params : off + 3 * L.n_params].view(np.uint64)
-            off += 3 * L.n_params
+            off += L.n_params
+            if L.fingerprints:
+                fp_weight[:] = raw[off : off + 2 * L.n_params].view(np.uint64)
+                off += 2 * L.n_params
         if k:
             idx = np.asarray(L.present)
             param[idx, 0] = np.sqrt(sq)
             param[idx, 2] = counts
-            fp_grad[idx] = fp_grad_present
+            if fp_grad_present is not None:
+                fp_grad[idx] = fp_grad_present
         n_act = len(L.act)
         recs = flat[off : off + 6 * n_act].reshape(n_act, 6)
         off += 6 * n_act
@@ -554,11 +576,11 @@ class Monitor:
         (A NaN norm with no non-finite parameter means "no gradients", not a fault.)"""
         burst = self.cfg.burst
         recent = self._recent_norms
-        spike = len(recent) >= 4 and grad_norm > self.cfg.spike_factor * float(np.median(recent))
+        spike = len(recent) >= 4 and grad_norm > self.cfg.spike_factor * statistics.median(recent)
         if burst and (grad_nonfinite > 0 or math.isinf(grad_norm) or spike):
-            # anchored to the step, not to when this thread gets here, so every rank that sees the
-            # same all-reduced norm probes the same steps (those the training thread has not passed)
-            self._burst_until = max(self._burst_until, step + 1 + burst)
+            # ``burst`` probes from the first step the training thread has not yet scheduled: the
+            # request arrives a step or two after the faulty one, and ranks may start one step apart
+            self._burst_until = max(self._burst_until, max(step + 1, self.step + 1) + burst)
         if math.isfinite(grad_norm):
             recent.append(grad_norm)
 
@@ -566,7 +588,7 @@ class Monitor:
 class _Layout:
     """Host-side description of where each statistic sits in a step's flat tensor."""
 
-    __slots__ = ("step", "step_time", "compute_time", "batch", "burst", "skipped", "probe", "present", "has_grads", "n_params", "n_slots", "act", "grad", "micro", "schema")
+    __slots__ = ("step", "step_time", "compute_time", "batch", "burst", "skipped", "probe", "sizes", "fingerprints", "present", "has_grads", "n_params", "n_slots", "act", "grad", "micro", "schema")
 
     def __init__(self, **kw):
         for k, v in kw.items():

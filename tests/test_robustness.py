@@ -115,17 +115,19 @@ def test_burst_follows_a_nonfinite_gradient_not_a_step_without_gradients(pull):
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with gw.attach(model, opt, endpoint=endpoint, every=100, burst=3) as monitor:
-        for step in range(12):
+        for step in range(14):
             if step != 2:  # step 2: no gradients at all (NaN norm, no non-finite parameter)
                 x = torch.ones(2, 3) * (float("nan") if step == 6 else 1.0)
                 model(x).sum().backward()
             opt.step()
             opt.zero_grad()
             time.sleep(0.05)  # let the sender thread read the sentinel before the next step
-        reports = _probes(sock, set(range(12)))
+        reports = _probes(sock, set(range(14)))
     assert math.isnan(reports[2].grad_norm) and reports[2].grad_nonfinite == 0
     probed = sorted(s for s, r in reports.items() if r.probe)
-    assert probed == [0, 7, 8, 9]  # the cadence, then a burst of 3 after step 6 only
+    # the cadence, then a burst of 3 once the sender has read step 6's sentinel (which reaches the
+    # training thread's schedule a step or two later: no host sync)
+    assert probed[0] == 0 and probed[1] in (7, 8) and probed[1:] == list(range(probed[1], probed[1] + 3))
     assert [reports[s].burst for s in probed] == [False, True, True, True]
 
 
