@@ -15,7 +15,7 @@ checks.Thresholds`), the ones its findings, and the alerts built on them, use.
 
 Only metrics of the aggregator's catalog (``gradwatch.aggregator.exporter.METRICS``, counters with
 ``_total``, the decode-time summary) and Prometheus' own per-scrape series appear in queries.
-The training loss is not among them (the agent does not report it), so no panel shows it.
+The loss panel shows ``gradwatch_rank_loss``: what the script hands to ``Monitor.observe_loss``.
 """
 
 from __future__ import annotations

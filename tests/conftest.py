@@ -116,6 +116,19 @@ def run_demo(endpoint: str, *, ranks: int = 3, steps: int = 40, every: int = 10,
 
 
 @pytest.fixture
+def pull():
+    """A real ZeroMQ PULL socket on loopback: ``(socket, endpoint)`` for an agent to report to."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield sock, f"tcp://127.0.0.1:{port}"
+    sock.close(linger=0)
+    ctx.term()
+
+
+@pytest.fixture
 def aggregator(tmp_path):
     """A real aggregator process (round grace 3 s) on loopback; stopped after the test."""
     agg = start_aggregator(tmp_path, "--round-grace-s", "3", "--publish-interval-s", "0.05")

@@ -9,20 +9,9 @@ import time
 
 import pytest
 import torch
-import zmq
 
 import gradwatch.agent as gw
 from gradwatch import wire
-
-
-@pytest.fixture
-def pull():
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PULL)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    yield sock, f"tcp://127.0.0.1:{port}"
-    sock.close(linger=0)
-    ctx.term()
 
 
 def _reports(sock, n, timeout=10.0):

@@ -90,16 +90,6 @@ def test_a_failing_event_log_does_not_stop_the_aggregator(tmp_path):
         agg.stop()
 
 
-@pytest.fixture
-def pull():
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PULL)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    yield sock, f"tcp://127.0.0.1:{port}"
-    sock.close(linger=0)
-    ctx.term()
-
-
 def _probes(sock, want_steps, timeout=10.0):
     reports, deadline = {}, time.monotonic() + timeout
     while time.monotonic() < deadline and not want_steps <= set(reports):

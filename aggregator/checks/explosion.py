@@ -30,13 +30,11 @@ condition recurring (each recurrence extends it), then resolves. One bad step th
 finding that lasts a window, instead of flapping with every step, and a persistent explosion
 stays one finding.
 
-Gap, case C10 (mixed precision): steps that AMP's ``GradScaler`` skips because of an overflow
-should be labelled and not alerted. The agent cannot report them yet: ``GradScaler.step`` does
-not call ``optimizer.step()`` on an overflow, so the optimizer's step hooks, where the agent
-measures, never fire and no report is sent for that step; the wire format has no field for a
-skipped step or the loss scale. Such steps are therefore simply absent here: never alerted, but
-not labelled either. (Gradients the agent does see have been unscaled by ``GradScaler`` before
-``optimizer.step()``, so the loss scale does not inflate the norms judged here.)
+Case C10 (mixed precision): steps that AMP's ``GradScaler`` skips because of an overflow send no
+report (the agent, given the scaler, discards their statistics and counts them in the next
+report's ``skipped``, exported as ``gradwatch_rank_skipped_steps_total``), so they are never
+judged here. Gradients the agent does see were unscaled before ``optimizer.step()``, and local
+norms are divided by the loss scale, so the scale does not inflate the norms judged here.
 """
 
 from __future__ import annotations
