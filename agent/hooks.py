@@ -65,6 +65,7 @@ class ProbeRecorder:
     def __init__(self, reducer: Reducer, on_error: Callable[[str, BaseException], None]):
         self.reducer = reducer
         self.on_error = on_error
+        self.disabled: set[str] = set()  # parts the monitor switched off ("forward", "output-grad")
         self.slots: list[tuple[str, str, str, str]] = []
         self._slot_index: dict[tuple[str, str], int] = {}
         self.act: list[tuple[int, int, torch.Tensor]] = []
@@ -89,13 +90,13 @@ class ProbeRecorder:
 
         def hook(module, args, output):
             rec = recorder_ref()
-            if rec is None or not torch.is_grad_enabled():
+            if rec is None or not torch.is_grad_enabled() or "forward" in rec.disabled:
                 return None  # evaluation under no_grad is not training data (case C16, C19)
             try:
                 for out_path, t in iter_tensors(output):
                     i = rec.slot(module_path, out_path, module, t)
                     rec.act.append((i, t.numel(), rec.reducer.moments(t)))
-                    if t.requires_grad:
+                    if t.requires_grad and "output-grad" not in rec.disabled:
                         t.register_hook(rec._grad_hook(i))
             except Exception as e:
                 rec.on_error(f"forward:{module_path}", e)

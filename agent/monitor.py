@@ -54,7 +54,9 @@ from .transport import Sender
 log = logging.getLogger("gradwatch.agent")
 
 _MONITORS: "weakref.WeakSet[Monitor]" = weakref.WeakSet()
-_MAX_ERRORS = 100
+_PART_ERRORS = 10  # a part of the agent failing this often is switched off, the rest goes on
+_MAX_ERRORS = 1000  # every part together: the agent switches itself off
+_PARTS = ("forward", "output-grad", "sentinel", "comm-hook")  # what can be switched off alone
 
 
 def _disable_in_forked_child() -> None:
@@ -132,10 +134,13 @@ class Monitor:
         self._leaves = [(path, weakref.ref(m)) for path, m in leaf_modules(inner)]
         self.reducer = Reducer("off" if cfg.fused == "off" else cfg.fused)
         self.recorder = ProbeRecorder(self.reducer, self._on_error)
+        self.disabled: set[str] = set()  # parts switched off after failing repeatedly
+        self.recorder.disabled = self.disabled
         self.step = 0
         self.probes = 0
         self.errors = 0
         self.not_instrumented: list[str] = []
+        self._part_errors: dict[str, int] = {}
         self._warned: set[str] = set()
         self._closed = False
         self._forked = False
@@ -241,6 +246,13 @@ class Monitor:
         if kind not in self._warned:
             self._warned.add(kind)
             warnings.warn(f"gradwatch: {where} failed and is skipped: {exc!r}", RuntimeWarning, stacklevel=3)
+        self._part_errors[kind] = n = self._part_errors.get(kind, 0) + 1
+        if n == _PART_ERRORS and kind in _PARTS:
+            self.disabled.add(kind)
+            warnings.warn(f"gradwatch: {kind} keeps failing and is switched off; the rest of the agent goes on",
+                          RuntimeWarning, stacklevel=3)
+        elif n == _PART_ERRORS and not self._closed:  # the step itself: nothing works without it
+            self.errors = _MAX_ERRORS
         if self.errors >= _MAX_ERRORS and not self._closed:
             warnings.warn("gradwatch: too many agent errors; monitoring is switched off", RuntimeWarning, stacklevel=3)
             self.close()
@@ -325,7 +337,7 @@ class Monitor:
         return inner(inner_state, bucket)
 
     def _observe_bucket(self, bucket) -> None:
-        if not self.active:
+        if not self.active or "comm-hook" in self.disabled:
             return
         try:
             if self._first_bucket is None:
@@ -368,7 +380,7 @@ class Monitor:
     # --- step hooks (training thread) ----------------------------------------------------------
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
-        if not self.active:
+        if not self.active or "sentinel" in self.disabled:
             return
         try:
             present = [i for i, (_, p) in enumerate(self._params) if p.grad is not None]

@@ -116,6 +116,10 @@ class State:
         self.rejected[reason] += 1
         self.version += 1
 
+    def known_schema(self, h: wire.Header, digest: str):
+        job = self.jobs.get(h.job)
+        return job.schemas.get(digest) if job else None
+
     def schema_sizes(self, h: wire.Header, digest: str):
         job = self.jobs.get(h.job)
         s = job.schemas.get(digest) if job else None

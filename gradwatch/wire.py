@@ -327,7 +327,16 @@ def _fingerprints(m: dict, key: str, rows: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=_U64)
 
 
-def _schema(m: dict, h: Header, limits: Limits) -> Schema:
+def _schema(m: dict, h: Header, limits: Limits, known_schema=None) -> Schema:
+    digest = _get(m, "hash", str)
+    known = known_schema(h, digest) if known_schema is not None else None
+    if known is not None:
+        # a periodic resend of a schema the receiver already holds: its lists are not parsed
+        # again (thousands of entries, resent by every rank every few seconds)
+        return Schema(
+            header=h, host=_get(m, "host", str), local_rank=_get(m, "local_rank", int, nonneg=True),
+            every=_get(m, "every", int, nonneg=True), params=known.params, slots=known.slots, hash=known.hash,
+        )
     params_raw = _get(m, "params", list)
     slots_raw = _get(m, "slots", list)
     if len(params_raw) > limits.max_names or len(slots_raw) > limits.max_names:
@@ -349,7 +358,6 @@ def _schema(m: dict, h: Header, limits: Limits) -> Schema:
         if not isinstance(s, list) or len(s) != 4 or not all(isinstance(x, str) for x in s):
             raise WireError("bad_field", "slots entry")
         slots.append(tuple(s))
-    digest = _get(m, "hash", str)
     sch = Schema(
         header=h,
         host=_get(m, "host", str),
@@ -400,7 +408,7 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
     )
 
 
-def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None) -> Message:
+def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None, known_schema=None) -> Message:
     """Decode one frame into a :class:`Schema`, :class:`Report` or :class:`Heartbeat`.
 
     Args:
@@ -409,6 +417,8 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None) -> Messag
         schema_sizes: optional ``(header, schema_hash) -> (n_params, n_slots)`` callable; when
             given, a probe report's arrays must have exactly those row counts (it may return
             ``(None, None)`` for an unknown schema).
+        known_schema: optional ``(header, schema_hash) -> Schema | None``; a schema message whose
+            hash it knows reuses that schema's lists instead of parsing its own.
 
     Raises:
         WireError: with ``reason`` in :data:`REJECT_REASONS`; never anything else.
@@ -442,7 +452,7 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None) -> Messag
         raise WireError("unknown_kind", repr(kind)[:40])
     h = _header(m, limits)
     if kind == "schema":
-        return _schema(m, h, limits)
+        return _schema(m, h, limits, known_schema)
     if kind == "report":
         return _report(m, h, schema_sizes)
     return Heartbeat(

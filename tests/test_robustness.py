@@ -140,3 +140,28 @@ def test_null_monitor_passes_a_comm_hook_through(monkeypatch):
     assert monitor.wrap_comm_hook(hook) is hook
     monitor.observe_loss(torch.tensor(1.0))  # accepted and ignored
     assert not monitor.active
+
+
+def test_a_statistic_that_keeps_failing_is_switched_off_alone(pull):
+    """A module whose output the agent cannot summarise (here: a reducer that raises on it) costs
+    that part of the agent, after a few warnings, not the sentinel or the reports."""
+    sock, endpoint = pull
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.warns(RuntimeWarning) as warned:
+        with gw.attach(model, opt, endpoint=endpoint, every=1) as monitor:
+            def broken(t):
+                raise RuntimeError("cannot summarise this")
+
+            monitor.reducer.moments = broken
+            for _ in range(15):
+                model(torch.ones(2, 3)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            assert monitor.disabled == {"forward"} and monitor.active
+            reports = _probes(sock, set(range(15)))
+    messages = [str(w.message) for w in warned]
+    assert sum("failed and is skipped" in m for m in messages) == 1  # warned once, not per call
+    assert sum("forward keeps failing and is switched off" in m for m in messages) == 1
+    assert len(reports) == 15 and all(math.isfinite(r.grad_norm) for r in reports.values())
+    assert all(r.probe for r in reports.values())  # the parameter statistics go on

@@ -423,3 +423,18 @@ def test_wire_error_is_a_value_error_with_bounded_reason():
     e = wire.WireError("bad_field", "seq < 0")
     assert isinstance(e, ValueError) and e.reason == "bad_field" and "seq < 0" in str(e)
     assert len(set(wire.REJECT_REASONS)) == len(wire.REJECT_REASONS)
+
+
+def test_a_resent_schema_with_a_known_hash_is_not_parsed_again():
+    """The aggregator passes the schemas it holds: a resend with a known hash reuses their lists,
+    which the bogus lists of this frame prove (they would be rejected if parsed)."""
+    s = schema()
+    m = msgpack.unpackb(wire.encode(s))
+    m.update(params=[["bogus"]], slots=[[1]], seq=9, host="other-host")
+    frame = msgpack.packb(m, use_bin_type=True)
+    with pytest.raises(wire.WireError):
+        wire.decode(frame)
+    got = wire.decode(frame, known_schema=lambda h, digest: s if digest == s.hash else None)
+    assert (got.params, got.slots, got.hash) == (s.params, s.slots, s.hash)
+    assert got.header.seq == 9 and got.host == "other-host"
+    assert wire.decode(wire.encode(s), known_schema=lambda h, d: None) == s  # unknown: parsed
