@@ -144,6 +144,9 @@ for _stat, (_help, _unit) in _LAYER_HELP.items():
 # --- per job -------------------------------------------------------------------------------------
 metric("job_world_size", "gauge", "World size the job's ranks report.", ("job_id",))(lambda s: (((j.job,), j.world) for j in s.jobs))
 metric("job_ranks_reporting", "gauge", "Ranks of the job the aggregator currently hears from.", ("job_id",))(lambda s: (((j.job,), len(j.ranks)) for j in s.jobs))
+metric("job_restarts", "counter", "Times the job came back from an earlier step under the same job id (all ranks restarted from a checkpoint); its state and the checks' start over.", ("job_id",))(
+    lambda s: (((j.job,), j.restarts) for j in s.jobs)
+)
 metric("job_probe_step", "gauge", "Step of the latest reconciled probed step.", ("job_id",))(
     lambda s: (((j.job,), j.last_round.step) for j in s.jobs if j.last_round is not None)
 )

@@ -300,6 +300,7 @@ class JobView:
     last_round: Optional[RoundResult]
     rounds_complete: int
     rounds_incomplete: int
+    restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -328,7 +329,7 @@ def snapshot(state, wall_now: float) -> Snapshot:
             )
             for r in sorted(job.ranks.values(), key=lambda x: x.rank)
         )
-        jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete))
+        jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete, job.restarts))
     return Snapshot(
         tuple(jobs),
         state.runner.view() if state.runner is not None else None,

@@ -56,6 +56,7 @@ class RankState:
     # counters never decrease
     drops_base: int = 0
     errors_base: int = 0
+    boot_step: int = -1  # the rank's latest step under its previous boot (-1: none)
 
 
 @dataclass
@@ -75,6 +76,8 @@ class JobState:
     last_round: Optional[RoundResult] = None
     rounds_complete: int = 0
     rounds_incomplete: int = 0
+    restarts: int = 0  # times the job came back from an earlier step (a checkpoint) under its id
+    retired: frozenset = frozenset()  # boot ids of the previous incarnation: late messages dropped
 
 
 class State:
@@ -130,17 +133,30 @@ class State:
         h = msg.header
         now = self.clock()
         job = self.jobs.get(h.job)
+        if job is not None and h.boot in job.retired:
+            self.reject("retired_boot")  # a late message of the job's previous incarnation
+            return
         if job is None:
             job = self.jobs[h.job] = JobState(h.job, h.world)
         if h.world != job.world:
             # the job restarted with another world size: start over rather than mix worlds
-            job = self.jobs[h.job] = JobState(h.job, h.world)
+            job = self._restart(job, h)
         r = job.ranks.get(h.rank)
+        if r is not None and isinstance(msg, wire.Report):
+            # the rank's step before its agent restarted (-1 when it did not)
+            before = r.step if (r.boot and h.boot != r.boot) else r.boot_step
+        if r is not None and isinstance(msg, wire.Report) and msg.step <= before:
+            # a restarted rank resumes from an earlier step (a checkpoint): the whole job did
+            # (torchelastic restarts every rank under the same run id). Start its state, and the
+            # checks' step watermarks, over rather than ignore everything up to the old step.
+            job = self._restart(job, h)
+            r = None
         if r is None:
             r = job.ranks[h.rank] = RankState(h.rank)
         if h.boot != r.boot:
             if r.boot:  # the agent restarted: its sequence and counters start over
                 r.restarts += 1
+                r.boot_step = r.step
                 r.drops_base += r.agent_drops
                 r.errors_base += r.agent_errors
                 r.agent_drops = r.agent_errors = 0
@@ -169,7 +185,19 @@ class State:
             self.received["report"] += 1
             self._report(job, r, msg, now)
 
+    def _restart(self, job: JobState, h: wire.Header) -> JobState:
+        new = JobState(
+            job.job, h.world, restarts=job.restarts + 1,
+            retired=job.retired | {r.boot for r in job.ranks.values() if r.boot != h.boot},
+        )
+        self.jobs[job.job] = new
+        if self.runner is not None:
+            self.runner.forget(job.job)
+        self.version += 1
+        return new
+
     def _report(self, job: JobState, r: RankState, m: wire.Report, now: float) -> None:
+        r.boot_step = -1
         r.step = max(r.step, m.step)
         r.step_time, r.grad_norm, r.grad_nonfinite = m.step_time, m.grad_norm, m.grad_nonfinite
         r.local_grad_norm, r.compute_time, r.loss, r.loss_scale = m.local_grad_norm, m.compute_time, m.loss, m.loss_scale

@@ -165,3 +165,34 @@ def test_a_statistic_that_keeps_failing_is_switched_off_alone(pull):
     assert sum("forward keeps failing and is switched off" in m for m in messages) == 1
     assert len(reports) == 15 and all(math.isfinite(r.grad_norm) for r in reports.values())
     assert all(r.probe for r in reports.values())  # the parameter statistics go on
+
+
+def test_a_job_resuming_from_an_earlier_checkpoint_starts_over_and_old_messages_are_dropped():
+    """torchelastic restarts every rank under the same run id, from the last checkpoint: an earlier
+    step. The job's state (and the checks' step watermarks) start over instead of ignoring every
+    step up to the old maximum; late messages of the old incarnation are dropped."""
+    clock = Clock()
+    runner = Runner(["step_skew"], Thresholds())
+    st = State(clock=clock, runner=runner)
+    for step in range(50):
+        for rank in (0, 1):
+            st.apply(_report(step, header=_hdr(rank=rank, world=2, seq=step, boot=f"old{rank}")))
+    assert st.jobs["j"].ranks[0].step == 49
+    # rank 0 comes back first (a heartbeat, then step 40 from its checkpoint); rank 1 follows
+    st.apply(wire.Heartbeat(_hdr(rank=0, world=2, seq=0, boot="new0"), step=-1, sent=0, drops=0, errors=0))
+    st.apply(_report(40, header=_hdr(rank=0, world=2, seq=1, boot="new0")))
+    job = st.jobs["j"]
+    assert job.restarts == 1 and set(job.ranks) == {0} and job.ranks[0].step == 40
+    st.apply(_report(49, header=_hdr(rank=1, world=2, seq=50, boot="old1")))  # late, old incarnation
+    assert set(st.jobs["j"].ranks) == {0} and st.rejected["retired_boot"] == 1
+    st.apply(_report(40, header=_hdr(rank=1, world=2, seq=0, boot="new1")))
+    assert {r: s.step for r, s in st.jobs["j"].ranks.items()} == {0: 40, 1: 40}
+    assert st.jobs["j"].ranks[1].lost == 0
+
+
+def test_a_rank_restart_that_resumes_forward_keeps_the_job():
+    st = State(clock=Clock())
+    st.apply(_report(5, header=_hdr(seq=0, boot="a")))
+    st.apply(_report(6, header=_hdr(seq=0, boot="b")))
+    job = st.jobs["j"]
+    assert job.restarts == 0 and job.ranks[0].restarts == 1 and job.ranks[0].steps == 2
