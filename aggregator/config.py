@@ -36,6 +36,8 @@ class AggregatorConfig(BaseSettings):
     metrics_port: int = Field(9400, ge=0, le=65535, description="TCP port of the HTTP server; 0 picks a free one.")
     round_grace_s: float = Field(10.0, gt=0, le=3600, description="Seconds a probed step waits for missing ranks before it is reconciled as incomplete.")
     max_pending_rounds: int = Field(64, ge=1, le=10_000, description="Probed steps per job held while waiting for ranks; the oldest is closed incomplete beyond it.")
+    max_jobs: int = Field(64, ge=1, description="Jobs tracked at once; messages of further jobs are rejected (too_many_jobs) until one goes silent for rank_ttl_s.")
+    max_world: int = Field(65_536, ge=1, description="Largest world size accepted; larger claims are rejected (world_too_large), bounding per-rank state.")
     rank_ttl_s: float = Field(600.0, gt=0, description="Seconds after which a silent rank's series are no longer exported (case C34).")
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 30, description="Largest accepted message, bytes; larger ones are rejected as too_large.")
     rcv_hwm: int = Field(10_000, ge=1, description="ZeroMQ receive high-water mark, messages.")

@@ -70,7 +70,10 @@ class Aggregator:
             self.runner = Runner(cfg.check_names, cfg.checks, cfg.events_path, sinks=sinks)
         except OSError as e:
             raise ConfigError(f"aggregator.events_path: cannot open {cfg.events_path!r}: {e}") from None
-        self.state = State(cfg.round_grace_s, cfg.max_pending_rounds, cfg.rank_ttl_s, clock, runner=self.runner)
+        self.state = State(
+            cfg.round_grace_s, cfg.max_pending_rounds, cfg.rank_ttl_s, clock, runner=self.runner,
+            max_jobs=cfg.max_jobs, max_world=cfg.max_world,
+        )
         self._snapshot = Snapshot()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(lambda: self._snapshot, cfg.layer_depth, cfg.rank_detail_max))

@@ -98,9 +98,13 @@ class State:
         rank_ttl_s: float = 600.0,
         clock: Callable[[], float] = None,
         runner=None,
+        max_jobs: int = 64,
+        max_world: int = 65_536,
     ):
         import time
 
+        self.max_jobs = max_jobs  # the PULL socket takes any peer's job id: state stays bounded
+        self.max_world = max_world
         self.grace_s = grace_s
         self.max_pending = max_pending
         self.rank_ttl_s = rank_ttl_s
@@ -136,7 +140,13 @@ class State:
         if job is not None and h.boot in job.retired:
             self.reject("retired_boot")  # a late message of the job's previous incarnation
             return
+        if h.world > self.max_world:
+            self.reject("world_too_large")
+            return
         if job is None:
+            if len(self.jobs) >= self.max_jobs:
+                self.reject("too_many_jobs")
+                return
             job = self.jobs[h.job] = JobState(h.job, h.world)
         if h.world != job.world:
             # the job restarted with another world size: start over rather than mix worlds

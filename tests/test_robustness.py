@@ -196,3 +196,12 @@ def test_a_rank_restart_that_resumes_forward_keeps_the_job():
     st.apply(_report(6, header=_hdr(seq=0, boot="b")))
     job = st.jobs["j"]
     assert job.restarts == 0 and job.ranks[0].restarts == 1 and job.ranks[0].steps == 2
+
+
+def test_state_stays_bounded_whatever_job_ids_and_world_sizes_peers_claim():
+    st = State(clock=Clock(), max_jobs=3, max_world=8)
+    for i in range(10):
+        st.apply(wire.Heartbeat(wire.Header(f"job{i}", 0, 2, "b", 0, 0.0), step=0, sent=0, drops=0, errors=0))
+    st.apply(wire.Heartbeat(wire.Header("job0", 5, 1000, "c", 0, 0.0), step=0, sent=0, drops=0, errors=0))
+    assert sorted(st.jobs) == ["job0", "job1", "job2"] and st.jobs["job0"].world == 2
+    assert st.rejected["too_many_jobs"] == 7 and st.rejected["world_too_large"] == 1
