@@ -31,7 +31,7 @@ from gradwatch.aggregator.state import State
 
 from .conftest import free_port, run_demo, samples, start_aggregator, wait_for
 
-MINE = ("explosion", "nonfinite", "noise_scale", "dead_units")
+MINE = ("explosion", "vanishing", "nonfinite", "noise_scale", "dead_units")
 JOB = "unit"
 PARAMS = (
     ("emb.weight", (16, 4), "float32"),
