@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 import requests
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
+
+from gradwatch import wire
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,6 +116,62 @@ def run_demo(endpoint: str, *, ranks: int = 3, steps: int = 40, every: int = 10,
     run = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stdout + run.stderr
     return run
+
+
+class Collector:
+    """A PULL socket bound on loopback (at ``port`` if given) keeping every decoded message."""
+
+    def __init__(self, port: int | None = None):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if port is None:
+            port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        else:
+            self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.msgs: list = []
+
+    def pump(self, timeout_s: float = 0.1) -> None:
+        if self.sock.poll(int(timeout_s * 1000)):
+            while self.sock.poll(0):
+                self.msgs.append(wire.decode(self.sock.recv()))
+
+    def reports(self, job: str | None = None, rank: int | None = None) -> dict[int, wire.Report]:
+        return {
+            m.step: m for m in self.msgs
+            if isinstance(m, wire.Report) and job in (None, m.header.job) and rank in (None, m.header.rank)
+        }
+
+    def wait(self, predicate, timeout_s: float = 30.0, what: str = "messages"):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = predicate()
+            if got:
+                return got
+            self.pump(0.1)
+        pytest.fail(f"timed out after {timeout_s}s waiting for {what}; have {len(self.msgs)} messages")
+
+    def wait_steps(self, n: int, **kw) -> dict[int, wire.Report]:
+        return self.wait(lambda: (r := self.reports(**kw)) and all(s in r for s in range(n)) and r,
+                         what=f"reports of steps 0..{n - 1} {kw}")
+
+    def schema(self, digest: str) -> wire.Schema:
+        found = [m for m in self.msgs if isinstance(m, wire.Schema) and m.hash == digest]
+        assert found, f"no schema {digest} received"
+        return found[-1]
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def collector():
+    """A :class:`Collector` on a random loopback port."""
+    c = Collector()
+    yield c
+    c.close()
 
 
 @pytest.fixture

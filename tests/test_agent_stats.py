@@ -17,7 +17,6 @@ absolute values, not to the (possibly near-zero) mean. Min, max and counts are e
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,7 +24,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import zmq
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from gradwatch import agent, wire
@@ -38,48 +36,6 @@ RTOL = 1e-5
 # --- harness: a real PULL socket and a view on the received messages -----------------------------
 
 
-class Collector:
-    """A PULL socket bound on loopback that keeps every decoded message it receives."""
-
-    def __init__(self):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PULL)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.msgs: list = []
-
-    def pump(self, timeout_s: float) -> None:
-        if self.sock.poll(int(timeout_s * 1000)):
-            while self.sock.poll(0):
-                self.msgs.append(wire.decode(self.sock.recv()))
-
-    def reports(self) -> dict[int, wire.Report]:
-        return {m.step: m for m in self.msgs if isinstance(m, wire.Report)}
-
-    def wait_reports(self, n_steps: int, timeout_s: float = 30.0) -> dict[int, wire.Report]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            got = self.reports()
-            if all(s in got for s in range(n_steps)):
-                return got
-            self.pump(0.1)
-        pytest.fail(f"reports for steps {sorted(self.reports())} of {n_steps} arrived in {timeout_s}s")
-
-    def schema(self, digest: str) -> wire.Schema:
-        found = [m for m in self.msgs if isinstance(m, wire.Schema) and m.hash == digest]
-        assert found, f"no schema {digest} received"
-        return found[-1]
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
-
-
-@pytest.fixture
-def collector():
-    c = Collector()
-    yield c
-    c.close()
 
 
 @dataclass
@@ -122,7 +78,7 @@ def train(collector: Collector, model: nn.Module, step_fn, steps: int = 1, every
             opt.zero_grad(set_to_none=True)
             if between is not None:
                 between(step)
-        reports = collector.wait_reports(steps)
+        reports = collector.wait_steps(steps)
     finally:
         monitor.close()
     assert monitor.errors == 0, "the agent counted internal errors"
