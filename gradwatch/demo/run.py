@@ -143,7 +143,15 @@ def run(cfg: DemoConfig) -> int:
     if not endpoint:
         from gradwatch.aggregator import Aggregator, load
 
-        agg = Aggregator(load(listen=cfg.listen, metrics_port=cfg.metrics_port, metrics_host="127.0.0.1", events_path=cfg.events_path)).start()
+        from gradwatch.aggregator.checks import Thresholds
+
+        # every rank of the demo shares this machine's few cores: a rank the scheduler starves for
+        # a few milliseconds is not the straggler the demo's faults inject (0.2 s per step)
+        checks = Thresholds(straggler_min_s=0.05)
+        agg = Aggregator(load(
+            listen=cfg.listen, metrics_port=cfg.metrics_port, metrics_host="127.0.0.1",
+            events_path=cfg.events_path, checks=checks,
+        )).start()
         endpoint = agg.endpoint
         print(f"gradwatch demo: aggregator at {endpoint}; metrics at {agg.metrics_url}", flush=True)
     else:
@@ -176,6 +184,10 @@ def _summary(per_rank, snap, job: str) -> None:
             f"  rank {r['rank']:<16} {r['steps']:>5}  {r['probes']:>6}  {r['drops']:>5}  "
             f"{a.lost if a else '-':>4}  {r['loss']:.3f}   (aggregator saw {a.steps if a else 0} steps, {a.probes if a else 0} probes)"
         )
+    events = [e for e in (snap.checks.events if snap.checks else ()) if e.job == job and e.event == "raised"]
+    print(f"\nfindings raised: {len(events)}" + (" (see /api/findings)" if events else ""))
+    for e in events:
+        print(f"  [{e.severity}] {e.check} at step {e.step}: {e.summary}")
     rr = jv.last_round if jv else None
     if rr is None:
         print("\nno probed step reached the aggregator")
@@ -186,8 +198,8 @@ def _summary(per_rank, snap, job: str) -> None:
     print(f"\nper layer at probed step {rr.step} ({'complete' if rr.complete else 'incomplete'} round, median over ranks)")
     print(f"  {'layer':<28} {'grad norm':>10} {'zero ratio':>11}")
     for i, layer in enumerate(rr.layers):
-        g = grad[1, gidx[layer]] if layer in gidx else float("nan")
-        print(f"  {layer:<28} {g:>10.4g} {zero[1, i]:>11.3f}")
+        g = f"{grad[1, gidx[layer]]:>10.4g}" if layer in gidx else f"{'-':>10}"  # no parameters
+        print(f"  {layer:<28} {g} {zero[1, i]:>11.3f}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
