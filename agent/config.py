@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator
@@ -73,13 +74,25 @@ def load(**settings) -> AgentConfig:
     Raises:
         ConfigError: naming the first invalid or unknown setting.
     """
+    known = {f"GRADWATCH_{f.upper()}" for f in AgentConfig.model_fields}
+    for var in os.environ:
+        if var.startswith("GRADWATCH_") and var not in known and not var.startswith(_OTHER_PREFIXES):
+            warnings.warn(f"gradwatch: unknown setting {var} is ignored (agent settings: {', '.join(sorted(known))})",
+                          RuntimeWarning, stacklevel=3)
     try:
         cfg = AgentConfig(**settings)
     except ValidationError as e:
         err = e.errors()[0]
         name = ".".join(str(p) for p in err["loc"]) or "?"
-        raise ConfigError(f"agent.{name}: {err['msg']} (got {err.get('input')!r})") from None
+        got = repr(err.get("input"))
+        msg = err["msg"] if got in err["msg"] else f"{err['msg']} (got {got})"
+        source = "" if name in settings else f" (GRADWATCH_{name.upper()})" if f"GRADWATCH_{name.upper()}" in os.environ else ""
+        raise ConfigError(f"agent.{name}{source}: {msg}") from None
     return cfg
+
+
+# GRADWATCH_* variables that belong to the other components, not the agent
+_OTHER_PREFIXES = ("GRADWATCH_AGGREGATOR_", "GRADWATCH_DEMO_", "GRADWATCH_PROMETHEUS_URL", "GRADWATCH_REQUIRE_")
 
 
 def resolve_identity(cfg: AgentConfig) -> tuple[str, int, int, int, str]:

@@ -211,6 +211,9 @@ class Monitor:
         if not self._forked:
             try:
                 self.sender.close()
+                if not self.sender.connected:  # a wrong endpoint must not go unnoticed
+                    warnings.warn(f"gradwatch: never connected to {self.cfg.endpoint}: no report reached an "
+                                  "aggregator (is it running, and is GRADWATCH_ENDPOINT right?)", RuntimeWarning, stacklevel=2)
             except Exception:
                 pass
 

@@ -74,6 +74,7 @@ class Sender:
         self._schema_every_s = schema_every_s
         self.seq = 0
         self.sent = 0
+        self.connected = False  # the socket reached a peer at least once
         self.errors = 0
         # one counter per writing thread: a shared += from two threads can lose counts
         self._queue_drops = 0
@@ -166,7 +167,7 @@ class Sender:
         while self._monitor.poll(0):
             try:
                 self._monitor.recv_multipart(zmq.NOBLOCK)
-                seen = True
+                seen = self.connected = True
             except zmq.ZMQError:
                 break
         return seen

@@ -84,7 +84,9 @@ class AggregatorConfig(BaseSettings):
 def format_error(e: ValidationError, prefix: str = "aggregator") -> str:
     err = e.errors()[0]
     name = ".".join(str(p) for p in err["loc"]) or "?"
-    return f"{prefix}.{name}: {err['msg']} (got {err.get('input')!r})"
+    got = repr(err.get("input"))
+    msg = err["msg"] if got in err["msg"] else f"{err['msg']} (got {got})"
+    return f"{prefix}.{name}: {msg}"
 
 
 def load(**settings) -> AggregatorConfig:

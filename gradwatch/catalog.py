@@ -48,7 +48,8 @@ def render() -> str:
     for name, c in sorted(CHECKS.items()):
         out.append(f"| `{name}` | {'on' if c.default else 'off'} | {c.severity} | {_cell(c.description)} |")
     out += ["", "### Check thresholds", "",
-            "Set with `gradwatch aggregator --checks.NAME VALUE` or `GRADWATCH_AGGREGATOR_CHECKS__NAME`.", "",
+            "Set with `gradwatch aggregator --checks.NAME VALUE`, underscores written as hyphens "
+            "(`--checks.skew-steps 10`), or `GRADWATCH_AGGREGATOR_CHECKS__NAME` (`..._CHECKS__SKEW_STEPS=10`).", "",
             "| threshold | default | meaning |", "|---|---|---|"]
     for name, f in Thresholds.model_fields.items():
         out.append(f"| `{name}` | `{f.default}` | {_cell(f.description)} |")

@@ -295,10 +295,14 @@ def test_training_stalled_is_job_level_when_no_rank_stands_out_and_names_a_silen
 
 
 def test_step_skew_names_the_most_behind_live_rank():
-    j = Job(["step_skew"], world=4, skew_steps=5, silent_after_s=10)
+    j = Job(["step_skew"], world=4, skew_steps=5, silent_after_s=10, skew_for_s=2)
     for r, step in enumerate([10, 10, 3, 8]):
         j.report(r, step)
     j.tick(0.1)
+    assert j.named("step_skew") == []  # could be reporting jitter: not judged yet
+    j.tick(1.0)
+    assert j.named("step_skew") == []
+    j.tick(1.0)  # held for 2 s
     assert j.named("step_skew") == [2] and j.value("job_step_skew") == 7
     (f,) = j.runner.active[("j", "step_skew")].values()
     assert f.details["lagging"] == [2] and f.details["ahead_rank"] == 0

@@ -205,3 +205,30 @@ def test_state_stays_bounded_whatever_job_ids_and_world_sizes_peers_claim():
     st.apply(wire.Heartbeat(wire.Header("job0", 5, 1000, "c", 0, 0.0), step=0, sent=0, drops=0, errors=0))
     assert sorted(st.jobs) == ["job0", "job1", "job2"] and st.jobs["job0"].world == 2
     assert st.rejected["too_many_jobs"] == 7 and st.rejected["world_too_large"] == 1
+
+
+def test_config_mistakes_are_named_where_they_come_from(monkeypatch):
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setenv("GRADWATCH_EVERY", "0")
+    with pytest.raises(gw.ConfigError, match=r"agent\.every \(GRADWATCH_EVERY\)"):
+        gw.attach(model, opt)
+    monkeypatch.delenv("GRADWATCH_EVERY")
+    monkeypatch.setenv("GRADWATCH_EVRY", "5")
+    with pytest.warns(RuntimeWarning, match="unknown setting GRADWATCH_EVRY"):
+        gw.attach(model, opt, enabled=False)
+    with pytest.raises(gw.ConfigError) as e:
+        gw.attach(model, opt, endpoint="127.0.0.1:5599")
+    assert str(e.value).count("127.0.0.1:5599") == 1
+
+
+def test_an_agent_that_never_reached_an_aggregator_says_so_at_close():
+    from .conftest import free_port
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = gw.attach(model, opt, endpoint=f"tcp://127.0.0.1:{free_port()}")
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    with pytest.warns(RuntimeWarning, match="never connected"):
+        monitor.close()

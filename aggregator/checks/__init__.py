@@ -112,6 +112,7 @@ class Thresholds(BaseModel):
     silent_after_s: float = Field(15.0, gt=0, description="Seconds without any message after which a rank is silent.")
     stall_after_s: float = Field(30.0, gt=0, description="Seconds without any rank completing a step after which training has stalled.")
     skew_steps: int = Field(5, ge=1, description="Steps between the most and least advanced rank beyond which ranks are skewed.")
+    skew_for_s: float = Field(10.0, ge=0, description="Seconds the step skew must last before a rank is named (reports of fast steps arrive in batches).")
     max_layers: int = Field(5, ge=1, le=100, description="Most layers a check names at once (the worst ones), to bound series.")
 
 

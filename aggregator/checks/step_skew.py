@@ -6,8 +6,10 @@ train together: a rank restarted from an older checkpoint, ranks that belong to 
 incarnations of the job, collectives that were skipped on some ranks, or pipeline stages drifting
 apart. The check compares the latest step each rank reported, over ranks that have not said
 goodbye and were heard within ``silent_after_s`` (a silent rank's stale step is ``rank_silent``'s
-business), and names the most-behind rank (the lowest rank number among ties) when the gap exceeds
-``skew_steps``. Fewer than two such ranks with a step: no data.
+business), and names the most-behind rank (the lowest rank number among ties) when the gap has
+exceeded ``skew_steps`` for ``skew_for_s``: reports of fast steps arrive in batches, so for a moment
+one rank's latest *reported* step can trail another's by many steps while training is in lockstep.
+Fewer than two such ranks with a step: no data.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class StepSkew(Check):
     severity = "warning"
     description = (
         "Names the most-behind rank when the latest steps of a job's live ranks differ by more than "
-        "skew_steps (a rank restarted from an older checkpoint, skipped collectives, ranks of "
+        "skew_steps for skew_for_s (a rank restarted from an older checkpoint, skipped collectives, ranks of "
         "different job incarnations)."
     )
     metrics = {
@@ -31,6 +33,7 @@ class StepSkew(Check):
     def __init__(self, t):
         super().__init__(t)
         self._skew: dict[str, int] = {}
+        self._since: dict[str, float] = {}  # when the gap last went over skew_steps
 
     def on_tick(self, job, now):
         live = [
@@ -45,7 +48,10 @@ class StepSkew(Check):
         skew = ahead.step - behind.step
         self._skew[job.job] = skew
         if skew <= self.t.skew_steps:
+            self._since.pop(job.job, None)
             return Evaluation.healthy()
+        if now - self._since.setdefault(job.job, now) < self.t.skew_for_s:
+            return None  # not yet held long enough to tell from reporting jitter
         lagging = [r.rank for r in live if ahead.step - r.step > self.t.skew_steps]
         return Evaluation.found(Finding(
             self.name, job.job, behind.step,
@@ -62,3 +68,4 @@ class StepSkew(Check):
 
     def forget(self, job_id):
         self._skew.pop(job_id, None)
+        self._since.pop(job_id, None)

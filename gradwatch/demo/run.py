@@ -185,7 +185,8 @@ def _summary(per_rank, snap, job: str) -> None:
             f"{a.lost if a else '-':>4}  {r['loss']:.3f}   (aggregator saw {a.steps if a else 0} steps, {a.probes if a else 0} probes)"
         )
     events = [e for e in (snap.checks.events if snap.checks else ()) if e.job == job and e.event == "raised"]
-    print(f"\nfindings raised: {len(events)}" + (" (see /api/findings)" if events else ""))
+    keep = "; --events-path keeps them in a file" if events else ""
+    print(f"\nfindings raised: {len(events)}" + (f" (the demo's aggregator stops with it{keep})" if events else ""))
     for e in events:
         print(f"  [{e.severity}] {e.check} at step {e.step}: {e.summary}")
     rr = jv.last_round if jv else None
