@@ -17,6 +17,8 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gradwatch.settings import describe
+
 
 class ConfigError(ValueError):
     """A setting has an invalid value; the message names it (``agent.every must be ...``)."""
@@ -82,12 +84,7 @@ def load(**settings) -> AgentConfig:
     try:
         cfg = AgentConfig(**settings)
     except ValidationError as e:
-        err = e.errors()[0]
-        name = ".".join(str(p) for p in err["loc"]) or "?"
-        got = repr(err.get("input"))
-        msg = err["msg"] if got in err["msg"] else f"{err['msg']} (got {got})"
-        source = "" if name in settings else f" (GRADWATCH_{name.upper()})" if f"GRADWATCH_{name.upper()}" in os.environ else ""
-        raise ConfigError(f"agent.{name}{source}: {msg}") from None
+        raise ConfigError(describe(e, "agent", "GRADWATCH_", settings)) from None
     return cfg
 
 

@@ -132,7 +132,7 @@ class Monitor:
         self._model_ref = weakref.ref(inner)
         self._params = [(normalise(n), p) for n, p in inner.named_parameters()]
         self._leaves = [(path, weakref.ref(m)) for path, m in leaf_modules(inner)]
-        self.reducer = Reducer("off" if cfg.fused == "off" else cfg.fused)
+        self.reducer = Reducer(cfg.fused)
         self.recorder = ProbeRecorder(self.reducer, self._on_error)
         self.disabled: set[str] = set()  # parts switched off after failing repeatedly
         self.recorder.disabled = self.disabled

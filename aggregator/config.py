@@ -10,6 +10,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gradwatch import wire
+from gradwatch.settings import describe
 
 from .checks import Thresholds, resolve
 
@@ -81,12 +82,8 @@ class AggregatorConfig(BaseSettings):
         return wire.Limits(max_message_bytes=self.max_message_bytes)
 
 
-def format_error(e: ValidationError, prefix: str = "aggregator") -> str:
-    err = e.errors()[0]
-    name = ".".join(str(p) for p in err["loc"]) or "?"
-    got = repr(err.get("input"))
-    msg = err["msg"] if got in err["msg"] else f"{err['msg']} (got {got})"
-    return f"{prefix}.{name}: {msg}"
+def format_error(e: ValidationError, prefix: str = "aggregator", given=()) -> str:
+    return describe(e, prefix, "GRADWATCH_AGGREGATOR_", given)
 
 
 def load(**settings) -> AggregatorConfig:
@@ -98,4 +95,4 @@ def load(**settings) -> AggregatorConfig:
     try:
         return AggregatorConfig(**settings)
     except ValidationError as e:
-        raise ConfigError(format_error(e)) from None
+        raise ConfigError(format_error(e, given=settings)) from None

@@ -164,12 +164,8 @@ metric("messages_rejected", "counter", "Messages rejected, by reason (malformed,
 
 
 # --- cross-rank checks -----------------------------------------------------------------------------
-def _checks(s: Snapshot):
-    return s.checks if s.checks is not None else None
-
-
 def _status(s: Snapshot):
-    v = _checks(s)
+    v = s.checks
     for job, check, outcome in (v.status if v else ()):
         for st in ("healthy", "finding", "no_data"):
             yield (job, check, st), 1.0 if st == outcome else 0.0
@@ -177,7 +173,7 @@ def _status(s: Snapshot):
 
 metric("check_status", "gauge", "Outcome of each check's latest evaluation: 1 for the current status (healthy, finding, no_data), 0 for the others.", ("job_id", "check", "status"))(_status)
 def _findings(s: Snapshot):
-    v = _checks(s)
+    v = s.checks
     raised = dict(v.raised) if v else {}
     # 0 for every check with a status too, so that increase() sees a job's first finding
     for k in sorted({*raised, *((j, c) for j, c, _ in (v.status if v else ()))}):
@@ -186,22 +182,22 @@ def _findings(s: Snapshot):
 
 metric("findings", "counter", "Findings raised by each check (a finding stays raised until it resolves).", ("job_id", "check"))(_findings)
 metric("check_errors", "counter", "Exceptions raised inside a check (each is isolated; the check is skipped for that event).", ("check",))(
-    lambda s: (((c,), n) for c, n in (_checks(s).errors if _checks(s) else ()))
+    lambda s: (((c,), n) for c, n in (s.checks.errors if s.checks else ()))
 )
 metric("check_seconds", "counter", "Time spent evaluating each check.", ("check",), "seconds")(
-    lambda s: (((c,), n) for c, n in (_checks(s).seconds if _checks(s) else ()))
+    lambda s: (((c,), n) for c, n in (s.checks.seconds if s.checks else ()))
 )
 metric("check_rank_flagged", "gauge", "1 for each rank an active finding names, per check.", ("job_id", "check", "rank"))(
-    lambda s: ((((f.job, f.check, str(f.rank)), 1.0) for f in (_checks(s).active if _checks(s) else ()) if f.rank is not None))
+    lambda s: ((((f.job, f.check, str(f.rank)), 1.0) for f in (s.checks.active if s.checks else ()) if f.rank is not None))
 )
 metric("check_layer_flagged", "gauge", "1 for each layer an active finding names, per check (at most max_layers per check).", ("job_id", "check", "layer"))(
-    lambda s: ((((f.job, f.check, f.layer), 1.0) for f in (_checks(s).active if _checks(s) else ()) if f.layer is not None))
+    lambda s: ((((f.job, f.check, f.layer), 1.0) for f in (s.checks.active if s.checks else ()) if f.layer is not None))
 )
 
 
 def _check_value(short: str):
     def fn(s: Snapshot):
-        v = _checks(s)
+        v = s.checks
         return v.values.get(short, {}).items() if v else ()
 
     return fn

@@ -286,7 +286,6 @@ class RankView:
     local_grad_norm: float = math.nan
     compute_time: float = math.nan
     closing: bool = False
-    heartbeat_age: float = math.nan  # seconds since the latest heartbeat
     loss: float = math.nan
     loss_scale: float = math.nan
     skipped_steps: int = 0
@@ -324,7 +323,6 @@ def snapshot(state, wall_now: float) -> Snapshot:
                 r.probes, r.nonfinite_steps, r.received, r.lost, r.restarts,
                 wall_now - (mono_now - r.last_seen), r.drops_base + r.agent_drops, r.errors_base + r.agent_errors,
                 r.local_grad_norm, r.compute_time, r.closing,
-                (mono_now - r.heartbeat_at) if r.heartbeat_at else math.nan,
                 r.loss, r.loss_scale, r.skipped_steps,
             )
             for r in sorted(job.ranks.values(), key=lambda x: x.rank)

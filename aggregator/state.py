@@ -39,7 +39,6 @@ class RankState:
     steps: int = 0
     probes: int = 0
     nonfinite_steps: int = 0  # steps whose gradient held NaN/Inf (counter, case C36)
-    agent_sent: int = 0
     agent_drops: int = 0
     agent_errors: int = 0
     local_grad_norm: float = math.nan
@@ -187,7 +186,7 @@ class State:
             r.schema, r.host, r.local_rank = msg.hash, msg.host, msg.local_rank
         elif isinstance(msg, wire.Heartbeat):
             self.received["heartbeat"] += 1
-            r.agent_sent, r.agent_drops, r.agent_errors = msg.sent, msg.drops, msg.errors
+            r.agent_drops, r.agent_errors = msg.drops, msg.errors
             r.closing, r.in_step_s, r.waiting, r.heartbeat_at = msg.closing, msg.in_step_s, msg.waiting, now
             if self.runner is not None:
                 self.runner.dispatch("on_heartbeat", job, r, msg)

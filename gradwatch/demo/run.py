@@ -210,8 +210,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = CliApp.run(DemoConfig, cli_args=list(argv or []))
     except ValidationError as e:
-        err = e.errors()[0]
-        print(f"gradwatch: demo.{'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)
+        from gradwatch.settings import describe
+
+        print(f"gradwatch: {describe(e, 'demo', 'GRADWATCH_DEMO_')}", file=sys.stderr)
         return 2
     try:
         return run(cfg)
