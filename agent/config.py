@@ -17,11 +17,8 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gradwatch.errors import ConfigError  # the one config error; gradwatch.agent.ConfigError names it too
 from gradwatch.settings import describe
-
-
-class ConfigError(ValueError):
-    """A setting has an invalid value; the message names it (``agent.every must be ...``)."""
 
 
 class AgentConfig(BaseSettings):

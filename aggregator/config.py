@@ -10,13 +10,10 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gradwatch import wire
+from gradwatch.errors import ConfigError  # the one config error; gradwatch.aggregator.ConfigError names it too
 from gradwatch.settings import describe
 
 from .checks import Thresholds, resolve
-
-
-class ConfigError(ValueError):
-    """An invalid setting, or a resource a setting names (a port in use); the message names it."""
 
 
 class AggregatorConfig(BaseSettings):

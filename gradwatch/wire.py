@@ -71,6 +71,8 @@ from typing import Union
 import msgpack
 import numpy as np
 
+from .errors import GradwatchError
+
 PROTOCOL_VERSION = 1
 
 ACT_FIELDS = ("mean", "std", "min", "max", "zero_ratio", "nonfinite")
@@ -94,7 +96,7 @@ _F32 = np.dtype("<f4")
 _U64 = np.dtype("<u8")
 
 
-class WireError(ValueError):
+class WireError(GradwatchError, ValueError):
     """A frame that is not a valid message. ``reason`` is one of :data:`REJECT_REASONS`."""
 
     def __init__(self, reason: str, detail: str):
