@@ -12,7 +12,7 @@ Variants (each trains its own copy of the model, same initial weights, same batc
 
 Models:
 
-  transformer  gradwatch.demo.model.GPT sized so one step is ~0.5 s on one CPU thread
+  transformer  gradwatch.commands.demo.model.GPT sized so one step is ~0.5 s on one CPU thread
   cnn          a small CNN on scikit-learn's bundled digits (8x8 images), ~5 ms steps, where
                per-call fixed costs dominate as they do on a GPU
 
@@ -191,7 +191,7 @@ class Workload:
 
 
 def transformer_workload(device: torch.device, quick: bool) -> Workload:
-    from gradwatch.demo.model import GPT, GPTConfig, batch, stdlib_text
+    from gradwatch.commands.demo.model import GPT, GPTConfig, batch, stdlib_text
 
     cfg = GPTConfig(context=128, width=256, layers=4, heads=8)
     size = 4 if quick else 16  # quick: a quarter of the batch, only to keep the smoke test short
@@ -201,7 +201,7 @@ def transformer_workload(device: torch.device, quick: bool) -> Workload:
     return Workload(
         name="transformer",
         describe=(
-            f"gradwatch.demo.model.GPT width={cfg.width} layers={cfg.layers} heads={cfg.heads} "
+            f"gradwatch.commands.demo.model.GPT width={cfg.width} layers={cfg.layers} heads={cfg.heads} "
             f"context={cfg.context} batch={size} ({n / 1e6:.2f}M params), AdamW lr=3e-4"
         ),
         build=lambda: GPT(cfg),

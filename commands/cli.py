@@ -1,31 +1,120 @@
-"""The ``gradwatch`` command. Subcommands import lazily: ``aggregator`` never imports torch."""
+"""The ``gradwatch`` command: one pydantic-settings model per subcommand, parsed and run by
+:class:`pydantic_settings.CliApp`.
+
+Each subcommand is a model whose docstring is its ``--help``, whose fields are its flags
+(``metrics_port`` is ``--metrics-port``) and whose ``cli_cmd`` method runs it. Adding one takes
+that model and one line in :class:`Gradwatch`::
+
+    keys: CliSubCommand[KeysCommand] = Field(description="...")
+
+Exit statuses: 0 done; 2 an invalid, unknown or missing setting (one line naming it:
+``gradwatch: aggregator.metrics_port: Input should be ...``); 1 a command that failed
+(:class:`~gradwatch.commands.errors.CommandError` and the other :class:`~gradwatch.GradwatchError`
+s, one line). Importing this module imports neither torch nor a Grafana client.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
+import typing
 
-COMMANDS = {
-    "aggregator": ("gradwatch.aggregator", "Run the aggregator daemon (receives agents' reports, serves /metrics)."),
-    "demo": ("gradwatch.demo", "Train a small transformer on 2 DDP ranks with agents and an aggregator."),
-    "grafana": ("gradwatch.grafana", "Generate the dashboards, or push folder, datasource and dashboards to Grafana."),
-    "stack": ("gradwatch.stack", "Run a local Prometheus and Alertmanager with the shipped alert rules against an aggregator."),
-}
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import BaseSettings, CliApp, CliSubCommand, SettingsConfigDict, SettingsError
+
+from gradwatch.aggregator import Aggregator, AggregatorConfig
+from gradwatch.errors import ConfigError, GradwatchError
+from gradwatch.grafana import GrafanaCommand
+from gradwatch.settings import describe
+
+from .demo.run import DemoConfig, run as run_demo
+from .errors import CommandError
+from .stack import StackCommand
+
+
+class AggregatorCommand(AggregatorConfig):
+    """gradwatch aggregator: receives every rank's reports, reconciles ranks, serves /metrics."""
+
+    def cli_cmd(self) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        Aggregator(self).serve_forever()
+
+
+class DemoCommand(DemoConfig):
+    """Train a small character-level transformer on the standard library's source with gradwatch attached."""
+
+    def cli_cmd(self) -> None:
+        status = run_demo(self)
+        if status:
+            raise CommandError(status=status)  # run_demo printed why
+
+
+class Gradwatch(BaseSettings):
+    """gradwatch: monitoring for distributed PyTorch training."""
+
+    model_config = SettingsConfigDict(
+        cli_prog_name="gradwatch", cli_kebab_case=True, cli_implicit_flags=True, cli_exit_on_error=False,
+        env_prefix="GRADWATCH_CLI_",  # each subcommand reads its own variables; none are read here
+    )
+
+    aggregator: CliSubCommand[AggregatorCommand] = Field(
+        description="Run the aggregator daemon (receives agents' reports, serves /metrics).")
+    demo: CliSubCommand[DemoCommand] = Field(
+        description="Train a small transformer on 2 DDP ranks with agents and an aggregator.")
+    grafana: CliSubCommand[GrafanaCommand] = Field(
+        description="Generate the dashboards, or push folder, datasource and dashboards to Grafana.")
+    stack: CliSubCommand[StackCommand] = Field(
+        description="Run a local Prometheus and Alertmanager with the shipped alert rules against an aggregator.")
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
+def _route(args: list[str]) -> tuple[list[str], type[BaseModel]]:
+    """The subcommand names at the head of ``args`` and the model of the last one."""
+    names: list[str] = []
+    model: type[BaseModel] = Gradwatch
+    for a in args:
+        field = model.model_fields.get(a) if not a.startswith("-") else None
+        sub = [t for t in typing.get_args(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)] if field else []
+        if not sub:
+            break
+        names.append(a)
+        model = sub[0]
+    return names, model
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``gradwatch SUBCOMMAND [FLAGS]``; returns the exit status (see the module docstring)."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
-        out = sys.stdout if args and args[0] in ("-h", "--help") else sys.stderr
-        print("usage: gradwatch {" + ",".join(COMMANDS) + "} [--help] ...\n", file=out)
-        for name, (_, doc) in COMMANDS.items():
-            print(f"  {name:<12} {doc}", file=out)
-        if args and args[0] not in ("-h", "--help"):
-            print(f"\ngradwatch: unknown command {args[0]!r}", file=out)
-        return 0 if args and args[0] in ("-h", "--help") else 2
-    import importlib
-
-    module = importlib.import_module(COMMANDS[args[0]][0])
-    return module.main(args[1:])
+    names, model = _route(args)
+    prog = " ".join(["gradwatch", *names])
+    try:
+        CliApp.run(Gradwatch, cli_args=args)
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    except ValidationError as e:
+        loc = e.errors()[0]["loc"]
+        skip = len(names) if tuple(loc[: len(names)]) == tuple(names) else 0
+        env_prefix = model.model_config.get("env_prefix", "") if issubclass(model, BaseSettings) else ""
+        given = {a[2:].split("=")[0].replace("-", "_") for a in args if a.startswith("--")}
+        print(f"gradwatch: {describe(e, '.'.join(names) or 'gradwatch', env_prefix, given, skip=skip)}", file=sys.stderr)
+        return 2
+    except SettingsError as e:  # argparse: an unknown flag or subcommand, a missing value
+        msg = str(e).removeprefix("error parsing CLI: ")
+        if msg.startswith("Error: CLI subcommand is required"):
+            print(msg, file=sys.stderr)  # with the usage: which subcommands there are
+        else:
+            print(f"{prog}: {msg} (see {prog} --help)", file=sys.stderr)
+        return 2
+    except CommandError as e:
+        if str(e):
+            print(f"{prog}: {e}", file=sys.stderr)
+        return e.status
+    except GradwatchError as e:  # ConfigError (a port in use), StackError, PushError, ...
+        print(f"gradwatch: {e}" if isinstance(e, ConfigError) else f"{prog}: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ server's log in the message. Needs PyYAML.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import re
 import shutil
@@ -31,15 +30,23 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
+from typing import Annotated
 from urllib.parse import urlsplit
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from gradwatch.errors import GradwatchError
+
+# the shipped configuration: package data of gradwatch.deploy (deploy/ in a checkout), a real
+# directory in both an editable and a wheel install (Prometheus reads rule files by path)
+DEPLOY = Path(str(files("gradwatch.deploy")))
 LOOPBACK = "127.0.0.1"
 SCRAPE_JOB = "gradwatch"  # the rules' up{job="gradwatch"} relies on it
 
 
-class StackError(RuntimeError):
+class StackError(GradwatchError, RuntimeError):
     """A server of the stack cannot start or stopped; the message carries its log's tail."""
 
 
@@ -291,73 +298,87 @@ def start(workdir: Path, settings: Settings = Settings(), *, prometheus: str = "
     return Stack(render(workdir, settings, deploy), settings, prometheus, alertmanager).start(timeout)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="gradwatch stack",
-        description="Run a local Prometheus and Alertmanager with gradwatch's shipped configuration against "
-                    "an aggregator (loopback only), until Ctrl-C.",
-    )
-    p.add_argument("--aggregator-metrics", action="append", metavar="HOST:PORT",
-                   help="aggregator /metrics to scrape (repeatable; default 127.0.0.1:9400)")
-    p.add_argument("--prometheus-port", type=int, default=9090)
-    p.add_argument("--alertmanager-port", type=int, default=9093)
-    p.add_argument("--webhook", default="", metavar="URL",
-                   help="base URL for the receivers' webhooks (default: the shipped example, 127.0.0.1:5001)")
-    p.add_argument("--scrape-interval", default="5s")
-    p.add_argument("--evaluation-interval", default="5s")
-    p.add_argument("--for-scale", type=float, default=1.0,
-                   help="factor on every alert's for: duration (e.g. 0.1 for a demo; default 1, as shipped)")
-    p.add_argument("--group-wait", default="5s", help="Alertmanager group_wait on every route")
-    p.add_argument("--group-interval", default="30s", help="Alertmanager group_interval on every route")
-    p.add_argument("--workdir", default="", help="where to write configuration and data (default: a temporary directory, removed at exit)")
-    p.add_argument("--deploy-dir", default=str(DEPLOY), help="the shipped configuration (default: this checkout's deploy/)")
-    p.add_argument("--prometheus", default="", help="Prometheus binary (default: prometheus on the PATH)")
-    p.add_argument("--alertmanager", default="", help="Alertmanager binary (default: prometheus-alertmanager or alertmanager)")
-    p.add_argument("--render-only", action="store_true", help="write the configuration, print where, and exit")
-    p.add_argument("--print-prometheusrule", action="store_true",
-                   help="print the shipped rules as a Kubernetes PrometheusRule manifest and exit")
-    return p
+def _duration(v: str) -> str:
+    parse_duration(v)  # raises ValueError naming the text
+    return v
+
+
+Duration = Annotated[str, AfterValidator(_duration)]
+
+
+class StackCommand(BaseModel):
+    """Run a local Prometheus and Alertmanager with gradwatch's shipped configuration against an
+    aggregator (loopback only), until Ctrl-C."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    aggregator_metrics: list[str] = Field(
+        default_factory=list, description="Aggregator /metrics to scrape, HOST:PORT (repeatable; default 127.0.0.1:9400).")
+    prometheus_port: int = Field(9090, ge=1, le=65535, description="Loopback port Prometheus listens on.")
+    alertmanager_port: int = Field(9093, ge=1, le=65535, description="Loopback port Alertmanager listens on.")
+    webhook: str = Field("", description="Base URL for the receivers' webhooks (default: the shipped example, 127.0.0.1:5001).")
+    scrape_interval: Duration = Field("5s", description="Prometheus scrape interval.")
+    evaluation_interval: Duration = Field("5s", description="Prometheus rule evaluation interval.")
+    for_scale: float = Field(1.0, ge=0, description="Factor on every alert's for: duration (e.g. 0.1 for a demo; 1: as shipped).")
+    group_wait: Duration = Field("5s", description="Alertmanager group_wait on every route.")
+    group_interval: Duration = Field("30s", description="Alertmanager group_interval on every route.")
+    workdir: str = Field("", description="Where to write configuration and data (default: a temporary directory, removed at exit).")
+    deploy_dir: str = Field("", description="The configuration to run (default: the one shipped in the package, gradwatch.deploy).")
+    prometheus: str = Field("", description="Prometheus binary (default: prometheus on the PATH).")
+    alertmanager: str = Field("", description="Alertmanager binary (default: prometheus-alertmanager or alertmanager on the PATH).")
+    render_only: bool = Field(False, description="Write the configuration, print where, and exit.")
+    print_prometheusrule: bool = Field(False, description="Print the shipped rules as a Kubernetes PrometheusRule manifest and exit.")
+
+    @property
+    def settings(self) -> Settings:
+        return Settings(
+            tuple(self.aggregator_metrics or (f"{LOOPBACK}:9400",)), self.prometheus_port, self.alertmanager_port,
+            self.webhook, self.scrape_interval, self.evaluation_interval, self.for_scale, self.group_wait,
+            self.group_interval,
+        )
+
+    def cli_cmd(self) -> None:
+        """Run the stack until SIGINT or SIGTERM.
+
+        Raises:
+            StackError: a server cannot start or stopped; a shipped file cannot be read.
+        """
+        deploy = Path(self.deploy_dir) if self.deploy_dir else DEPLOY
+        try:
+            if self.print_prometheusrule:
+                sys.stdout.write(prometheusrule(deploy))
+                return
+            settings = self.settings
+            workdir = Path(self.workdir) if self.workdir else Path(tempfile.mkdtemp(prefix="gradwatch-stack-"))
+            try:
+                if self.render_only:
+                    r = render(workdir, settings, deploy)
+                    print(f"prometheus config: {r.prometheus_config}\nrules: {', '.join(map(str, r.rule_files))}\n"
+                          f"alertmanager config: {r.alertmanager_config}")
+                    return
+                stop = []
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, lambda *_: stop.append(1))
+                with start(workdir, settings, prometheus=self.prometheus, alertmanager=self.alertmanager, deploy=deploy) as stack:
+                    print(f"gradwatch stack: scraping {', '.join(settings.aggregator_metrics)} every {settings.scrape_interval}\n"
+                          f"  Prometheus    {stack.prometheus_url}/alerts\n"
+                          f"  Alertmanager  {stack.alertmanager_url}\n"
+                          f"  configuration {workdir}\nCtrl-C stops both.", flush=True)
+                    while not stop:
+                        stack.check_alive()
+                        time.sleep(0.5)
+            finally:
+                if not self.workdir:
+                    shutil.rmtree(workdir, ignore_errors=True)
+        except (ValueError, OSError) as e:  # a shipped file missing or malformed
+            raise StackError(str(e)) from None
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    deploy = Path(args.deploy_dir)
-    try:
-        if args.print_prometheusrule:
-            sys.stdout.write(prometheusrule(deploy))
-            return 0
-        for d in (args.scrape_interval, args.evaluation_interval, args.group_wait, args.group_interval):
-            parse_duration(d)
-        settings = Settings(
-            tuple(args.aggregator_metrics or (f"{LOOPBACK}:9400",)), args.prometheus_port, args.alertmanager_port,
-            args.webhook, args.scrape_interval, args.evaluation_interval, args.for_scale, args.group_wait,
-            args.group_interval,
-        )
-        workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="gradwatch-stack-"))
-        try:
-            if args.render_only:
-                r = render(workdir, settings, deploy)
-                print(f"prometheus config: {r.prometheus_config}\nrules: {', '.join(map(str, r.rule_files))}\n"
-                      f"alertmanager config: {r.alertmanager_config}")
-                return 0
-            stop = []
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: stop.append(1))
-            with start(workdir, settings, prometheus=args.prometheus, alertmanager=args.alertmanager, deploy=deploy) as stack:
-                print(f"gradwatch stack: scraping {', '.join(settings.aggregator_metrics)} every {settings.scrape_interval}\n"
-                      f"  Prometheus    {stack.prometheus_url}/alerts\n"
-                      f"  Alertmanager  {stack.alertmanager_url}\n"
-                      f"  configuration {workdir}\nCtrl-C stops both.", flush=True)
-                while not stop:
-                    stack.check_alive()
-                    time.sleep(0.5)
-        finally:
-            if not args.workdir:
-                shutil.rmtree(workdir, ignore_errors=True)
-    except (StackError, ValueError, OSError) as e:
-        print(f"gradwatch stack: {e}", file=sys.stderr)
-        return 1
-    return 0
+    """``gradwatch stack [FLAGS]`` (flags: the fields of :class:`StackCommand`); the exit status."""
+    from gradwatch.commands.cli import main as gradwatch
+
+    return gradwatch(["stack", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import os
 from pydantic import ValidationError
 
 
-def describe(e: ValidationError, prefix: str, env_prefix: str = "", given=()) -> str:
+def describe(e: ValidationError, prefix: str, env_prefix: str = "", given=(), skip: int = 0) -> str:
     """One line naming the first invalid setting of ``e``.
 
     Args:
@@ -16,11 +16,13 @@ def describe(e: ValidationError, prefix: str, env_prefix: str = "", given=()) ->
         env_prefix: its environment variables' prefix; the variable is named when the value came
             from it.
         given: settings passed explicitly (keyword arguments), which environment values do not set.
+        skip: leading parts of the error's location that are not the setting's name (the
+            subcommands of ``gradwatch grafana push --url ...``), left out.
     """
     err = e.errors()[0]
-    name = ".".join(str(p) for p in err["loc"]) or "?"
+    name = ".".join(str(p) for p in err["loc"][skip:]) or "?"
     got = repr(err.get("input"))
-    msg = err["msg"] if got in err["msg"] else f"{err['msg']} (got {got})"
+    msg = err["msg"] if got in err["msg"] or err["type"] == "missing" else f"{err['msg']} (got {got})"
     var = f"{env_prefix}{name.upper()}"
     source = f" ({var})" if env_prefix and name not in given and var in os.environ else ""
     return f"{prefix}.{name}{source}: {msg}"

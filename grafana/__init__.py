@@ -13,35 +13,39 @@ Commands::
     gradwatch grafana push --url URL (--token T | --basic-auth USER:PASSWORD) [...]
 
 Errors: a failed request ends ``push`` with exit status 1 and one line naming the request and
-Grafana's answer; nothing else is raised to the shell.
+Grafana's answer; nothing else is raised to the shell. Grafana's client (and niquests) are imported
+only when ``push`` runs.
 """
 
 from __future__ import annotations
 
-import sys
+from pydantic import BaseModel, Field
+from pydantic_settings import CliApp, CliSubCommand
 
-__all__ = ["main"]
+from .generate import GenerateCommand
+from .push import PushCommand
 
-USAGE = """usage: gradwatch grafana {generate,push} [--help] ...
+__all__ = ["GrafanaCommand", "main"]
 
-  generate     Write grafana/dashboards/*.json and grafana/provisioning/ from the dashboards as code
-               (--check: only compare, exit 1 when the committed files drifted).
-  push         Create or update the gradwatch folder, the Prometheus datasource and the dashboards
-               in a running Grafana through its HTTP API.
-"""
+
+class GrafanaCommand(BaseModel):
+    """Generate the dashboards, or push folder, datasource and dashboards to a running Grafana."""
+
+    generate: CliSubCommand[GenerateCommand] = Field(
+        description="Write grafana/dashboards/*.json and grafana/provisioning/ from the dashboards as code "
+        "(--check: only compare, exit 1 when the committed files drifted).")
+    push: CliSubCommand[PushCommand] = Field(
+        description="Create or update the gradwatch folder, the Prometheus datasource and the dashboards "
+        "in a running Grafana through its HTTP API.")
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``gradwatch grafana SUBCOMMAND ...``; each subcommand imports its dependencies lazily."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stdout if args else sys.stderr)
-        return 0 if args else 2
-    if args[0] == "generate":
-        from .generate import main as run
-    elif args[0] == "push":
-        from .push import main as run
-    else:
-        print(USAGE + f"\ngradwatch grafana: unknown command {args[0]!r}", file=sys.stderr)
-        return 2
-    return run(args[1:])
+    """``gradwatch grafana SUBCOMMAND ...``; the exit status."""
+    import sys
+
+    from gradwatch.commands.cli import main as gradwatch
+
+    return gradwatch(["grafana", *(sys.argv[1:] if argv is None else argv)])

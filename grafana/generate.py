@@ -22,11 +22,16 @@ from __future__ import annotations
 
 import json
 import sys
+from importlib.resources import files as _package_files
 from pathlib import Path
 
-from gradwatch.aggregator.checks import Thresholds
+from pydantic import BaseModel, ConfigDict, Field
 
-ROOT = Path(__file__).resolve().parent
+from gradwatch.aggregator.checks import Thresholds
+from gradwatch.commands.errors import CommandError
+
+# dashboards/ and provisioning/ are package data of gradwatch.grafana (grafana/ in a checkout)
+ROOT = Path(str(_package_files("gradwatch.grafana")))
 DASHBOARD_DIR = ROOT / "dashboards"
 PROVISIONING_DIR = ROOT / "provisioning"
 
@@ -511,25 +516,35 @@ def drift() -> list[str]:
     return bad
 
 
+class GenerateCommand(BaseModel):
+    """Write grafana/dashboards/*.json and grafana/provisioning/ from the dashboards as code."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    check: bool = Field(False, description="Only compare: exit 1 naming the files that drifted, write nothing.")
+
+    def cli_cmd(self) -> None:
+        """Write (or compare) the files.
+
+        Raises:
+            CommandError: with ``check``, naming the generated files that drifted.
+        """
+        if self.check:
+            bad = drift()
+            if bad:
+                raise CommandError("drifted: " + ", ".join(f"grafana/{b}" for b in bad))
+            return
+        for p, text in files().items():
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+            print(f"wrote grafana/{p.relative_to(ROOT)}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] in ("-h", "--help"):
-        print("usage: gradwatch grafana generate [--check]\n\nWrite grafana/dashboards/*.json and "
-              "grafana/provisioning/*/gradwatch.yaml; --check compares only (exit 1 on drift).")
-        return 0
-    if args not in ([], ["--check"]):
-        print(f"gradwatch grafana generate: unknown arguments {args}", file=sys.stderr)
-        return 2
-    if args == ["--check"]:
-        bad = drift()
-        for b in bad:
-            print(f"drifted: grafana/{b}", file=sys.stderr)
-        return 1 if bad else 0
-    for p, text in files().items():
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-        print(f"wrote grafana/{p.relative_to(ROOT)}")
-    return 0
+    """``gradwatch grafana generate [--check]``; the exit status."""
+    from gradwatch.commands.cli import main as gradwatch
+
+    return gradwatch(["grafana", "generate", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

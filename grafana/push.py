@@ -21,16 +21,20 @@ Errors: :class:`PushError` (a request Grafana refused, or no connection), report
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import sys
 from typing import Callable
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from gradwatch.commands.errors import CommandError, UsageError
+from gradwatch.errors import GradwatchError
+
 from .generate import DATASOURCE_NAME, DATASOURCE_UID, FOLDER_TITLE, FOLDER_UID, build
 
 
-class PushError(Exception):
+class PushError(GradwatchError):
     """A Grafana request failed; the message names the object and Grafana's answer."""
 
 
@@ -120,42 +124,57 @@ def push(api, *, prometheus_url: str = "http://localhost:9090", datasource_uid: 
         say(f"dashboard {uid}: {'created' if current is None else 'updated'} (version {r.get('version')}, in {where})")
 
 
+class PushCommand(BaseModel):
+    """Create or update the gradwatch folder, the Prometheus datasource and the five dashboards in a
+    running Grafana, through its HTTP API. Pushing again updates them in place."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(description="Grafana's base URL, e.g. https://grafana.example.")
+    token: str = Field("", description="Service account token (default: $GRAFANA_TOKEN).")
+    basic_auth: str = Field("", description="USER:PASSWORD, basic auth instead of a token.")
+    prometheus_url: str = Field("http://localhost:9090", description="URL Grafana's server uses to reach the Prometheus that scrapes the aggregator.")
+    datasource_uid: str = Field(DATASOURCE_UID, description="uid of the Prometheus datasource.")
+    datasource_name: str = Field(DATASOURCE_NAME, description="Name of the Prometheus datasource.")
+    skip_datasource: bool = Field(False, description="Do not create or update the datasource; use the existing --datasource-uid.")
+    folder_uid: str = Field(FOLDER_UID, description="uid of the folder new dashboards go to.")
+    folder_title: str = Field(FOLDER_TITLE, description="Title of that folder.")
+    timeout: float = Field(10.0, gt=0, description="Seconds per request.")
+
+    @field_validator("basic_auth")
+    @classmethod
+    def _basic_auth(cls, v: str, info: ValidationInfo) -> str:
+        if v and info.data.get("token"):
+            raise ValueError("give --token or --basic-auth, not both")
+        if v and ":" not in v:
+            raise ValueError("must look like USER:PASSWORD")
+        return v
+
+    def cli_cmd(self) -> None:
+        """Push.
+
+        Raises:
+            UsageError: no credential given.
+            PushError: a request Grafana refused, or no connection.
+            CommandError: grafana-client is not installed.
+        """
+        token = self.token or ("" if self.basic_auth else os.environ.get("GRAFANA_TOKEN", ""))
+        if not token and not self.basic_auth:
+            raise UsageError("give --token, --basic-auth USER:PASSWORD, or set GRAFANA_TOKEN")
+        try:
+            api = connect(self.url, token=token, basic_auth=self.basic_auth, timeout=self.timeout)
+            push(api, prometheus_url=self.prometheus_url, datasource_uid=self.datasource_uid,
+                 datasource_name=self.datasource_name, skip_datasource=self.skip_datasource,
+                 folder_uid=self.folder_uid, folder_title=self.folder_title)
+        except ImportError as e:
+            raise CommandError(f"{e}; install it with: pip install 'gradwatch[grafana]'") from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="gradwatch grafana push",
-        description="Create or update the gradwatch folder, the Prometheus datasource and the five dashboards "
-                    "in a running Grafana, through its HTTP API. Pushing again updates them in place.",
-    )
-    p.add_argument("--url", required=True, help="Grafana's base URL, e.g. https://grafana.example")
-    auth = p.add_mutually_exclusive_group()
-    auth.add_argument("--token", default="", help="service account token (default: $GRAFANA_TOKEN)")
-    auth.add_argument("--basic-auth", default="", metavar="USER:PASSWORD", help="basic auth instead of a token")
-    p.add_argument("--prometheus-url", default="http://localhost:9090",
-                   help="URL Grafana's server uses to reach the Prometheus that scrapes the aggregator")
-    p.add_argument("--datasource-uid", default=DATASOURCE_UID, help="uid of the Prometheus datasource")
-    p.add_argument("--datasource-name", default=DATASOURCE_NAME, help="name of the Prometheus datasource")
-    p.add_argument("--skip-datasource", action="store_true",
-                   help="do not create or update the datasource; use the existing --datasource-uid")
-    p.add_argument("--folder-uid", default=FOLDER_UID, help="uid of the folder new dashboards go to")
-    p.add_argument("--folder-title", default=FOLDER_TITLE, help="title of that folder")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
-    a = p.parse_args(argv)
-    token = a.token or ("" if a.basic_auth else os.environ.get("GRAFANA_TOKEN", ""))
-    if not token and not a.basic_auth:
-        p.error("give --token, --basic-auth USER:PASSWORD, or set GRAFANA_TOKEN")
-    if a.basic_auth and ":" not in a.basic_auth:
-        p.error("--basic-auth must look like USER:PASSWORD")
-    try:
-        api = connect(a.url, token=token, basic_auth=a.basic_auth, timeout=a.timeout)
-        push(api, prometheus_url=a.prometheus_url, datasource_uid=a.datasource_uid, datasource_name=a.datasource_name,
-             skip_datasource=a.skip_datasource, folder_uid=a.folder_uid, folder_title=a.folder_title)
-    except ImportError as e:
-        print(f"gradwatch grafana push: {e}; install it with: pip install 'gradwatch[grafana]'", file=sys.stderr)
-        return 1
-    except PushError as e:
-        print(f"gradwatch grafana push: {e}", file=sys.stderr)
-        return 1
-    return 0
+    """``gradwatch grafana push [FLAGS]``; the exit status."""
+    from gradwatch.commands.cli import main as gradwatch
+
+    return gradwatch(["grafana", "push", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def start_aggregator(tmp_path: Path, *args: str, port: int | None = None) -> Agg
 def run_demo(endpoint: str, *, ranks: int = 3, steps: int = 40, every: int = 10, inject=(), job: str = "faults",
              extra=(), timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``gradwatch demo`` (a real gloo DDP job, tiny model) against ``endpoint`` and wait for it."""
-    cmd = [sys.executable, "-m", "gradwatch.cli", "demo", "--aggregator", endpoint, "--ranks", str(ranks),
+    cmd = [sys.executable, "-m", "gradwatch.commands", "demo", "--aggregator", endpoint, "--ranks", str(ranks),
            "--steps", str(steps), "--every", str(every), "--job", job, "--no-progress",
            "--width", "32", "--layers", "2", "--heads", "2", "--batch-size", "8", "--context", "32"]
     for spec in inject:

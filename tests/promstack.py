@@ -1,5 +1,5 @@
 """A real Prometheus and Alertmanager for tests, started by ``gradwatch stack``'s own code
-(:mod:`gradwatch.stack`) from the shipped configuration, with a webhook receiver run here.
+(:mod:`gradwatch.commands.stack`) from the shipped configuration, with a webhook receiver run here.
 
 Only loopback addresses; free ports; data under the test's tmp_path. When the binaries are missing
 the tests that need them are skipped, unless ``GRADWATCH_REQUIRE_PROMETHEUS=1`` (set by .ci/run,
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from gradwatch import stack
+from gradwatch.commands import stack
 
 from .conftest import free_port
 
@@ -139,7 +139,7 @@ FAST = dict(scrape_interval="1s", evaluation_interval="1s", for_scale=0.02, grou
 
 def start_promstack(workdir: Path, metrics_targets: list[str], **overrides) -> PromStack:
     """Prometheus scraping ``metrics_targets`` and Alertmanager on free loopback ports, with the
-    shipped configuration rendered by :func:`gradwatch.stack.render`, and a webhook receiver."""
+    shipped configuration rendered by :func:`gradwatch.commands.stack.render`, and a webhook receiver."""
     require_servers()
     webhook = Webhook()
     settings = stack.Settings(

@@ -477,7 +477,7 @@ def test_unknown_flag_fails():
 
 def test_gradwatch_aggregator_help_works():
     exe = shutil.which("gradwatch", path=str(Path(sys.executable).parent)) or ""
-    cmd = [exe] if exe else [sys.executable, "-m", "gradwatch.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "gradwatch.commands"]
     run = subprocess.run([*cmd, "aggregator", "--help"], capture_output=True, text=True, timeout=30)
     assert run.returncode == 0, run.stderr
     for flag in ("--listen", "--metrics-port", "--round-grace-s", "--max-message-bytes"):
@@ -503,7 +503,7 @@ def test_aggregator_runs_without_torch(tmp_path, push):
 
     zport, mport = free_port(), free_port()
     log = tmp_path / "aggregator-no-torch.log"
-    code = NO_TORCH + "from gradwatch.cli import main\nsys.exit(main(['aggregator', *sys.argv[1:]]))"
+    code = NO_TORCH + "from gradwatch.commands.cli import main\nsys.exit(main(['aggregator', *sys.argv[1:]]))"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "--listen", f"tcp://127.0.0.1:{zport}", "--metrics-host", "127.0.0.1",
          "--metrics-port", str(mport), "--publish-interval-s", "0.05"],
@@ -540,7 +540,7 @@ def promtool_clean(text: str) -> None:
 def test_promtool_check_metrics_is_clean_after_a_real_demo_run(aggregator):
     """Two DDP ranks (child processes of the demo) report to the aggregator; only it serves HTTP
     (C38: that no rank opens an HTTP port is checked statically in test_layout.py)."""
-    cmd = [sys.executable, "-m", "gradwatch.cli", "demo", "--aggregator", aggregator.endpoint, "--steps", "12",
+    cmd = [sys.executable, "-m", "gradwatch.commands", "demo", "--aggregator", aggregator.endpoint, "--steps", "12",
            "--every", "5", "--no-progress", "--job", "lint", "--width", "32", "--context", "32", "--batch-size", "8", "--heads", "2"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from gradwatch import stack
+from gradwatch.commands import stack
 from gradwatch.aggregator.checks import CHECKS, load_all
 from gradwatch.aggregator.exporter import METRICS
 
@@ -273,10 +273,10 @@ def test_stack_renders_the_shipped_configuration_for_local_use(tmp_path):
 
 
 def test_stack_command_is_a_gradwatch_subcommand(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "gradwatch.cli", "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "gradwatch.commands", "--help"], capture_output=True, text=True, timeout=60)
     assert "stack" in out.stdout
     run_ = subprocess.run(
-        [sys.executable, "-m", "gradwatch.cli", "stack", "--render-only", "--workdir", str(tmp_path),
+        [sys.executable, "-m", "gradwatch.commands", "stack", "--render-only", "--workdir", str(tmp_path),
          "--aggregator-metrics", "127.0.0.1:9500"],
         capture_output=True, text=True, timeout=60,
     )

@@ -408,7 +408,7 @@ def test_rank_health_clean_real_run_raises_no_finding(fault_and_clean):
 
 
 def _demo(endpoint, job, steps, inject=()):
-    cmd = [sys.executable, "-m", "gradwatch.cli", "demo", "--aggregator", endpoint, "--ranks", "3",
+    cmd = [sys.executable, "-m", "gradwatch.commands", "demo", "--aggregator", endpoint, "--ranks", "3",
            "--steps", str(steps), "--every", "10", "--job", job, "--no-progress",
            "--width", "32", "--layers", "2", "--heads", "2", "--batch-size", "8", "--context", "32"]
     for spec in inject:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradwatch.demo.model import GPT, GPTConfig, batch, stdlib_text
+from gradwatch.commands.demo.model import GPT, GPTConfig, batch, stdlib_text
 
 from .conftest import samples, wait_for
 
@@ -48,7 +48,7 @@ def reference_linear_grad_norms() -> dict[str, float]:
 
 def test_two_rank_ddp_job_reaches_metrics_and_matches_reference(aggregator):
     cmd = [
-        sys.executable, "-m", "gradwatch.cli", "demo", "--aggregator", aggregator.endpoint,
+        sys.executable, "-m", "gradwatch.commands", "demo", "--aggregator", aggregator.endpoint,
         "--ranks", str(RANKS), "--steps", str(STEPS), "--every", str(EVERY), "--seed", str(SEED),
         "--batch-size", str(BATCH), "--context", str(CONTEXT), "--width", "32", "--layers", "2",
         "--heads", "2", "--lr", str(LR), "--job", "e2e", "--no-progress",

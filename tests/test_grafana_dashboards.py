@@ -79,7 +79,7 @@ def metric_names(expr: str) -> set[str]:
 
 def catalog_names() -> set[str]:
     """Every series name the aggregator exports, from its generated catalog (summaries' parts too)."""
-    from gradwatch import catalog
+    from gradwatch.commands import catalog
 
     names = set()
     for name, kind in re.findall(r"^\| `(gradwatch_\w+)` \| (\w+) \|", catalog.render(), re.M):
@@ -242,7 +242,7 @@ def test_grafana_commands_import_neither_torch_nor_a_grafana_client_until_needed
     import subprocess
     import sys
 
-    code = ("import sys, gradwatch.cli, gradwatch.grafana, gradwatch.grafana.generate, gradwatch.grafana.push; "
+    code = ("import sys, gradwatch.commands.cli, gradwatch.grafana, gradwatch.grafana.generate, gradwatch.grafana.push; "
             "print(sorted({n.split('.')[0] for n in sys.modules} & {'torch', 'grafana_client', 'niquests'}))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr

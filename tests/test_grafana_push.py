@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from gradwatch.aggregator.checks import Event
-from gradwatch.cli import main as cli
+from gradwatch.commands.cli import main as cli
 from gradwatch.grafana import generate
 
 from .conftest import free_port, wait_for
@@ -115,7 +115,7 @@ def test_a_changed_prometheus_url_updates_the_one_datasource(grafana):
 
 
 def test_the_entry_point_runs_push_in_a_fresh_interpreter(grafana):
-    run = subprocess.run([sys.executable, "-m", "gradwatch.cli", "grafana", "push", "--url", grafana.url + "/"],
+    run = subprocess.run([sys.executable, "-m", "gradwatch.commands", "grafana", "push", "--url", grafana.url + "/"],
                          capture_output=True, text=True, timeout=60, env={**os.environ, "GRAFANA_TOKEN": TOKEN})
     assert run.returncode == 0, run.stderr
     assert run.stdout.count("created") == 7 and _counts(grafana) == (1, 1, 5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from gradwatch import catalog
+from gradwatch.commands import catalog
 
 from .conftest import ROOT
 
@@ -13,7 +13,7 @@ README = (ROOT / "README.md").read_text()
 
 def test_catalog_in_readme_matches_the_registries():
     expected = catalog.splice(README, catalog.render())
-    assert README == expected, "README catalog drifted: run `python -m gradwatch.catalog --write`"
+    assert README == expected, "README catalog drifted: run `python -m gradwatch.commands.catalog --write`"
 
 
 def test_every_registered_metric_and_check_is_in_the_readme():

@@ -45,7 +45,7 @@ class DemoConfig(BaseSettings):
     inject: list[str] = Field(
         default_factory=list,
         description="Fault to inject, KIND@STEP[:rank=R][:layer=L][:param=P][:scale=X][:seconds=S]; repeatable. "
-        "KIND: explode, nan, desync, drift, straggler, hang (see gradwatch.demo.inject).",
+        "KIND: explode, nan, desync, drift, straggler, hang (see gradwatch.commands.demo.inject).",
     )
     events_path: str = Field("", description="JSON-lines file the demo's own aggregator appends findings to.")
 
@@ -204,22 +204,7 @@ def _summary(per_rank, snap, job: str) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from pydantic import ValidationError
-    from pydantic_settings import CliApp
+    """``gradwatch demo [FLAGS]`` (flags: the fields of :class:`DemoConfig`); the exit status."""
+    from gradwatch.commands.cli import main as gradwatch
 
-    try:
-        cfg = CliApp.run(DemoConfig, cli_args=list(argv or []))
-    except ValidationError as e:
-        from gradwatch.settings import describe
-
-        print(f"gradwatch: {describe(e, 'demo', 'GRADWATCH_DEMO_')}", file=sys.stderr)
-        return 2
-    try:
-        return run(cfg)
-    except Exception as e:  # a ConfigError from the aggregator, e.g. port in use
-        from gradwatch.aggregator import ConfigError
-
-        if isinstance(e, ConfigError):
-            print(f"gradwatch: {e}", file=sys.stderr)
-            return 2
-        raise
+    return gradwatch(["demo", *(sys.argv[1:] if argv is None else argv)])
