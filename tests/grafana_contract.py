@@ -5,7 +5,7 @@ aggregator's annotation poster talk to :class:`ContractServer`: a real HTTP serv
 that, for each request,
 
 1. finds the path template and method in the Swagger 2.0 spec Grafana publishes
-   (``public/api-merged.json``, vendored under ``../shared/vendor/grafana/``; basePath ``/api``);
+   (``public/api-merged.json``, vendored under ``tests/vendor/grafana/``; basePath ``/api``);
    an unknown path is 404, a known path with another method 405;
 2. checks authentication (the spec's ``basic`` or ``api_key`` security): 401 without the right
    ``Authorization`` header;
@@ -35,7 +35,6 @@ import base64
 import copy
 import itertools
 import json
-import os
 import re
 import socket
 import threading
@@ -48,8 +47,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import jsonschema
 
-ROOT = Path(__file__).resolve().parents[1]
-VENDOR = Path(os.environ.get("GRADWATCH_GRAFANA_VENDOR", ROOT.parent / "shared" / "vendor" / "grafana"))
+VENDOR = Path(__file__).resolve().parent / "vendor" / "grafana"  # committed copy; see its README.txt
 SPEC_PATH = VENDOR / "grafana_http_api.swagger2.api-merged.json"
 
 
