@@ -1,9 +1,18 @@
-"""The shape of the package: data flows one way, and each side imports only what it must.
+"""The shape of the package: data flows one way, and each room imports only what it must.
 
     agent (in the rank, torch)  ->  gradwatch.wire (bytes)  ->  aggregator (daemon, no torch)
 
-Checked statically with ``ast`` over the source files (imports inside functions included), then
-dynamically in fresh interpreters. Also pins the public surface (``__all__``) of both sides.
+Rooms (top-level folders, each installed under ``gradwatch``) and what each may import:
+
+    foundation  gradwatch/   wire, settings, errors       -> nothing of the other rooms
+    agent       agent/       in every rank                -> the foundation
+    aggregator  aggregator/  the daemon                   -> the foundation
+    commands    commands/    gradwatch CLI, demo, stack   -> anything
+    grafana     grafana/     dashboards as code, push     -> anything
+
+Checked statically with ``ast`` over the source files (imports inside functions, the lazy ones,
+included), then dynamically in fresh interpreters. Also pins the public surface (``__all__``) of
+both sides and the exception tree.
 """
 
 from __future__ import annotations
@@ -18,6 +27,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT, AGGREGATOR, WIRE = ROOT / "agent", ROOT / "aggregator", ROOT / "gradwatch" / "wire.py"
+FOUNDATION, COMMANDS, GRAFANA = ROOT / "gradwatch", ROOT / "commands", ROOT / "grafana"
+# room -> (folder, the rooms it may import besides itself)
+ROOMS = {
+    "foundation": (FOUNDATION, ()),
+    "agent": (AGENT, ("foundation",)),
+    "aggregator": (AGGREGATOR, ("foundation",)),
+    "commands": (COMMANDS, ("foundation", "agent", "aggregator", "grafana")),
+    "grafana": (GRAFANA, ("foundation", "agent", "aggregator", "commands")),
+}
+TOP_LEVEL_FOLDERS = ("agent", "aggregator", "commands", "grafana", "deploy")
 
 
 def imports(source: str, package: str) -> set[str]:
@@ -70,6 +89,27 @@ def offenders(found: dict[str, set[str]], forbidden: tuple[str, ...]) -> dict[st
     return bad
 
 
+def room_of(module: str) -> str | None:
+    """The room a ``gradwatch...`` module belongs to (None for other modules): ``gradwatch.X`` with X
+    a room's name is that room, every other ``gradwatch`` module the foundation."""
+    parts = module.split(".")
+    if parts[0] != "gradwatch":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in ROOMS else "foundation"
+
+
+def room_offenders(room: str) -> dict[str, list[str]]:
+    """``{file: [imports it may not make]}`` for every source file of ``room``."""
+    folder, allowed = ROOMS[room]
+    package = "gradwatch" if room == "foundation" else f"gradwatch.{room}"
+    bad = {}
+    for name, mods in source_imports(folder, package).items():
+        hit = sorted(m for m in mods if room_of(m) not in (None, room, *allowed) or m.split(".")[0] in TOP_LEVEL_FOLDERS)
+        if hit:
+            bad[name] = hit
+    return bad
+
+
 def test_import_finder_sees_relative_nested_and_dynamic_imports():
     src = textwrap.dedent(
         """
@@ -98,13 +138,37 @@ def test_source_walk_covers_subpackages():
     }
 
 
+def test_room_finder_sorts_modules_into_rooms():
+    assert [room_of(m) for m in ("gradwatch", "gradwatch.wire.Report", "gradwatch.__version__", "gradwatch.agent.config",
+                                 "gradwatch.commands.cli", "gradwatch.grafana", "numpy")] == [
+        "foundation", "foundation", "foundation", "agent", "commands", "grafana", None]
+
+
+@pytest.mark.parametrize("room", list(ROOMS))
+def test_each_room_imports_only_the_rooms_below_it(room):
+    """Foundation -> nothing; agent, aggregator -> the foundation; commands, grafana -> anything.
+    Lazy imports (inside functions) count: they are arrows too."""
+    assert room_offenders(room) == {}
+
+
+def test_the_room_check_sees_a_lazy_import_upwards(tmp_path):
+    """A function-level import of a command from the foundation is caught like a top-level one."""
+    found = {"wire.py": imports("def f():\n    from .commands import cli\n", "gradwatch")}
+    assert [m for m in found["wire.py"] if room_of(m) == "commands"] == ["gradwatch.commands", "gradwatch.commands.cli"]
+
+
+def test_foundation_holds_only_wire_settings_errors():
+    assert sorted(p.name for p in FOUNDATION.glob("*.py")) == ["__init__.py", "errors.py", "settings.py", "wire.py"]
+    assert not [p for p in FOUNDATION.iterdir() if p.is_dir() and p.name != "__pycache__"]
+
+
 def test_agent_never_imports_the_aggregator():
     assert offenders(source_imports(AGENT, "gradwatch.agent"), ("gradwatch.aggregator", "aggregator")) == {}
 
 
 def test_aggregator_never_imports_the_agent_or_torch():
     found = source_imports(AGGREGATOR, "gradwatch.aggregator")
-    assert offenders(found, ("gradwatch.agent", "agent", "torch", "gradwatch.demo")) == {}
+    assert offenders(found, ("gradwatch.agent", "agent", "torch", "gradwatch.commands")) == {}
 
 
 def test_wire_imports_neither_torch_nor_prometheus():
@@ -131,15 +195,41 @@ def fresh(code: str) -> str:
 
 
 def test_importing_the_aggregator_leaves_torch_out_of_sys_modules():
+    """Nor does the gradwatch command: ``gradwatch aggregator`` runs where torch is not installed."""
     out = fresh(
         """
         import importlib, pkgutil, sys
-        import gradwatch.aggregator, gradwatch.cli, gradwatch.wire
+        import gradwatch.aggregator, gradwatch.commands.cli, gradwatch.wire
         for m in pkgutil.walk_packages(gradwatch.aggregator.__path__, "gradwatch.aggregator."):
             if not m.name.endswith("__main__"):
                 importlib.import_module(m.name)
         assert "gradwatch.aggregator.daemon" in sys.modules
-        print(sorted(n for n in sys.modules if n.split(".")[0] == "torch" or n.startswith(("gradwatch.agent", "gradwatch.demo"))))
+        print(sorted(n for n in sys.modules if n.split(".")[0] == "torch" or n.startswith(
+            ("gradwatch.agent", "gradwatch.commands.demo.model", "gradwatch.commands.demo.inject"))))
+        """
+    )
+    assert out == "[]"
+
+
+@pytest.mark.parametrize("room", ["foundation", "agent", "aggregator"])
+def test_importing_every_module_of_a_room_loads_no_room_it_may_not_import(room):
+    """The dynamic twin of the static check: in a fresh interpreter, import every module of the
+    room, then no module of a room it may not import is loaded."""
+    folder, allowed = ROOMS[room]
+    package = "gradwatch" if room == "foundation" else f"gradwatch.{room}"
+    forbidden = sorted(set(ROOMS) - {room, *allowed})
+    out = fresh(
+        f"""
+        import importlib, pkgutil, sys
+        pkg = importlib.import_module({package!r})
+        names = [m.name for m in pkgutil.walk_packages(pkg.__path__, {package!r} + ".")
+                 if not m.name.endswith("__main__")]
+        if {room!r} == "foundation":  # the foundation's own modules, not the rooms installed inside it
+            names = [n for n in names if n.split(".")[1] not in {tuple(ROOMS)!r}]
+        for n in names:
+            importlib.import_module(n)
+        print(sorted(n for n in sys.modules if n.split(".")[0] == "gradwatch" and len(n.split(".")) > 1
+                     and n.split(".")[1] in {tuple(forbidden)!r}))
         """
     )
     assert out == "[]"
@@ -178,6 +268,24 @@ def test_both_sides_report_config_errors_as_value_errors(pkg):
 
     mod = importlib.import_module(f"gradwatch.{pkg}")
     assert issubclass(mod.ConfigError, ValueError)
+
+
+def test_one_exception_root():
+    """One ConfigError for both sides, and every error gradwatch raises on purpose under
+    ``gradwatch.GradwatchError``; config and wire errors stay ValueErrors."""
+    import gradwatch
+    import gradwatch.agent
+    import gradwatch.aggregator
+    from gradwatch.commands.errors import CommandError, UsageError
+    from gradwatch.commands.stack import StackError
+    from gradwatch.grafana.push import PushError
+    from gradwatch.wire import WireError
+
+    assert gradwatch.agent.ConfigError is gradwatch.aggregator.ConfigError is gradwatch.ConfigError
+    for err in (gradwatch.ConfigError, WireError):
+        assert issubclass(err, gradwatch.GradwatchError) and issubclass(err, ValueError), err
+    for err in (CommandError, UsageError, StackError, PushError):
+        assert issubclass(err, gradwatch.GradwatchError), err
 
 
 def test_every_package_folder_is_listed_in_pyproject():
