@@ -20,6 +20,17 @@ from gradwatch import wire
 ROOT = Path(__file__).resolve().parents[1]
 
 
+SLOW = ("ddp", "stack", "wheel")
+
+
+def pytest_collection_modifyitems(items):
+    """Tiers: every test marked ddp, stack or wheel is also "slow"; ``-m "not slow"`` is the fast
+    tier (no training run, no server, no wheel build)."""
+    for item in items:
+        if any(item.get_closest_marker(m) for m in SLOW):
+            item.add_marker(pytest.mark.slow)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

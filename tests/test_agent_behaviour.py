@@ -186,6 +186,7 @@ def _ddp_worker(rank: int, world: int, port: int, endpoint: str, out_dir: str, a
         dist.destroy_process_group()
 
 
+@pytest.mark.ddp
 def test_ddp_identical_run_and_c13_accumulation_under_no_sync(collector, tmp_path):
     """2-rank gloo DDP. Identical run: per rank, losses and final parameters with the agent equal
     bit for bit those without it, also under gradient accumulation. C13: 4 micro-steps with
@@ -294,6 +295,7 @@ def _run_pair(script, endpoint: str, ending: str) -> dict:
 
 
 @pytest.mark.parametrize("ending", ["normal", "raise"])
+@pytest.mark.ddp
 def test_c24_c26_no_aggregator_training_finishes_and_process_exits(tmp_path, ending):
     """C24/C26: with the endpoint at a closed port, the script trains without blocking (agent
     active, training loop within 2 s of the loop without the agent) and its process exits within

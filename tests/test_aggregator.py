@@ -201,6 +201,7 @@ def malformed_burst(good: FakeRank, limits: wire.Limits) -> list[tuple[bytes, st
     return frames
 
 
+@pytest.mark.ddp
 def test_C30_burst_of_malformed_frames_is_counted_by_reason_and_valid_traffic_still_flows(tmp_path, push):
     agg = start_aggregator(tmp_path, "--max-message-bytes", str(2**20), "--publish-interval-s", "0.05", "--round-grace-s", "30")
     try:
@@ -246,6 +247,7 @@ def test_C30_burst_of_malformed_frames_is_counted_by_reason_and_valid_traffic_st
 # --- (b) C28: sequence gaps and restarts --------------------------------------------------------
 
 
+@pytest.mark.ddp
 def test_C28_sequence_gaps_count_lost_messages_and_a_new_boot_counts_a_restart(aggregator, push):
     t0 = time.time()
     r = FakeRank(push(aggregator.endpoint), "gaps", 0, 1)
@@ -285,6 +287,7 @@ def assert_counters_finite(text: str) -> None:
     assert bad == [], bad
 
 
+@pytest.mark.ddp
 def test_C36_nan_and_inf_grad_norms_reach_gauges_never_counters(aggregator, push):
     sock = push(aggregator.endpoint)
     ranks = [FakeRank(sock, "nan", r, 2) for r in range(2)]
@@ -387,6 +390,7 @@ def assert_aggregates(text: str, job: str, probes: dict[int, dict]) -> None:
         assert exported == {k[1] for k in layer_keys if k[0] == metric}, metric
 
 
+@pytest.mark.ddp
 def test_rounds_complete_when_every_rank_reports_and_close_incomplete_after_grace(tmp_path, push):
     grace = 2.0
     agg = start_aggregator(tmp_path, "--round-grace-s", str(grace), "--publish-interval-s", "0.05")
@@ -437,12 +441,14 @@ def run_aggregator(*args: str, timeout: float = 30) -> subprocess.CompletedProce
     return subprocess.run([sys.executable, "-m", "gradwatch.aggregator", *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.ddp
 def test_out_of_range_port_fails_at_start_naming_metrics_port():
     run = run_aggregator("--metrics-port", "70000", "--listen", f"tcp://127.0.0.1:{free_port()}")
     assert run.returncode == 2
     assert "metrics_port" in run.stderr and "Traceback" not in run.stderr
 
 
+@pytest.mark.ddp
 def test_C38_http_port_in_use_fails_at_start_naming_metrics_port():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -454,6 +460,7 @@ def test_C38_http_port_in_use_fails_at_start_naming_metrics_port():
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.ddp
 def test_listen_endpoint_in_use_fails_at_start_naming_listen():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -464,11 +471,13 @@ def test_listen_endpoint_in_use_fails_at_start_naming_listen():
 
 
 @pytest.mark.parametrize("args, setting", [(["--round-grace-s", "0"], "round_grace_s"), (["--listen", "localhost:5555"], "listen")])
+@pytest.mark.ddp
 def test_invalid_settings_fail_naming_them(args, setting):
     run = run_aggregator(*args, "--metrics-port", str(free_port()))
     assert run.returncode == 2 and setting in run.stderr, run.stderr
 
 
+@pytest.mark.ddp
 def test_unknown_flag_fails():
     run = run_aggregator("--no-such-flag", "1", "--metrics-port", str(free_port()))
     assert run.returncode != 0
@@ -497,6 +506,7 @@ sys.meta_path.insert(0, NoTorch())
 """
 
 
+@pytest.mark.ddp
 def test_aggregator_runs_without_torch(tmp_path, push):
     blocked = subprocess.run([sys.executable, "-c", NO_TORCH + "import torch"], capture_output=True, text=True, timeout=30)
     assert blocked.returncode != 0 and "torch is blocked" in blocked.stderr  # the blocker works
@@ -537,6 +547,8 @@ def promtool_clean(text: str) -> None:
     assert lint.returncode == 0 and lint.stdout.strip() == "" and lint.stderr.strip() == "", lint.stdout + lint.stderr
 
 
+@pytest.mark.ddp
+@pytest.mark.stack
 def test_promtool_check_metrics_is_clean_after_a_real_demo_run(aggregator):
     """Two DDP ranks (child processes of the demo) report to the aggregator; only it serves HTTP
     (C38: that no rank opens an HTTP port is checked statically in test_layout.py)."""
@@ -550,6 +562,7 @@ def test_promtool_check_metrics_is_clean_after_a_real_demo_run(aggregator):
     promtool_clean(text)
 
 
+@pytest.mark.stack
 def test_promtool_flags_a_bad_exposition():
     """The lint above can fail: promtool does flag a counter without _total."""
     if shutil.which("promtool") is None:
@@ -562,6 +575,7 @@ def test_promtool_flags_a_bad_exposition():
 # --- (h) C34: label cardinality stays bounded ------------------------------------------------------
 
 
+@pytest.mark.ddp
 def test_C34_series_count_constant_across_steps_restarts_and_compiled_names(aggregator, push):
     """8 healthy ranks x 50 layers, every step reported, 30 probed steps; halfway, rank 3 restarts
     (new boot id) under torch.compile, its module paths normalised by the agent's own function.

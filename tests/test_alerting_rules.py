@@ -67,22 +67,26 @@ def exported_names() -> set[str]:
 # --- the real tools ------------------------------------------------------------------------------
 
 
+@pytest.mark.stack
 def test_promtool_check_config():
     r = run(PROMTOOL, "check", "config", str(PROM_CONFIG))
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.stack
 def test_promtool_check_rules():
     r = run(PROMTOOL, "check", "rules", str(RULES))
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.stack
 def test_promtool_unit_tests_pass():
     """Every alert firing and not firing, NaN/Inf included (deploy/prometheus/tests/)."""
     r = run(PROMTOOL, "test", "rules", str(RULE_TESTS))
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.stack
 def test_amtool_check_config():
     r = run(AMTOOL, "check-config", str(AM_CONFIG))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -95,6 +99,7 @@ def test_amtool_check_config():
     ("alertname=Watchdog severity=info", "gradwatch-watchdog"),
     ("alertname=Unlabelled", "gradwatch-warning"),
 ])
+@pytest.mark.stack
 def test_alertmanager_routes_by_severity(labels, receiver):
     r = run(AMTOOL, "config", "routes", "test", f"--config.file={AM_CONFIG}", *labels.split())
     assert r.returncode == 0 and r.stdout.strip() == receiver, r.stdout + r.stderr
@@ -246,6 +251,7 @@ def _parses_as_aggregator_flags(args: list[str]) -> None:
     CliApp.run(AggregatorConfig, cli_args=args)  # raises on an unknown or invalid flag
 
 
+@pytest.mark.stack
 def test_stack_renders_the_shipped_configuration_for_local_use(tmp_path):
     settings = stack.Settings(aggregator_metrics=("127.0.0.1:19400",), prometheus_port=19090, alertmanager_port=19093,
                               webhook="http://127.0.0.1:18080", scrape_interval="1s", evaluation_interval="1s",

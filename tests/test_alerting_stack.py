@@ -20,6 +20,8 @@ import pytest
 from .conftest import run_demo, samples, start_aggregator, wait_for
 from .promstack import require_servers, start_promstack
 
+pytestmark = [pytest.mark.ddp, pytest.mark.stack]  # tiers: README, Tests
+
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):

@@ -82,6 +82,7 @@ def _settled(agg, job, probes):
              20, what=f"probe step {probes[-1]} of {job}")
 
 
+@pytest.mark.ddp
 def test_desync_after_all_reduce_is_named_with_rank_step_and_parameter(agg):
     run_demo(agg.endpoint, ranks=3, steps=25, every=10, inject=["desync@20:rank=2"], job="desync")
     _settled(agg, "desync", [0, 10, 20])
@@ -91,6 +92,7 @@ def test_desync_after_all_reduce_is_named_with_rank_step_and_parameter(agg):
     assert grad["details"]["params"] == ["head.weight"] and grad["severity"] == "critical"
 
 
+@pytest.mark.ddp
 def test_bit_flip_in_one_replica_is_named_as_drift_only(agg):
     run_demo(agg.endpoint, ranks=3, steps=25, every=10, inject=["drift@9:rank=1"], job="drift")
     _settled(agg, "drift", [0, 10, 20])
@@ -99,6 +101,7 @@ def test_bit_flip_in_one_replica_is_named_as_drift_only(agg):
     assert ("replica_drift", 1) in active  # the replica stays different: the finding stays raised
 
 
+@pytest.mark.ddp
 def test_clean_run_raises_no_consistency_finding(agg):
     run_demo(agg.endpoint, ranks=3, steps=25, every=10, job="clean")
     _settled(agg, "clean", [0, 10, 20])

@@ -8,9 +8,12 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch.multiprocessing as mp
 
 from .conftest import free_port, samples, start_aggregator, wait_for
+
+pytestmark = pytest.mark.ddp  # tiers: README, Tests
 
 RANKS, STEPS, EVERY, VANISH_FROM = 2, 30, 2, 10
 

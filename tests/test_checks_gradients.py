@@ -441,6 +441,7 @@ def raised(agg, job: str, check: str) -> list[dict]:
     return [e for e in agg.findings(job=job) if e["check"] == check and e["event"] == "raised"]
 
 
+@pytest.mark.ddp
 def test_explosion_explode_at_23_on_rank_1_of_3_named_from_local_norms(demos):
     (e,) = wait_for(lambda: raised(demos, "explode", "explosion"), 10, what="an explosion finding")
     assert (e["step"], e["rank"], e["layer"]) == (23, 1, None), e
@@ -450,6 +451,7 @@ def test_explosion_explode_at_23_on_rank_1_of_3_named_from_local_norms(demos):
     assert raised(demos, "explode", "nonfinite") == []
 
 
+@pytest.mark.ddp
 def test_nonfinite_nan_at_20_on_rank_1_located_at_its_probe(demos):
     (e,) = wait_for(lambda: raised(demos, "nan", "nonfinite"), 10, what="a nonfinite finding")
     assert (e["step"], e["rank"]) == (20, 1), e
@@ -460,6 +462,7 @@ def test_nonfinite_nan_at_20_on_rank_1_located_at_its_probe(demos):
     assert raised(demos, "nan", "explosion") == []
 
 
+@pytest.mark.ddp
 def test_clean_run_raises_no_finding_from_the_gradient_checks(demos):
     events = [e for e in demos.findings(job="clean") if e["check"] in MINE]
     assert events == []
@@ -546,6 +549,7 @@ def replay_noise_scale(g: np.ndarray) -> float:
     return float(ema[1] / ema[0])
 
 
+@pytest.mark.ddp
 def test_noise_scale_of_a_real_ddp_job_within_10_percent_of_per_sample_brute_force(agg):
     """3 gloo ranks with agents, each drawing 32 samples with replacement per step from 512, lr 0
     so every step samples the same gradient distribution; every step probed; EMA 0.98.

@@ -376,6 +376,7 @@ def fault_and_clean(tmp_path_factory):
         agg.stop()
 
 
+@pytest.mark.ddp
 def test_straggler_real_run_names_only_the_sleeping_rank(fault_and_clean):
     _, runs, metrics = fault_and_clean
     raised, events = runs["faulty"]
@@ -387,6 +388,7 @@ def test_straggler_real_run_names_only_the_sleeping_rank(fault_and_clean):
     assert set(rel) == {"0", "1", "2"} and rel["1"] < 0.5 and min(rel, key=rel.get) == "1"
 
 
+@pytest.mark.ddp
 def test_outlier_rank_real_run_names_the_rank_whose_loss_exploded_three_probes_in_a_row(fault_and_clean):
     _, runs, _ = fault_and_clean
     raised, events = runs["faulty"]
@@ -396,6 +398,7 @@ def test_outlier_rank_real_run_names_the_rank_whose_loss_exploded_three_probes_i
     assert ("resolved", 2) in {(e["event"], e["rank"]) for e in events if e["check"] == "outlier_rank"}
 
 
+@pytest.mark.ddp
 def test_rank_health_clean_real_run_raises_no_finding(fault_and_clean):
     agg, runs, metrics = fault_and_clean
     raised, _ = runs["clean"]
@@ -420,6 +423,7 @@ def _active(agg, job, check):
     return sorted(f["rank"] for f in agg.findings(job, active=True) if f["check"] == check)
 
 
+@pytest.mark.ddp
 def test_training_stalled_real_run_names_the_hung_rank_while_it_hangs(tmp_path):
     agg = start_aggregator(tmp_path, *SHORT)
     demo = _demo(agg.endpoint, "hang", 25, ["hang@15:rank=2:seconds=12"])
@@ -460,6 +464,7 @@ def _rank_processes(pid: int) -> list[int]:
     return [k for _, k in sorted(ranks)]
 
 
+@pytest.mark.ddp
 def test_rank_silent_real_run_names_the_rank_killed_with_sigkill(tmp_path):
     agg = start_aggregator(tmp_path, *SHORT)
     demo = _demo(agg.endpoint, "kill", 100_000)

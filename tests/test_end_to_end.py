@@ -14,6 +14,8 @@ from gradwatch.commands.demo.model import GPT, GPTConfig, batch, stdlib_text
 
 from .conftest import samples, wait_for
 
+pytestmark = pytest.mark.ddp  # tiers: README, Tests
+
 STEPS, EVERY, RANKS, SEED, BATCH, CONTEXT, LR = 25, 10, 2, 3, 8, 32, 3e-3
 LAST_PROBE = (STEPS - 1) // EVERY * EVERY
 

@@ -26,6 +26,8 @@ from .grafana_contract import ContractServer
 from .promstack import start_promstack
 from .test_grafana_dashboards import label_values_queries, panel_queries
 
+pytestmark = [pytest.mark.ddp, pytest.mark.stack]  # tiers: README, Tests
+
 JOB, EVERY, STEPS = "grafana", 5, 40
 
 

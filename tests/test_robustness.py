@@ -69,6 +69,7 @@ def test_a_check_without_data_resolves_its_findings():
     assert [e.event for e in runner.view().events].count("resolved") == 2
 
 
+@pytest.mark.ddp
 def test_a_failing_event_log_does_not_stop_the_aggregator(tmp_path):
     agg = start_aggregator(tmp_path, "--events-path", "/dev/full", "--checks.silent-after-s", "0.5",
                            "--publish-interval-s", "0.05")
