@@ -32,3 +32,14 @@ def test_ci_runs_the_test_command_that_readme_gives():
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^bash scripts/test\.sh\b", ci, re.M), ".ci/run must call README's test command"
     assert (ROOT / "scripts" / "demo.sh").exists() and "gradwatch demo" in (ROOT / "scripts" / "demo.sh").read_text()
+
+
+def test_readme_test_tiers_use_registered_markers():
+    """The tier commands README gives select with markers pyproject registers (--strict-markers)."""
+    import tomllib
+
+    registered = {m.split(":")[0] for m in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}
+    tiers = re.findall(r'^bash scripts/test\.sh -m "?([^"#]+?)"?\s+#', README, re.M)
+    assert 'not slow' in tiers and {"ddp", "stack", "wheel"} <= set(tiers), tiers
+    for expr in tiers:
+        assert set(re.findall(r"[a-z_]+", expr)) - {"not", "and", "or"} <= registered, expr
