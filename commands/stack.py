@@ -1,7 +1,7 @@
 """``gradwatch stack``: a local Prometheus and Alertmanager running the shipped configuration.
 
-Renders ``deploy/prometheus/prometheus.yml``, its rule files and ``deploy/alertmanager/
-alertmanager.yml`` for local use — loopback targets and ports, short scrape and evaluation
+Renders the shipped ``prometheus/prometheus.yml``, its rule files and ``alertmanager/
+alertmanager.yml`` (package data of ``gradwatch.deploy``: deploy/ in a checkout) for local use — loopback targets and ports, short scrape and evaluation
 intervals, optionally shorter ``for:`` durations and notification delays, data in a temporary
 directory — then runs both servers until Ctrl-C, so that a demo shows alerts firing::
 
@@ -14,8 +14,9 @@ Prometheus (``prometheus``, Debian's package) and Alertmanager (``prometheus-ale
 Everything the shipped files say is kept except what local use changes, so the tests that run this
 stack (tests/test_alerting_stack.py) test the shipped rules, routes and inhibitions.
 
-Errors: :class:`StackError` (a binary missing, a server that exits or never gets ready), with the
-server's log in the message. Needs PyYAML.
+Errors: :class:`StackError` (a binary missing, a server that exits or never gets ready, a shipped
+file missing), with the server's log in the message; ``gradwatch stack`` prints it as one line and
+exits 1 (2 for an invalid flag). Needs PyYAML.
 """
 
 from __future__ import annotations
