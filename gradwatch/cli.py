@@ -8,6 +8,7 @@ COMMANDS = {
     "aggregator": ("gradwatch.aggregator", "Run the aggregator daemon (receives agents' reports, serves /metrics)."),
     "demo": ("gradwatch.demo", "Train a small transformer on 2 DDP ranks with agents and an aggregator."),
     "grafana": ("gradwatch.grafana", "Generate the dashboards, or push folder, datasource and dashboards to Grafana."),
+    "keys": ("gradwatch.auth", "Make CURVE keys: a server pair for the aggregator, client pairs for the agents."),
     "stack": ("gradwatch.stack", "Run a local Prometheus and Alertmanager with the shipped alert rules against an aggregator."),
 }
 
