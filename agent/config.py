@@ -131,7 +131,7 @@ def _env(name: str) -> str:
 
 
 # GRADWATCH_* variables that belong to the other components, not the agent
-_OTHER_PREFIXES = ("GRADWATCH_AGGREGATOR_", "GRADWATCH_DEMO_", "GRADWATCH_PROMETHEUS_URL", "GRADWATCH_REQUIRE_")
+_OTHER_PREFIXES = ("GRADWATCH_AGGREGATOR_", "GRADWATCH_DEMO_", "GRADWATCH_KEYS_", "GRADWATCH_PROMETHEUS_URL", "GRADWATCH_REQUIRE_")
 
 
 def resolve_identity(cfg: AgentConfig) -> tuple[str, int, int, int, str]:
