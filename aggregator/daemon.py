@@ -156,7 +156,9 @@ class Aggregator:
         sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
+            self._auth = None
         self._ctx.term()
+        self._ctx = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -167,6 +169,7 @@ class Aggregator:
             self._http.server_close()
         if self._auth is not None:
             self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
         self.runner.close()

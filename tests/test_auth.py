@@ -244,6 +244,18 @@ def test_aggregator_key_errors_fail_at_start_naming_the_setting(keys, tmp_path):
             Aggregator(load(**base, **settings)).start()
 
 
+def test_aggregator_command_exits_naming_the_key_setting(keys, tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "gradwatch.aggregator", "--listen", "tcp://127.0.0.1:0", "--metrics-port", "0",
+         "--server-key", str(tmp_path / "gone.key_secret"), "--client-keys", str(keys / "clients")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert run.returncode == 2 and "aggregator.server_key" in run.stderr and "Traceback" not in run.stderr
+
+
 def test_aggregator_cli_takes_keys_from_flags_and_environment(keys, monkeypatch):
     from pydantic_settings import CliApp
 
