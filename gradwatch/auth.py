@@ -65,7 +65,7 @@ def _describe(value: str, secret: bool) -> str:
 
 
 def _certificate(value: str, secret: bool) -> tuple[bytes, Optional[bytes]]:
-    path = Path(value).expanduser()
+    path = Path(value)
     if not path.is_file():
         raise KeyMaterialError(
             f"{_describe(value, secret)} is neither a certificate file nor a 40-character Z85 key"
