@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 import socket
 import warnings
-from typing import Literal
+from typing import Literal, Optional
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gradwatch.errors import ConfigError  # the one config error; gradwatch.agent.ConfigError names it too
+from gradwatch import auth
 from gradwatch.settings import describe
 
 
@@ -47,6 +48,40 @@ class AgentConfig(BaseSettings):
         description="Fused torch.compile statistics kernel: 'on' compiles it in the background at attach "
         "(eager until ready), 'off' stays eager, 'auto' compiles only for CUDA models.",
     )
+
+    server_key: str = Field(
+        "",
+        description="Aggregator's CURVE public key: a path to its server.key file (gradwatch keys) or the "
+        "40-character Z85 key. Turns CURVE authentication and encryption on; needs client_key. '' for plain TCP.",
+    )
+    client_key: SecretStr = Field(
+        SecretStr(""),
+        description="This agent's CURVE key pair: a path to its NAME.key_secret file (gradwatch keys) or the "
+        "40-character Z85 secret key (never logged); the aggregator must list its public key.",
+    )
+
+    def curve_keys(self) -> Optional[auth.ClientKeys]:
+        """The CURVE keys for the sender's socket, or None for plain TCP (neither key set).
+
+        Raises:
+            ConfigError: naming ``server_key`` or ``client_key`` (and the variable it came from):
+                only one of them set, a missing or unreadable file, not a Z85 key.
+        """
+        secret = self.client_key.get_secret_value()
+        if not self.server_key and not secret:
+            return None
+        if not self.server_key or not secret:
+            missing, given = ("client_key", "server_key") if self.server_key else ("server_key", "client_key")
+            raise ConfigError(f"agent.{missing}{_env(missing)}: needed with {given} (CURVE takes both)")
+        try:
+            server = auth.load_public(self.server_key)
+        except auth.KeyMaterialError as e:
+            raise ConfigError(f"agent.server_key{_env('server_key')}: {e}") from None
+        try:
+            public, sec = auth.load_pair(secret)
+        except auth.KeyMaterialError as e:
+            raise ConfigError(f"agent.client_key{_env('client_key')}: {e}") from None
+        return auth.ClientKeys(server, public, sec)
 
     @field_validator("endpoint")
     @classmethod
@@ -82,11 +117,18 @@ def load(**settings) -> AgentConfig:
         cfg = AgentConfig(**settings)
     except ValidationError as e:
         raise ConfigError(describe(e, "agent", "GRADWATCH_", settings)) from None
+    cfg.curve_keys()  # key files are read at attach, so a wrong one fails there
     return cfg
 
 
+def _env(name: str) -> str:
+    """`` (GRADWATCH_NAME)`` when the setting's value may have come from that variable."""
+    var = f"GRADWATCH_{name.upper()}"
+    return f" ({var})" if var in os.environ else ""
+
+
 # GRADWATCH_* variables that belong to the other components, not the agent
-_OTHER_PREFIXES = ("GRADWATCH_AGGREGATOR_", "GRADWATCH_DEMO_", "GRADWATCH_PROMETHEUS_URL", "GRADWATCH_REQUIRE_")
+_OTHER_PREFIXES = ("GRADWATCH_AGGREGATOR_", "GRADWATCH_DEMO_", "GRADWATCH_KEYS_", "GRADWATCH_PROMETHEUS_URL", "GRADWATCH_REQUIRE_")
 
 
 def resolve_identity(cfg: AgentConfig) -> tuple[str, int, int, int, str]:

@@ -171,6 +171,7 @@ class Monitor:
             send_hwm=cfg.send_hwm,
             heartbeat_s=cfg.heartbeat_s,
             schema_every_s=cfg.schema_every_s,
+            keys=cfg.curve_keys(),
         )
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and cfg.local_norms:
             self._install_comm_hook(model)

@@ -44,6 +44,8 @@ class Sender:
         send_hwm: ZeroMQ send high-water mark, messages.
         heartbeat_s, schema_every_s: periods, seconds.
         clock: monotonic clock, seconds (injectable for tests).
+        keys: CURVE keys (:class:`gradwatch.auth.ClientKeys`) to authenticate and encrypt with;
+            None for plain TCP.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class Sender:
         heartbeat_s: float = 1.0,
         schema_every_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        keys=None,
     ):
         self._header = header
         self._schema = schema
@@ -83,6 +86,8 @@ class Sender:
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, send_hwm)
+        if keys is not None:
+            keys.apply(self._sock)  # CURVE client: before connect
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         self._sock.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name="gradwatch-sender", daemon=True)

@@ -6,11 +6,16 @@ Field descriptions double as ``--help``. Invalid values fail at start-up with
 
 from __future__ import annotations
 
-from pydantic import Field, ValidationError, field_validator
+import ipaddress
+import os
+from typing import Optional
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gradwatch import wire
+
 from gradwatch.errors import ConfigError  # the one config error; gradwatch.aggregator.ConfigError names it too
+from gradwatch import auth, wire
 from gradwatch.settings import describe
 
 from .checks import Thresholds, resolve
@@ -29,8 +34,8 @@ class AggregatorConfig(BaseSettings):
         cli_implicit_flags=True,
     )
 
-    listen: str = Field("tcp://0.0.0.0:5555", description="ZeroMQ endpoint the PULL socket binds to; agents connect here.")
-    metrics_host: str = Field("0.0.0.0", description="Address the HTTP server (/metrics, /healthz) binds to.")
+    listen: str = Field("tcp://127.0.0.1:5555", description="ZeroMQ endpoint the PULL socket binds to; agents connect here. Binding beyond loopback (tcp://0.0.0.0:5555) without --server-key is warned about: anyone who reaches the port can write.")
+    metrics_host: str = Field("127.0.0.1", description="Address the HTTP server (/metrics, /api/*, /healthz) binds to; 0.0.0.0 for every interface. It serves no secrets and takes no input.")
     metrics_port: int = Field(9400, ge=0, le=65535, description="TCP port of the HTTP server; 0 picks a free one.")
     round_grace_s: float = Field(10.0, gt=0, le=3600, description="Seconds a probed step waits for missing ranks before it is reconciled as incomplete.")
     max_pending_rounds: int = Field(64, ge=1, le=10_000, description="Probed steps per job held while waiting for ranks; the oldest is closed incomplete beyond it.")
@@ -38,6 +43,17 @@ class AggregatorConfig(BaseSettings):
     max_world: int = Field(65_536, ge=1, description="Largest world size accepted; larger claims are rejected (world_too_large), bounding per-rank state.")
     rank_ttl_s: float = Field(600.0, gt=0, description="Seconds after which a silent rank's series are no longer exported (case C34).")
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 30, description="Largest accepted message, bytes; larger ones are rejected as too_large.")
+    server_key: SecretStr = Field(
+        SecretStr(""),
+        description="This aggregator's CURVE key pair: a path to server.key_secret (gradwatch keys) or the 40-character "
+        "Z85 secret key (prefer GRADWATCH_AGGREGATOR_SERVER_KEY to the flag; never logged). Turns CURVE authentication "
+        "and encryption on; needs --client-keys. '' for plain TCP.",
+    )
+    client_keys: str = Field(
+        "",
+        description="Agents' CURVE public keys admitted with --server-key: a directory of .key files (gradwatch keys' "
+        "DIR/clients), one .key file, or one 40-character Z85 public key. Read at start-up.",
+    )
     rcv_hwm: int = Field(10_000, ge=1, description="ZeroMQ receive high-water mark, messages.")
     publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read.")
     events_path: str = Field("", description="JSON-lines file findings are appended to as they are raised and resolved ('' for none).")
@@ -74,9 +90,50 @@ class AggregatorConfig(BaseSettings):
             raise ValueError(f"must look like tcp://host:port or ipc://path, got {v!r}")
         return v
 
+    def curve_keys(self) -> Optional[auth.ServerKeys]:
+        """The CURVE keys for the PULL socket, or None for plain TCP (neither key set).
+
+        Raises:
+            ConfigError: naming ``server_key`` or ``client_keys`` (and the variable it came from):
+                only one of them set, a missing or unreadable file, not a Z85 key.
+        """
+        secret = self.server_key.get_secret_value()
+        if not secret and not self.client_keys:
+            return None
+        if not secret or not self.client_keys:
+            missing, given = ("client_keys", "server_key") if secret else ("server_key", "client_keys")
+            raise ConfigError(f"aggregator.{missing}{_env(missing)}: needed with {given} (CURVE takes both)")
+        try:
+            public, sec = auth.load_pair(secret)
+        except auth.KeyMaterialError as e:
+            raise ConfigError(f"aggregator.server_key{_env('server_key')}: {e}") from None
+        try:
+            clients = auth.load_allowed(self.client_keys)
+        except auth.KeyMaterialError as e:
+            raise ConfigError(f"aggregator.client_keys{_env('client_keys')}: {e}") from None
+        return auth.ServerKeys(public, sec, clients)
+
+    @property
+    def listen_is_local(self) -> bool:
+        """Whether ``listen`` is reachable from this host only: a loopback address, ipc or inproc."""
+        if not self.listen.startswith("tcp://"):
+            return True
+        host = self.listen[len("tcp://"):].rpartition(":")[0].strip("[]")
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:  # *, an interface name or a host name: not known to be loopback
+            return False
+
     @property
     def limits(self) -> wire.Limits:
         return wire.Limits(max_message_bytes=self.max_message_bytes)
+
+
+def _env(name: str) -> str:
+    var = f"GRADWATCH_AGGREGATOR_{name.upper()}"
+    return f" ({var})" if var in os.environ else ""
 
 
 def format_error(e: ValidationError, prefix: str = "aggregator", given=()) -> str:

@@ -21,7 +21,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import zmq
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from gradwatch import wire
+from gradwatch import auth, wire
 
 from .checks import Runner
 from .config import AggregatorConfig, ConfigError
@@ -81,10 +81,13 @@ class Aggregator:
         self._thread: Optional[threading.Thread] = None
         self._ctx: Optional[zmq.Context] = None
         self._sock = None
+        self._auth = None  # zmq.auth.thread.ThreadAuthenticator with CURVE
+        self._refused = None  # monitor socket of refused CURVE handshakes
         self._http: Optional[_HTTPServer] = None
         self.endpoint = ""
         self.metrics_port = 0
         self._internal_warned = False
+        self._refused_warned = False
 
     @property
     def snapshot(self) -> Snapshot:
@@ -99,12 +102,23 @@ class Aggregator:
     # --- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> "Aggregator":
+        keys = self.cfg.curve_keys()  # ConfigError naming the setting before anything is bound
+        if keys is None and not self.cfg.listen_is_local:
+            log.warning(
+                "gradwatch aggregator: %s accepts reports from anyone who reaches it (no CURVE); "
+                "run `gradwatch keys` and pass --server-key and --client-keys (README: Security)", self.cfg.listen,
+            )
         self._ctx = zmq.Context()
+        self._auth = keys.authenticator(self._ctx) if keys else None  # ZAP handler before bind
         sock = self._ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.cfg.rcv_hwm)
         # libzmq drops (and disconnects) frames far beyond our own limit before buffering them
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.cfg.max_message_bytes)
+        if keys:
+            keys.apply(sock)
+            # refused handshakes are counted: gradwatch_messages_rejected_total{reason="unauthenticated"}
+            self._refused = sock.get_monitor_socket(auth.REFUSED_EVENTS)
         try:
             if self.cfg.listen.startswith("tcp://") and self.cfg.listen.endswith(":0"):
                 port = sock.bind_to_random_port(self.cfg.listen[: -len(":0")])
@@ -113,8 +127,7 @@ class Aggregator:
                 sock.bind(self.cfg.listen)
                 self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
-            sock.close()
-            self._ctx.term()
+            self._close_sockets(sock)
             raise ConfigError(f"aggregator.listen: cannot bind {self.cfg.listen}: {e}") from None
         self._sock = sock
         try:
@@ -122,8 +135,7 @@ class Aggregator:
                 self.cfg.metrics_host, self.cfg.metrics_port, self._wsgi, _HTTPServer, handler_class=_QuietHandler
             )
         except OSError as e:
-            sock.close()
-            self._ctx.term()
+            self._close_sockets(sock)
             raise ConfigError(
                 f"aggregator.metrics_port: cannot serve HTTP on {self.cfg.metrics_host}:{self.cfg.metrics_port}: {e} "
                 "(pick another with --metrics-port)"
@@ -132,8 +144,21 @@ class Aggregator:
         threading.Thread(target=self._http.serve_forever, name="gradwatch-http", daemon=True).start()
         self._thread = threading.Thread(target=self._loop, name="gradwatch-receive", daemon=True)
         self._thread.start()
-        log.info("gradwatch aggregator: listening on %s, metrics at %s", self.endpoint, self.metrics_url)
+        log.info("gradwatch aggregator: listening on %s%s, metrics at %s", self.endpoint,
+                 " (CURVE)" if keys else "", self.metrics_url)
         return self
+
+    def _close_sockets(self, sock) -> None:
+        """Close the PULL socket, its monitor and the ZAP handler, then the context."""
+        if self._refused is not None:
+            sock.disable_monitor()
+            self._refused.close(linger=0)
+        sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self._ctx.term()
+        self._ctx = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -142,6 +167,9 @@ class Aggregator:
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
         self.runner.close()
@@ -167,8 +195,11 @@ class Aggregator:
 
     # --- the single writer ----------------------------------------------------------------------
 
-    def handle(self, frame: bytes) -> None:
-        """Decode and apply one frame; count it as rejected by reason if it is not valid."""
+    def handle(self, frame: bytes, peer_key: Optional[str] = None) -> None:
+        """Decode and apply one frame; count it as rejected by reason if it is not valid.
+
+        ``peer_key``: the sender's CURVE public key (Z85) with CURVE on; a job is bound to the key
+        that created it."""
         st = self.state
         t0 = time.perf_counter()
         try:
@@ -177,7 +208,7 @@ class Aggregator:
             st.reject(e.reason)
         else:
             try:
-                st.apply(msg)
+                st.apply(msg, peer_key=peer_key)
             except Exception as e:  # a bug of ours must not let one peer stop the aggregator
                 st.reject("internal")
                 if not self._internal_warned:
@@ -194,15 +225,26 @@ class Aggregator:
         published = -1
         last_pub = last_tick = 0.0
         interval = self.cfg.publish_interval_s
+        curve = self._refused is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if curve:
+            poller.register(self._refused, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if sock.poll(int(min(interval, 0.1) * 1000)):
+                ready = dict(poller.poll(int(min(interval, 0.1) * 1000)))
+                if sock in ready:
                     for _ in range(1000):
                         try:
-                            frame = sock.recv(zmq.NOBLOCK, copy=True)
+                            frame = sock.recv(zmq.NOBLOCK, copy=not curve)
                         except zmq.Again:
                             break
-                        self.handle(frame)
+                        if curve:  # the ZAP handler set User-Id to the peer's public key
+                            self.handle(frame.bytes, frame.get("User-Id"))
+                        else:
+                            self.handle(frame)
+                if curve and self._refused in ready:
+                    self._count_refused()
                 now = self.clock()
                 if now - last_tick >= 0.1:
                     last_tick = now
@@ -219,7 +261,24 @@ class Aggregator:
                     last_pub = now
         finally:
             self.publish()
+            if curve:
+                sock.disable_monitor()
+                self._refused.close(linger=0)
             sock.close(linger=0)
+
+    def _count_refused(self) -> None:
+        """One rejection (``unauthenticated``) per refused CURVE handshake: a peer without keys,
+        with a client key not admitted, or with another server key."""
+        while self._refused.poll(0):
+            try:
+                self._refused.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+            self.state.reject("unauthenticated")
+            if not self._refused_warned:
+                self._refused_warned = True
+                log.warning("gradwatch aggregator: refused a peer's CURVE handshake (counted in "
+                            'gradwatch_messages_rejected_total{reason="unauthenticated"})')
 
     # --- HTTP -----------------------------------------------------------------------------------
 

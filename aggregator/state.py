@@ -110,6 +110,7 @@ class State:
         self.clock = clock or time.monotonic
         self.runner = runner  # checks.Runner, or None
         self.jobs: dict[str, JobState] = {}
+        self.job_keys: dict[str, str] = {}  # job -> CURVE public key that created it
         self.received: collections.Counter = collections.Counter()  # by kind
         self.rejected: collections.Counter = collections.Counter()  # by reason
         self.decode_seconds = 0.0
@@ -131,11 +132,16 @@ class State:
         s = job.schemas.get(digest) if job else None
         return (len(s.params), len(s.slots)) if s else (None, None)
 
-    def apply(self, msg: wire.Message) -> None:
-        """Fold one decoded message into state."""
+    def apply(self, msg: wire.Message, peer_key: Optional[str] = None) -> None:
+        """Fold one decoded message into state. ``peer_key``: the sender's CURVE public key, with
+        CURVE on; a job is bound to the key that created it, others' messages are rejected
+        (``wrong_key``)."""
         h = msg.header
         now = self.clock()
         job = self.jobs.get(h.job)
+        if peer_key is not None and job is not None and self.job_keys.get(h.job, peer_key) != peer_key:
+            self.reject("wrong_key")
+            return
         if job is not None and h.boot in job.retired:
             self.reject("retired_boot")  # a late message of the job's previous incarnation
             return
@@ -147,6 +153,9 @@ class State:
                 self.reject("too_many_jobs")
                 return
             job = self.jobs[h.job] = JobState(h.job, h.world)
+            self.job_keys = {j: k for j, k in self.job_keys.items() if j in self.jobs}  # forgotten jobs unbound
+            if peer_key is not None:
+                self.job_keys[h.job] = peer_key
         if h.world != job.world:
             # the job restarted with another world size: start over rather than mix worlds
             job = self._restart(job, h)

@@ -29,6 +29,7 @@ from gradwatch.settings import describe
 
 from .demo.run import DemoConfig, run as run_demo
 from .errors import CommandError
+from .keys import KeysCommand
 from .stack import StackCommand
 
 
@@ -63,6 +64,8 @@ class Gradwatch(BaseSettings):
         description="Train a small transformer on 2 DDP ranks with agents and an aggregator.")
     grafana: CliSubCommand[GrafanaCommand] = Field(
         description="Generate the dashboards, or push folder, datasource and dashboards to Grafana.")
+    keys: CliSubCommand[KeysCommand] = Field(
+        description="Make CURVE keys: a server pair for the aggregator, client pairs for the agents.")
     stack: CliSubCommand[StackCommand] = Field(
         description="Run a local Prometheus and Alertmanager with the shipped alert rules against an aggregator.")
 

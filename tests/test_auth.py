@@ -1,0 +1,305 @@
+"""CURVE authentication (issue 9): keys made by ``gradwatch keys``, a real aggregator with a CURVE
+PULL socket and a ZAP handler, real agents and real PUSH peers with right, wrong and no keys.
+Also the plain-TCP defaults: loopback binds, a warning for a wide bind without CURVE.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import stat
+import time
+
+import pytest
+import requests
+import torch
+import torch.nn as nn
+import zmq
+
+from gradwatch import agent, auth, wire
+from gradwatch.commands import cli
+from gradwatch.aggregator import Aggregator, AggregatorConfig, ConfigError, load
+
+from .conftest import samples, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """``gradwatch keys DIR --client a --client b``: both clients admitted."""
+    d = tmp_path_factory.mktemp("keys")
+    assert cli.main(["keys", str(d), "--client", "a", "--client", "b"]) == 0
+    return d
+
+
+@pytest.fixture
+def curve_aggregator(keys):
+    agg = Aggregator(load(
+        listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
+        server_key=str(keys / "server.key_secret"), client_keys=str(keys / "clients"),
+    )).start()
+    yield agg
+    agg.stop()
+
+
+def scrape(agg: Aggregator) -> str:
+    r = requests.get(agg.metrics_url, timeout=5)
+    r.raise_for_status()
+    return r.text
+
+
+def metric(agg: Aggregator, name: str, **labels) -> float:
+    """The sample's value, 0 when absent."""
+    want = tuple(sorted(labels.items()))
+    return samples(scrape(agg), name).get(want, 0.0)
+
+
+class Peer:
+    """A raw PUSH socket speaking the wire format, with the given CURVE keys (or none)."""
+
+    def __init__(self, endpoint: str, keys: auth.ClientKeys | None, job: str, rank: int = 0, world: int = 1):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.linger = 0
+        if keys is not None:
+            keys.apply(self.sock)
+        self.sock.connect(endpoint)
+        self.job, self.rank, self.world = job, rank, world
+        self.boot, self.seq = secrets.token_hex(8), 0
+
+    def heartbeat(self) -> None:
+        h = wire.Header(self.job, self.rank, self.world, self.boot, self.seq, time.time())
+        self.seq += 1
+        self.sock.send(wire.encode(wire.Heartbeat(h, -1, self.seq, 0, 0)), zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def client(keys_dir, name: str, server: bytes | None = None) -> auth.ClientKeys:
+    public, secret = auth.load_pair(str(keys_dir / f"{name}.key_secret"))
+    return auth.ClientKeys(server or auth.load_public(str(keys_dir / "server.key")), public, secret)
+
+
+def small_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+# --- gradwatch keys ---------------------------------------------------------------------------------
+
+
+def test_keys_command_writes_loadable_pairs_with_0600_secrets(tmp_path, capsys):
+    d = tmp_path / "k"
+    assert cli.main(["keys", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "--server-key" in out and "GRADWATCH_CLIENT_KEY" in out
+    files = {p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()}
+    assert files == {"server.key", "server.key_secret", "clients/client.key", "client.key_secret"}
+    for name in files:
+        mode = stat.S_IMODE((d / name).stat().st_mode)
+        assert mode == (0o600 if name.endswith("key_secret") else 0o644), (name, oct(mode))
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    server_pub, server_sec = auth.load_pair(str(d / "server.key_secret"))
+    assert auth.load_public(str(d / "server.key")) == server_pub and zmq.curve_public(server_sec) == server_pub
+    client_pub, _ = auth.load_pair(str(d / "client.key_secret"))
+    assert auth.load_allowed(str(d / "clients")) == {client_pub}
+    # the public file holds no secret: it cannot stand in for the pair
+    with pytest.raises(auth.KeyMaterialError, match="only a public key"):
+        auth.load_pair(str(d / "server.key"))
+    # existing keys are kept unless --force
+    before = (d / "server.key_secret").read_bytes()
+    assert cli.main(["keys", str(d)]) == 2
+    assert "exists" in capsys.readouterr().err and (d / "server.key_secret").read_bytes() == before
+    assert cli.main(["keys", str(d), "--force"]) == 0
+    assert (d / "server.key_secret").read_bytes() != before
+
+
+def test_keys_command_is_registered_in_the_cli(tmp_path):
+
+
+    assert cli.main(["keys", str(tmp_path / "k"), "--client", "team-1"]) == 0
+    assert (tmp_path / "k" / "clients" / "team-1.key").is_file() and (tmp_path / "k" / "team-1.key_secret").is_file()
+
+
+# --- CURVE end to end ---------------------------------------------------------------------------------
+
+
+def test_curve_agent_reports_reach_metrics_and_unauthenticated_peers_are_refused(keys, curve_aggregator, monkeypatch):
+    agg = curve_aggregator
+    # the agent takes Z85 values from the environment as well as files
+    server_pub = auth.load_public(str(keys / "server.key"))
+    _, secret_a = auth.load_pair(str(keys / "a.key_secret"))
+    monkeypatch.setenv("GRADWATCH_SERVER_KEY", server_pub.decode())
+    monkeypatch.setenv("GRADWATCH_CLIENT_KEY", secret_a.decode())
+    model, opt = small_model()
+    monitor = agent.attach(model, opt, endpoint=agg.endpoint, every=1, job="good", heartbeat_s=0.05)
+    assert isinstance(monitor, agent.Monitor)
+    try:
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        wait_for(lambda: metric(agg, "gradwatch_messages_received_total", kind="report") >= 5, what="agent reports")
+    finally:
+        monitor.close()
+    assert metric(agg, "gradwatch_job_ranks_reporting", job_id="good") == 1
+
+    stranger_pub, stranger_sec = zmq.curve_keypair()
+    intruders = {
+        "no keys": (None, "intruder-plain"),
+        "key not admitted": (auth.ClientKeys(server_pub, stranger_pub, stranger_sec), "intruder-key"),
+        "wrong server key": (client(keys, "a", server=zmq.curve_keypair()[0]), "intruder-server"),
+    }
+    for kind, (peer_keys, job) in intruders.items():
+        # each kind of refusal is counted (one per connection attempt; peers retry)
+        before = metric(agg, "gradwatch_messages_rejected_total", reason="unauthenticated")
+        p = Peer(agg.endpoint, peer_keys, job)
+        try:
+            for _ in range(5):
+                p.heartbeat()
+            wait_for(lambda: metric(agg, "gradwatch_messages_rejected_total", reason="unauthenticated") > before,
+                     what=f"refusal counted: {kind}")
+            time.sleep(0.3)
+        finally:
+            p.close()
+    text = scrape(agg)
+    assert "intruder" not in text
+    assert set(agg.state.jobs) == {"good"}
+
+
+def test_a_job_is_bound_to_the_key_that_created_it(keys, curve_aggregator):
+    agg = curve_aggregator
+    a = Peer(agg.endpoint, client(keys, "a"), "owned", rank=0, world=2)
+    b = Peer(agg.endpoint, client(keys, "b"), "owned", rank=1, world=2)
+    b_own = Peer(agg.endpoint, client(keys, "b"), "b-job")
+    try:
+        a.heartbeat()
+        wait_for(lambda: metric(agg, "gradwatch_job_ranks_reporting", job_id="owned") == 1, what="job created by a")
+        for _ in range(3):
+            b.heartbeat()
+        b_own.heartbeat()
+        wait_for(lambda: metric(agg, "gradwatch_messages_rejected_total", reason="wrong_key") == 3, what="b refused")
+        wait_for(lambda: metric(agg, "gradwatch_job_ranks_reporting", job_id="b-job") == 1, what="b's own job")
+        a.heartbeat()  # the creator keeps writing
+        wait_for(lambda: agg.state.jobs["owned"].ranks[0].received == 2, what="a's second heartbeat")
+    finally:
+        for p in (a, b, b_own):
+            p.close()
+    assert set(agg.state.jobs["owned"].ranks) == {0}
+    assert metric(agg, "gradwatch_job_ranks_reporting", job_id="owned") == 1
+
+
+def test_binding_is_per_job_and_dropped_with_a_forgotten_job():
+    from gradwatch.aggregator.state import State
+
+    now = [0.0]
+    st = State(rank_ttl_s=10, clock=lambda: now[0])
+    hb = lambda job, boot="b0": wire.Heartbeat(wire.Header(job, 0, 1, boot, 0, 0.0), -1, 0, 0, 0)
+    st.apply(hb("j"), peer_key="KEY-A")
+    st.apply(hb("j", "b1"), peer_key="KEY-B")
+    assert st.rejected["wrong_key"] == 1 and st.jobs["j"].ranks[0].boot == "b0"
+    st.apply(hb("j"))  # without CURVE there is no key to check
+    now[0] = 100.0
+    st.tick()  # the job goes silent and is forgotten: its id is free again
+    assert "j" not in st.jobs
+    st.apply(hb("j", "b2"), peer_key="KEY-B")
+    st.apply(hb("j", "b2"), peer_key="KEY-A")
+    assert st.rejected["wrong_key"] == 2 and st.jobs["j"].ranks[0].boot == "b2" and st.job_keys == {"j": "KEY-B"}
+
+
+# --- settings errors ------------------------------------------------------------------------------------
+
+
+def test_agent_missing_key_file_fails_at_attach_naming_the_setting(keys, tmp_path, monkeypatch):
+    model, opt = small_model()
+    good = dict(server_key=str(keys / "server.key"), client_key=str(keys / "a.key_secret"))
+    with pytest.raises(agent.ConfigError, match=r"agent\.server_key: .*missing\.key"):
+        agent.attach(model, opt, **{**good, "server_key": str(tmp_path / "missing.key")})
+    with pytest.raises(agent.ConfigError, match=r"agent\.client_key: .*holds only a public key"):
+        agent.attach(model, opt, **{**good, "client_key": str(keys / "clients" / "a.key")})
+    with pytest.raises(agent.ConfigError, match=r"agent\.client_key: needed with server_key"):
+        agent.attach(model, opt, server_key=good["server_key"])
+    # a mistyped secret is named by its variable but never echoed
+    bad_secret = "x" * 39
+    monkeypatch.setenv("GRADWATCH_CLIENT_KEY", bad_secret)
+    with pytest.raises(agent.ConfigError, match=r"agent\.client_key \(GRADWATCH_CLIENT_KEY\): ") as e:
+        agent.attach(model, opt, server_key=good["server_key"])
+    assert bad_secret not in str(e.value)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # nothing attached
+
+
+def test_aggregator_key_errors_fail_at_start_naming_the_setting(keys, tmp_path):
+    base = dict(listen="tcp://127.0.0.1:0", metrics_port=0)
+    cases = [
+        (dict(server_key=str(tmp_path / "nope.key_secret"), client_keys=str(keys / "clients")), r"aggregator\.server_key: .*nope"),
+        (dict(server_key=str(keys / "server.key_secret"), client_keys=str(tmp_path)), r"aggregator\.client_keys: .*no \.key file"),
+        (dict(server_key=str(keys / "server.key_secret")), r"aggregator\.client_keys: needed with server_key"),
+    ]
+    for settings, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            Aggregator(load(**base, **settings)).start()
+
+
+def test_aggregator_command_exits_naming_the_key_setting(keys, tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "gradwatch.aggregator", "--listen", "tcp://127.0.0.1:0", "--metrics-port", "0",
+         "--server-key", str(tmp_path / "gone.key_secret"), "--client-keys", str(keys / "clients")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert run.returncode == 2 and "aggregator.server_key" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_aggregator_cli_takes_keys_from_flags_and_environment(keys, monkeypatch):
+    from pydantic_settings import CliApp
+
+    monkeypatch.setenv("GRADWATCH_AGGREGATOR_SERVER_KEY", str(keys / "server.key_secret"))
+    cfg = CliApp.run(AggregatorConfig, cli_args=["--client-keys", str(keys / "clients")])
+    k = cfg.curve_keys()
+    assert k.public == auth.load_public(str(keys / "server.key")) and len(k.clients) == 2
+    assert str(keys) not in repr(cfg.server_key)  # a secret setting does not print
+
+
+# --- plain TCP ------------------------------------------------------------------------------------------
+
+
+def test_plain_defaults_bind_loopback_only():
+    cfg = AggregatorConfig()
+    assert cfg.listen == "tcp://127.0.0.1:5555" and cfg.metrics_host == "127.0.0.1" and cfg.listen_is_local
+    assert cfg.curve_keys() is None
+    agg = Aggregator(load(listen=cfg.listen.rpartition(":")[0] + ":0", metrics_port=0)).start()
+    try:
+        assert agg.endpoint.startswith("tcp://127.0.0.1:")
+        assert agg._http.server_address[0] == "127.0.0.1"
+    finally:
+        agg.stop()
+
+
+@pytest.mark.parametrize("listen, wide", [
+    ("tcp://0.0.0.0:0", True), ("tcp://*:0", True), ("tcp://127.0.0.1:0", False), ("tcp://[::1]:0", False),
+    ("ipc:///tmp/gw-{}.sock", False),
+])
+def test_wide_bind_without_curve_warns(listen, wide, caplog):
+    cfg = load(listen=listen.format(os.getpid()), metrics_host="127.0.0.1", metrics_port=0)
+    assert cfg.listen_is_local is not wide
+    if "[::1]" in listen:
+        cfg = cfg.model_copy(update={"listen": "tcp://127.0.0.1:0"})  # the host may lack IPv6
+    with caplog.at_level(logging.WARNING, logger="gradwatch.aggregator"):
+        Aggregator(cfg).start().stop()
+    warned = [r for r in caplog.records if "no CURVE" in r.getMessage()]
+    assert bool(warned) is wide
+
+
+def test_wide_bind_with_curve_does_not_warn(keys, caplog):
+    cfg = load(listen="tcp://0.0.0.0:0", metrics_host="127.0.0.1", metrics_port=0,
+               server_key=str(keys / "server.key_secret"), client_keys=str(keys / "clients"))
+    with caplog.at_level(logging.WARNING, logger="gradwatch.aggregator"):
+        Aggregator(cfg).start().stop()
+    assert not [r for r in caplog.records if "no CURVE" in r.getMessage()]
