@@ -221,7 +221,8 @@ class Monitor:
         self._losses = []
         if self.scaler is not None:
             self.scaler.stepped = True
-        self.schedule.advance(self.step)
+        if self.active:  # a failed step may have switched the agent off: no hooks after close
+            self.schedule.advance(self.step)
 
     def _submit(self, step: int, step_time: float, compute_time: float) -> None:
         pre, self._pre = self._pre, None

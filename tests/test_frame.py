@@ -131,6 +131,8 @@ def test_mismatches_are_refused():
         frame.unpack(flat.numpy().astype(np.float64), counts)
     with pytest.raises(KeyError):
         frame.pack({"gradnorm": [torch.tensor(1.0)]})
+    with pytest.raises(TypeError):  # a float would not keep its bits
+        frame.pack({"grad_fp": [torch.tensor(1.0)]})
 
 
 class Net(nn.Module):
