@@ -42,10 +42,12 @@ def attach(model, optimizer, *, scaler=None, **settings):
         ConfigError: a setting is invalid or unknown; the message names it.
     """
     cfg = load(**settings)
-    from .monitor import Monitor, NullMonitor
+    from .null import NullMonitor
 
     if not cfg.enabled:
         return NullMonitor()
+    from .monitor import Monitor
+
     try:
         return Monitor(model, optimizer, cfg, scaler=scaler)
     except ConfigError:
@@ -56,8 +58,12 @@ def attach(model, optimizer, *, scaler=None, **settings):
 
 
 def __getattr__(name):
-    if name in ("Monitor", "NullMonitor"):
-        from . import monitor
+    if name == "Monitor":
+        from .monitor import Monitor
 
-        return getattr(monitor, name)
+        return Monitor
+    if name == "NullMonitor":
+        from .null import NullMonitor
+
+        return NullMonitor
     raise AttributeError(name)

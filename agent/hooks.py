@@ -59,10 +59,17 @@ class ProbeRecorder:
     Slots are (module path, output path) pairs, numbered in the order first seen in a forward
     pass; ``slots`` grows when a new one appears (the monitor then resends the schema).
     ``act`` holds ``(slot, numel, record[6])`` per call and ``grad`` holds ``(slot, record[2])``
-    per gradient; both lists only ever receive tensors that are already reduced.
+    per gradient; both lists only ever receive tensors that are already reduced. ``micro`` counts
+    forward passes with gradients and ``batch`` the samples they saw (first dimension of the
+    model's first input).
+
+    :meth:`install` puts a forward hook on every leaf module of ``model`` (one that refuses is
+    listed in ``not_instrumented``, case C17) and a pre-hook on the model counting micro-steps;
+    :meth:`remove` takes them off. ``model`` is held weakly.
     """
 
-    def __init__(self, reducer: Reducer, on_error: Callable[[str, BaseException], None]):
+    def __init__(self, reducer: Reducer, on_error: Callable[[str, BaseException], None],
+                 model: torch.nn.Module | None = None):
         self.reducer = reducer
         self.on_error = on_error
         self.disabled: set[str] = set()  # parts the monitor switched off ("forward", "output-grad")
@@ -71,11 +78,51 @@ class ProbeRecorder:
         self.act: list[tuple[int, int, torch.Tensor]] = []
         self.grad: list[tuple[int, torch.Tensor]] = []
         self.micro = 0
+        self.batch = 0
+        self.probing = False
+        self.not_instrumented: list[str] = []
+        self._model = weakref.ref(model) if model is not None else lambda: None
+        self._leaves = [(path, weakref.ref(m)) for path, m in leaf_modules(model)] if model is not None else []
+        self._handles: list = []
 
     def reset(self) -> None:
         self.act = []
         self.grad = []
         self.micro = 0
+        self.batch = 0
+
+    def install(self) -> None:
+        """Hooks on for a probed step (records reset)."""
+        self.probing = True
+        self.reset()
+        for path, ref in self._leaves:
+            m = ref()
+            if m is None:
+                continue
+            try:
+                self._handles.append(m.register_forward_hook(self.forward_hook(path)))
+            except Exception:  # e.g. a TorchScript submodule (case C17)
+                if path not in self.not_instrumented:
+                    self.not_instrumented.append(path)
+        root = self._model()
+        if root is not None:
+            try:
+                self._handles.append(root.register_forward_pre_hook(self._count_micro_step))
+            except Exception:
+                pass
+
+    def remove(self) -> None:
+        """Hooks off; records are kept until :meth:`reset`."""
+        self.probing = False
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _count_micro_step(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self.micro += 1
+            if args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
+                self.batch += args[0].shape[0]
 
     def slot(self, module_path: str, out_path: str, module: torch.nn.Module, t: torch.Tensor) -> int:
         key = (module_path, out_path)

@@ -1,0 +1,126 @@
+"""DDP: the communication-hook takeover that shows each rank's own gradient before all-reduce (case C13).
+
+After all-reduce every rank holds the same gradient, so a rank whose data or device misbehaves
+only shows in what it contributed. DDP hands each gradient bucket to a communication hook before
+reducing it; :class:`CommHook` registers one (only when the model has none) that records the
+bucket's L2 norm on the device and the moment the step's first bucket was ready (the rank's own
+compute time, without waiting for peers), then delegates to :func:`allreduce_mean`, which reduces
+exactly as DDP does without a hook. A user's hook registered later becomes the delegate instead of
+failing; one registered before attach can be wrapped with :meth:`CommHook.wrap`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+import torch
+
+log = logging.getLogger("gradwatch.agent")
+
+PART = "comm-hook"  # the name its failures are counted, warned about and switched off under
+
+
+def allreduce_mean(process_group, bucket):
+    """DDP communication hook doing exactly what DDP's reducer does without one: scale the bucket
+    by 1/world size, then sum it over the ranks. ``torch.distributed``'s ``allreduce_hook`` divides
+    instead, which rounds differently when the world size is not a power of two: training results
+    would change with the agent attached."""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    t = bucket.buffer()
+    t.mul_(1.0 / group.size())
+    return dist.all_reduce(t, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside DistributedDataParallel or torch.compile wrappers."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+class CommHook:
+    """Observes the gradient buckets of one step, before all-reduce.
+
+    Attributes:
+        local_sq: float32 0-d device tensors, the L2 norm of each bucket seen this step (squared
+            and summed by the report builder).
+        first_bucket: ``clock()`` time the step's first bucket was ready, or None.
+        live: cleared by the monitor when it closes or the process forks: observation stops, the
+            delegate keeps reducing (DDP cannot drop a hook).
+        disabled: the monitor's set of parts switched off; observation stops when it holds
+            ``"comm-hook"``.
+
+    Args:
+        on_error: called as ``on_error("comm-hook", exc)`` when observing fails; never raises.
+        disabled: the set shared with the monitor.
+        clock: seconds, monotonic.
+    """
+
+    def __init__(self, on_error: Callable[[str, BaseException], None], disabled: set,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.on_error = on_error
+        self.disabled = disabled
+        self.clock = clock
+        self.live = True
+        self.local_sq: list[torch.Tensor] = []
+        self.first_bucket: Optional[float] = None
+        self._inner = None  # (state, hook) the buckets go on to
+
+    def install(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Register on ``ddp`` unless it already has a hook (then log how to wrap it)."""
+        if getattr(ddp, "_comm_hooks", None):
+            log.info("gradwatch: the model already has a DDP communication hook; per-rank local gradient "
+                     "norms need it wrapped: ddp.register_comm_hook(state, monitor.wrap_comm_hook(hook))")
+            return
+        self._inner = (ddp.process_group, allreduce_mean)
+        try:
+            ddp.register_comm_hook(None, self._hook)
+        except Exception as e:
+            self._inner = None
+            self.on_error(PART, e)
+            return
+
+        def register_comm_hook(state, hook):
+            # DDP accepts one hook per model; ours is in place, so the user's becomes its delegate
+            # instead of raising "can only be called once" (case C13).
+            self._inner = (state, hook)
+
+        ddp.register_comm_hook = register_comm_hook
+
+    def wrap(self, hook):
+        """``hook`` (a DDP communication hook) observed first; see ``Monitor.wrap_comm_hook``."""
+
+        def wrapped(state, bucket):
+            self.observe(bucket)
+            return hook(state, bucket)
+
+        return wrapped
+
+    def _hook(self, state, bucket):
+        self.observe(bucket)
+        inner_state, inner = self._inner
+        return inner(inner_state, bucket)
+
+    def observe(self, bucket) -> None:
+        """Record one bucket's norm (on the device, no sync) and, for the first, the time."""
+        if not self.live or PART in self.disabled:
+            return
+        try:
+            if self.first_bucket is None:
+                self.first_bucket = self.clock()
+            self.local_sq.append(torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float32))
+        except Exception as e:
+            self.on_error(PART, e)
+
+    def reset(self) -> None:
+        """Forget the step's buckets (a step ended or was skipped)."""
+        self.local_sq = []
+        self.first_bucket = None

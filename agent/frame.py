@@ -1,0 +1,168 @@
+"""The step frame: a step's statistics as one flat float32 tensor, packed on the device, unpacked on the host.
+
+Copying many small device tensors to the host one by one costs a synchronisation each; the agent
+instead concatenates everything a step measured into one flat float32 tensor, copies it once
+(non-blocking) and lets the sender thread take it apart. The order of that tensor is a format of
+its own, so it is declared once here, in :data:`SECTIONS`, and both sides iterate the declaration:
+:func:`pack` (training thread, torch, no host synchronisation) and :func:`unpack` (sender thread,
+numpy) are mirror images, and ``tests/test_frame.py`` proves them inverse over random layouts.
+
+A section holds ``count`` items of ``width`` float32 values each. Bit sections carry int64
+fingerprints bit-cast to two float32 values each; :func:`unpack` reads them from the raw float32
+bytes before any conversion, since a float64 round trip would change NaN payloads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Section:
+    """One run of items in the frame.
+
+    Attributes:
+        name: key in :func:`pack`'s input and :func:`unpack`'s output.
+        width: float32 values per item.
+        bits: items are int64 scalars carried bit for bit (``width`` is then 2).
+        doc: what an item is.
+    """
+
+    name: str
+    width: int = 1
+    bits: bool = False
+    doc: str = ""
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section("grad_norm", doc="L2 norm of each present parameter's gradient (float32 accumulation)"),
+    Section("bucket_norm", doc="L2 norm of each DDP bucket on this rank before all-reduce"),
+    Section("loss", doc="each loss passed to observe_loss during the step"),
+    Section("loss_scale", doc="the AMP loss scale (0 or 1 item)"),
+    Section("grad_nonfinite", doc="NaN and +-Inf elements of each present parameter's gradient"),
+    Section("grad_fp", width=2, bits=True, doc="fingerprint of each present parameter's gradient"),
+    Section("weight_norm", doc="L2 norm of every parameter after the optimizer step"),
+    Section("weight_fp", width=2, bits=True, doc="fingerprint of every parameter after the step"),
+    Section("act", width=6, doc="moments record of each recorded output (stats.MOMENT_FIELDS)"),
+    Section("out_grad", width=2, doc="[sum of squares, non-finite count] of each output gradient"),
+)
+NAMES = tuple(s.name for s in SECTIONS)
+
+Counts = Mapping[str, int]  # items per section name; absent sections count 0
+
+
+def on_device(dev: torch.device, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` on ``dev``: moves only those elsewhere (a model spread over devices)."""
+    return [t if t.device == dev else t.to(dev) for t in tensors]
+
+
+def pack(sections: Mapping[str, Sequence[torch.Tensor]]) -> tuple[torch.Tensor, dict[str, int]]:
+    """Concatenate a step's statistics into one flat float32 tensor; training thread, no host sync.
+
+    Args:
+        sections: for any names of :data:`SECTIONS`, a sequence of items: float32 tensors of
+            ``width`` elements (0-d for width 1; other float dtypes are converted), or 0-d int64
+            tensors for bit sections. Items may sit on different devices; everything moves to the
+            first item's device.
+
+    Returns:
+        ``(flat, counts)``: float32 [sum of count * width] on the first item's device (an empty
+        CPU tensor when there is no item), and the item count of every section, for :func:`unpack`.
+
+    Raises:
+        KeyError: a name not in :data:`SECTIONS`.
+        TypeError: a bit section's items are not int64.
+    """
+    unknown = set(sections) - set(NAMES)
+    if unknown:
+        raise KeyError(f"not a frame section: {sorted(unknown)}")
+    parts: list[torch.Tensor] = []
+    counts: dict[str, int] = {}
+    scalars: list[torch.Tensor] = []  # consecutive width-1 items: one stack for the run (fewer kernels)
+    dev = None
+    for s in SECTIONS:
+        items = list(sections.get(s.name, ()))
+        counts[s.name] = len(items)
+        if not items:
+            continue
+        dev = items[0].device if dev is None else dev
+        if s.width == 1 and not s.bits:
+            scalars += on_device(dev, items)
+            continue
+        if scalars:
+            parts.append(_floats(torch.stack(scalars)))
+            scalars = []
+        x = torch.stack(on_device(dev, items))  # one call per section: a call per item costs ~6x more
+        if s.bits:  # same bytes, two float32 values each: exact through the float32 copy
+            if x.dtype != torch.int64:
+                raise TypeError(f"frame section {s.name} takes int64 items, got {x.dtype}")
+            x = x.view(torch.float32)
+        parts.append(_floats(x))
+    if scalars:
+        parts.append(_floats(torch.stack(scalars)))
+    if not parts:
+        return torch.empty(0), counts
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]), counts
+
+
+def _floats(x: torch.Tensor) -> torch.Tensor:
+    return (x if x.dtype == torch.float32 else x.float()).reshape(-1)
+
+
+def to_host(flat: torch.Tensor) -> tuple[torch.Tensor, Optional[Callable[[], bool]]]:
+    """Start copying a packed frame to the host without waiting for it.
+
+    Returns:
+        ``(host, ready)``: for a CUDA ``flat``, a pinned float32 CPU tensor being filled by a
+        non-blocking copy and ``ready``, a CUDA event's ``query`` that turns true once the copy
+        landed (poll it, never wait: a collective stuck on the device must not stop the caller);
+        otherwise ``flat`` itself and None.
+    """
+    if not flat.is_cuda:
+        return flat, None
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(flat.device))  # the stream the copy runs on
+    return host, event.query
+
+
+def size(counts: Counts) -> int:
+    """float32 values in a frame of these ``counts``."""
+    return sum(counts.get(s.name, 0) * s.width for s in SECTIONS)
+
+
+def unpack(host: np.ndarray, counts: Counts) -> dict[str, np.ndarray]:
+    """Split a frame copied to the host back into its sections; the mirror of :func:`pack`.
+
+    Args:
+        host: float32 [size(counts)], the flat tensor as numpy.
+        counts: what :func:`pack` returned with it.
+
+    Returns:
+        Every name of :data:`SECTIONS`: float64 [count] for width 1, float64 [count, width]
+        otherwise, uint64 [count] for bit sections (empty when the section was absent).
+
+    Raises:
+        ValueError: ``host`` is not float32 or its length does not match ``counts``.
+    """
+    raw = np.ascontiguousarray(host).reshape(-1)
+    if raw.dtype != np.float32 or raw.size != size(counts):
+        raise ValueError(f"frame of {raw.size} {raw.dtype} values, counts say {size(counts)} float32")
+    out: dict[str, np.ndarray] = {}
+    off = 0
+    for s in SECTIONS:
+        n = counts.get(s.name, 0)
+        chunk = raw[off : off + n * s.width]
+        off += n * s.width
+        if s.bits:  # from the raw float32 bytes: these may read as NaN floats
+            out[s.name] = chunk.view(np.uint64).copy()
+        else:
+            with np.errstate(invalid="ignore"):  # a signalling NaN is still just NaN here
+                values = chunk.astype(np.float64)
+            out[s.name] = values if s.width == 1 else values.reshape(n, s.width)
+    return out

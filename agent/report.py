@@ -1,0 +1,139 @@
+"""The step report: from a step's frame on the host to a :class:`gradwatch.wire.Report` (sender thread).
+
+The training thread only launches kernels and records what it knows without the device: a
+:class:`StepLayout`. The sender thread, once the frame's copy has landed, calls :func:`build`:
+it unpacks the frame (:mod:`.frame`), takes square roots and sums, combines the per-call
+moments records of each slot and divides what was measured on scaled gradients by the loss
+scale. A pure function of its inputs, so it runs and is tested without a model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradwatch import wire
+
+from . import frame
+from .stats import combine_moments
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What the training thread knows of a step without reading the device.
+
+    Attributes:
+        step: optimizer steps completed before this one.
+        step_time: seconds from the previous step's end to this one's.
+        compute_time: seconds from the previous step's end to this step's first DDP bucket (NaN
+            without a communication hook).
+        skipped: steps the loss scaler skipped since the previous report.
+        schema: hash of the schema the report refers to.
+        present: indices (into the model's parameters) of the parameters that had a gradient, in
+            the order of the frame's ``grad_norm``, ``grad_nonfinite`` and ``grad_fp`` sections.
+        counts: items per frame section, from :func:`frame.pack`.
+        probe: a probed step; the fields below only matter then.
+        burst: probed because of a burst rather than the cadence.
+        batch: samples seen in the step (0 when unknown).
+        micro: forward passes with gradients in the step.
+        n_params: parameters of the model.
+        n_slots: activation slots known so far.
+        act: ``(slot, numel)`` of each record in the ``act`` section.
+        grad: slot of each record in the ``out_grad`` section.
+    """
+
+    step: int
+    step_time: float
+    compute_time: float
+    skipped: int
+    schema: str
+    present: tuple[int, ...]
+    counts: dict = field(default_factory=dict)
+    probe: bool = False
+    burst: bool = False
+    batch: int = 0
+    micro: int = 0
+    n_params: int = 0
+    n_slots: int = 0
+    act: tuple[tuple[int, int], ...] = ()
+    grad: tuple[int, ...] = ()
+
+
+def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.Report:
+    """The wire report of one step.
+
+    Args:
+        h: header from the sender.
+        L: the step's layout.
+        host: float32 frame copied to the host (:func:`frame.pack`'s tensor as numpy).
+        drops: reports the sender dropped so far.
+
+    Returns:
+        A sentinel report, or with ``L.probe`` a probe report whose ``param`` is float32
+        [n_params, 3] (gradient norm, weight norm, non-finite count; NaN where a parameter had no
+        gradient), ``act`` float32 [n_slots, 6], ``act_grad`` float32 [n_slots, 2] and
+        fingerprints uint64 [n_params] (0 where not measured).
+
+    Raises:
+        ValueError: ``host`` does not match ``L.counts``.
+    """
+    f = frame.unpack(host, L.counts)
+    norms = f["grad_norm"]
+    sq = norms * norms
+    has_grads = len(norms) > 0  # the sentinel sends bucket norms, losses and scale only with gradients
+    grad_norm = math.sqrt(sq.sum()) if has_grads else math.nan  # NaN or Inf when a parameter's is
+    grad_nonfinite = int((~np.isfinite(norms)).sum())
+    local_norm = math.sqrt(float(np.square(f["bucket_norm"]).sum())) if len(f["bucket_norm"]) else math.nan
+    loss = float(f["loss"].mean()) if len(f["loss"]) else math.nan
+    loss_scale = float(f["loss_scale"][0]) if len(f["loss_scale"]) else math.nan
+    scaled = math.isfinite(loss_scale) and loss_scale > 0
+    if scaled:
+        # the comm hook and output tensor hooks saw gradients multiplied by the loss scale; the
+        # optimizer pre-hook sees them unscaled (case C10)
+        local_norm /= loss_scale
+    common = dict(
+        drops=drops, local_grad_norm=local_norm, compute_time=L.compute_time, loss=loss,
+        loss_scale=loss_scale, skipped=L.skipped,
+    )
+    if not L.probe:
+        return wire.Report(h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite, **common)
+    param = np.full((L.n_params, 3), np.nan)
+    fp_grad = np.zeros(L.n_params, np.uint64)
+    fp_weight = np.zeros(L.n_params, np.uint64)
+    if len(f["weight_norm"]):
+        param[:, 1] = f["weight_norm"]
+    if len(f["weight_fp"]):
+        fp_weight[:] = f["weight_fp"]
+    if has_grads:
+        idx = np.asarray(L.present)
+        param[idx, 0] = np.sqrt(sq)
+        if len(f["grad_nonfinite"]) == len(idx):
+            param[idx, 2] = f["grad_nonfinite"]
+        if len(f["grad_fp"]):
+            fp_grad[idx] = f["grad_fp"]
+    act = np.full((L.n_slots, 6), np.nan)
+    if L.act:
+        recs = f["act"]
+        slot_of = np.fromiter((i for i, _ in L.act), np.int64, len(L.act))
+        numel = np.fromiter((n for _, n in L.act), np.int64, len(L.act))
+        for s in np.unique(slot_of):
+            sel = slot_of == s
+            act[s] = combine_moments(numel[sel], recs[sel])
+    act_grad = np.full((L.n_slots, 2), np.nan)
+    if L.grad:
+        slot_of = np.asarray(L.grad, np.int64)
+        sums = np.zeros((L.n_slots, 2))
+        np.add.at(sums, slot_of, f["out_grad"])
+        seen = np.unique(slot_of)
+        act_grad[seen, 0] = np.sqrt(sums[seen, 0])
+        if scaled:
+            act_grad[seen, 0] /= loss_scale
+        act_grad[seen, 1] = sums[seen, 1]
+    return wire.Report(
+        h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite,
+        micro=L.micro, probe=True, batch=L.batch, burst=L.burst,
+        act=act.astype(np.float32), act_grad=act_grad.astype(np.float32), param=param.astype(np.float32),
+        fp_grad=fp_grad, fp_weight=fp_weight, **common,
+    )
