@@ -71,11 +71,14 @@ from typing import Union
 import msgpack
 import numpy as np
 
+from gradwatch import statistics
+
 PROTOCOL_VERSION = 1
 
-ACT_FIELDS = ("mean", "std", "min", "max", "zero_ratio", "nonfinite")
-ACT_GRAD_FIELDS = ("norm", "nonfinite")
-PARAM_FIELDS = ("grad_norm", "weight_norm", "grad_nonfinite")
+#: column names of the probe arrays, declared in :data:`gradwatch.statistics.STATISTICS`
+ACT_FIELDS = statistics.fields("act")
+ACT_GRAD_FIELDS = statistics.fields("act_grad")
+PARAM_FIELDS = statistics.fields("param")
 
 #: Every reason :func:`decode` may give; the aggregator labels its rejection counter with them.
 REJECT_REASONS = (
@@ -253,11 +256,8 @@ def encode(msg: Message) -> bytes:
             burst=bool(msg.burst),
         )
         if msg.probe:
-            m.update(
-                act=_array_bytes(msg.act, len(ACT_FIELDS)),
-                act_grad=_array_bytes(msg.act_grad, len(ACT_GRAD_FIELDS)),
-                param=_array_bytes(msg.param, len(PARAM_FIELDS)),
-            )
+            for key in statistics.ARRAYS:
+                m[key] = _array_bytes(getattr(msg, key), len(statistics.fields(key)))
             n = np.shape(msg.param)[0]
             m.update(fp_grad=_u64_bytes(msg.fp_grad, n), fp_weight=_u64_bytes(msg.fp_weight, n))
     elif isinstance(msg, Heartbeat):
@@ -375,14 +375,17 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
     probe = _get(m, "probe", bool)
     step = _get(m, "step", int, nonneg=True)
     schema = _get(m, "schema", str)
-    act = act_grad = param = fp_grad = fp_weight = None
+    arrays: dict = dict.fromkeys(statistics.ARRAYS)
+    fp_grad = fp_weight = None
     if probe:
         n_params, n_slots = schema_sizes(h, schema) if schema_sizes else (None, None)
-        act = _array(m, "act", n_slots, len(ACT_FIELDS))
-        act_grad = _array(m, "act_grad", act.shape[0], len(ACT_GRAD_FIELDS))
-        param = _array(m, "param", n_params, len(PARAM_FIELDS))
-        fp_grad = _fingerprints(m, "fp_grad", param.shape[0])
-        fp_weight = _fingerprints(m, "fp_weight", param.shape[0])
+        # without a schema, the first array of each kind sets the row count the others must match
+        rows = {"params": n_params, "slots": n_slots}
+        for key, a in statistics.ARRAYS.items():
+            arrays[key] = _array(m, key, rows[a.rows], len(statistics.fields(key)))
+            rows[a.rows] = arrays[key].shape[0]
+        fp_grad = _fingerprints(m, "fp_grad", rows["params"])
+        fp_weight = _fingerprints(m, "fp_weight", rows["params"])
     return Report(
         header=h,
         schema=schema,
@@ -393,9 +396,7 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
         micro=_get(m, "micro", int, nonneg=True),
         drops=_get(m, "drops", int, nonneg=True),
         probe=probe,
-        act=act,
-        act_grad=act_grad,
-        param=param,
+        **arrays,
         fp_grad=fp_grad,
         fp_weight=fp_weight,
         local_grad_norm=float(_get(m, "local_grad_norm", _NUM)),
