@@ -91,8 +91,8 @@ CALL_RULES: dict[str, CallRule] = {
     "max": CallRule("max", lambda n, total, x, rec, done: float(x.max())),
     "ratio": CallRule("counts summed, over elements summed", lambda n, total, x, rec, done: float(x.sum() / total), 0.0),
     "sum": CallRule("summed", lambda n, total, x, rec, done: float(x.sum()), 0.0),
-    "l2": CallRule("L2 norm of the sums of squares summed", None),
-    "once": CallRule("one value per step (after gradient accumulation)", None),
+    "l2": CallRule("sums of squares summed, then the square root", None),
+    "once": CallRule("one value per step", None),
 }
 
 # Member merge: the parameters of one module, and the layers of one group under --layer-depth.

@@ -31,7 +31,7 @@ unknown), ``grad_nonfinite`` (number of parameters whose gradient holds a NaN or
 (forward passes of the root module during this step, 0 when not counted), ``batch`` (samples the
 rank processed this step, summed over micro-steps; 0 when unknown), ``drops`` (reports this agent
 dropped so far), ``burst`` (probed out of cadence after an anomaly) and, when ``probe`` is true,
-arrays of raw little-endian bytes, row-major:
+arrays of raw little-endian bytes, row-major (columns declared once in :mod:`gradwatch.statistics`):
 
     act        float32 [n_slots, 6]   activation mean, std, min, max, zero ratio, non-finite count
     act_grad   float32 [n_slots, 2]   output-gradient L2 norm, non-finite count
