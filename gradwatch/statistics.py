@@ -318,7 +318,7 @@ def merge(array: str, values: np.ndarray, present: np.ndarray, groups: list[np.n
     rows = of(array)
     R = values.shape[0]
     out = np.full((R, len(groups), len(rows)), np.nan)
-    obs = [observed(s, values) & present for s in rows]
+    masks = {s.observed_by: observed(s, values) & present for s in rows}  # one per observing column
     if in_order:  # from 0, one member after another: a scatter-add's sum, to the last bit
         total = lambda x: np.add.accumulate(np.pad(x, ((0, 0), (1, 0))), axis=1)[:, -1]  # noqa: E731
     else:
@@ -327,10 +327,11 @@ def merge(array: str, values: np.ndarray, present: np.ndarray, groups: list[np.n
         for g, idx in enumerate(groups):
             v = values[:, idx]
             members = {s.field: v[..., s.column] for s in rows}
+            seen = {k: m[:, idx] for k, m in masks.items()}
+            counts = {k: o.sum(axis=1) for k, o in seen.items()}
             done: dict[str, np.ndarray] = {}
             for s in rows:
-                o = obs[s.column][:, idx]
-                cnt = o.sum(axis=1)
+                o, cnt = seen[s.observed_by], counts[s.observed_by]
                 x = MERGE_RULES[s.merge].fn(v[..., s.column], o, cnt, members, done, total)
                 if s.observed_by is not None:
                     x = np.where(cnt == 0, np.nan, x)
