@@ -62,8 +62,8 @@ ARRAYS: dict[str, WireArray] = {
 # --- rules -------------------------------------------------------------------------------------
 # Host combine: several calls of one module in one step (weight tying, gradient accumulation).
 # Each rule maps (n int64 [k] element counts of each call, total = n.sum() > 0, x float64 [k] this
-# row's record field of each call, rec {record field: float64 [k]}, done {wire field: combined
-# float}) to one float; ``empty`` is its value when no element was seen.
+# row's record of each call, rec {wire field: its row's records, float64 [k]}, done {wire field:
+# combined float}) to one float; ``empty`` is its value when no element was seen.
 
 
 @dataclass(frozen=True)
@@ -241,14 +241,6 @@ def records(array: str) -> tuple[str, ...]:
     return tuple(s.record for s in of(array))
 
 
-def by_name(name: str) -> Statistic:
-    """The row called ``name``. Raises ``KeyError`` for an unknown one."""
-    for s in STATISTICS:
-        if s.name == name:
-            return s
-    raise KeyError(name)
-
-
 # --- the operations the table drives -----------------------------------------------------------
 
 
@@ -274,10 +266,10 @@ def combine_calls(array: str, n: np.ndarray, rec: np.ndarray) -> tuple[float, ..
     total = n.sum()
     if total == 0:
         return tuple(r.empty for r in rules)
-    cols = {s.record: rec[:, s.column] for s in rows}
+    cols = {s.field: rec[:, s.column] for s in rows}
     done: dict[str, float] = {}
     for s, r in zip(rows, rules):
-        done[s.field] = r.fn(n, total, cols[s.record], cols, done)
+        done[s.field] = r.fn(n, total, cols[s.field], cols, done)
     return tuple(done[s.field] for s in rows)
 
 
@@ -340,12 +332,12 @@ def merge(array: str, values: np.ndarray, present: np.ndarray, groups: list[np.n
     return out
 
 
-def aggregate(values: np.ndarray, observed: np.ndarray, aggs: tuple[str, ...] = AGGS) -> tuple[np.ndarray, np.ndarray]:
-    """Aggregate over ranks (axis 0) where ``observed``.
+def aggregate(values: np.ndarray, seen: np.ndarray, aggs: tuple[str, ...] = AGGS) -> tuple[np.ndarray, np.ndarray]:
+    """Aggregate over ranks (axis 0) where ``seen``.
 
     Args:
         values: float64 [R, n].
-        observed: bool [R, n].
+        seen: bool [R, n]: the rank observed the column.
         aggs: keys of :data:`AGG_FUNCS`.
 
     Returns:
@@ -353,11 +345,11 @@ def aggregate(values: np.ndarray, observed: np.ndarray, aggs: tuple[str, ...] = 
         and bool [n]: the columns any rank observed.
     """
     out = np.full((len(aggs), values.shape[1]), np.nan)
-    cols = observed.any(axis=0)
+    cols = seen.any(axis=0)
     # a column with an observed NaN stays NaN; the others have at least one value to reduce
-    clean = cols & ~(np.isnan(values) & observed).any(axis=0)
+    clean = cols & ~(np.isnan(values) & seen).any(axis=0)
     if clean.any():
-        vc = np.where(observed, values, np.nan)[:, clean]
+        vc = np.where(seen, values, np.nan)[:, clean]
         for a, name in enumerate(aggs):
             out[a, clean] = AGG_FUNCS[name](vc, axis=0)
     return out, cols
