@@ -22,9 +22,12 @@ import threading
 import numpy as np
 import torch
 
+from gradwatch.statistics import combine_calls, records
+
 log = logging.getLogger("gradwatch.agent")
 
-MOMENT_FIELDS = ("mean", "m2", "min", "max", "zeros", "nonfinite")
+#: the record's fields, in order: the ``record`` of each ``act`` row of the statistics table
+MOMENT_FIELDS = records("act")
 
 
 def _eager_moments(x: torch.Tensor) -> torch.Tensor:
@@ -141,26 +144,15 @@ class Reducer:
 
 
 def combine_moments(n: np.ndarray, rec: np.ndarray) -> tuple[float, float, float, float, float, float]:
-    """Combine per-call moments records of one slot into ``ACT_FIELDS`` of the wire format.
+    """Combine per-call moments records of one slot into ``ACT_FIELDS`` of the wire format, by
+    the ``combine`` rule each ``act`` row of :data:`gradwatch.statistics.STATISTICS` declares.
 
     Args:
         n: int64 [k] element counts of each call.
         rec: float64 [k, 6] records in ``MOMENT_FIELDS`` order.
 
     Returns:
-        mean, std (population), min, max, zero ratio (0-1), non-finite count.
+        mean (count-weighted), std (population, pooled by Chan et al.), min, max, zero ratio (0-1),
+        non-finite count; NaN for the first four and 0 for the others when no element was seen.
     """
-    total = n.sum()
-    if total == 0:
-        return (float("nan"),) * 4 + (0.0, 0.0)
-    mean = float((n * rec[:, 0]).sum() / total)
-    m2 = float(rec[:, 1].sum() + (n * (rec[:, 0] - mean) ** 2).sum())
-    std = float(np.sqrt(max(m2, 0.0) / total)) if np.isfinite(m2) else float("nan")
-    return (
-        mean,
-        std,
-        float(rec[:, 2].min()),
-        float(rec[:, 3].max()),
-        float(rec[:, 4].sum() / total),
-        float(rec[:, 5].sum()),
-    )
+    return combine_calls("act", n, rec)

@@ -19,7 +19,9 @@ from typing import Callable, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from .reconcile import AGGS, LAYER_STATS, Snapshot, group_layers
+from gradwatch import statistics
+
+from .reconcile import Snapshot, group_layers
 
 PREFIX = "gradwatch_"
 
@@ -96,48 +98,33 @@ def _rank_total(col: int):
     return fn
 
 
-metric("rank_activation_nonfinite", "gauge", "NaN/Inf activation elements summed over the rank's layers at the latest probed step.", JR)(_rank_total(0))
-metric("rank_output_grad_nonfinite", "gauge", "NaN/Inf output-gradient elements summed over the rank's layers at the latest probed step.", JR)(_rank_total(1))
-metric("rank_param_grad_nonfinite", "gauge", "NaN/Inf parameter-gradient elements summed over the rank's parameters at the latest probed step.", JR)(_rank_total(2))
+for _col, _stat in enumerate(s for s in statistics.STATISTICS if s.rank_total):
+    metric(_stat.rank_total[0], "gauge", _stat.rank_total[1], JR)(_rank_total(_col))
 
 
 # --- per layer, aggregated over ranks at the latest probed step -----------------------------------
-_LAYER_HELP = {
-    "activation_mean": ("Mean of the layer's output activations.", ""),
-    "activation_std": ("Standard deviation (population) of the layer's output activations.", ""),
-    "activation_min": ("Smallest output activation of the layer.", ""),
-    "activation_max": ("Largest output activation of the layer.", ""),
-    "activation_zero_ratio": ("Fraction of the layer's output activations that are exactly zero (0-1).", "ratio"),
-    "activation_nonfinite": ("NaN/Inf elements in the layer's output activations.", ""),
-    "output_grad_norm": ("L2 norm of the gradient reaching the layer's output (local to the rank, before all-reduce).", ""),
-    "output_grad_nonfinite": ("NaN/Inf elements in the gradient reaching the layer's output.", ""),
-    "grad_norm": ("L2 norm of the gradient of the layer's own parameters after all-reduce.", ""),
-    "weight_norm": ("L2 norm of the layer's own parameters after the optimizer step.", ""),
-    "grad_nonfinite": ("NaN/Inf elements in the gradient of the layer's own parameters.", ""),
-}
-
-
-def _layer_stat(stat: str):
-    src = LAYER_STATS[stat][0]
+def _layer_stat(stat: statistics.Statistic):
+    per_module = statistics.ARRAYS[stat.array].exported_per == "module"
 
     def fn(s: Snapshot):
         for j in s.jobs:
             rr = j.last_round
             if rr is None:
                 continue
-            names = rr.modules if src == "module" else rr.layers
-            values, observed = rr.agg[stat]
-            for a, agg in enumerate(AGGS):
+            names = rr.modules if per_module else rr.layers
+            values, observed = rr.agg[stat.name]
+            for a, agg in enumerate(stat.aggs):
                 for i in observed.nonzero()[0]:
                     yield (j.job, names[i], agg), float(values[a, i])
 
     return fn
 
 
-for _stat, (_help, _unit) in _LAYER_HELP.items():
+for _stat in statistics.STATISTICS:
     metric(
-        f"layer_{_stat}", "gauge", _help + " Aggregated over ranks (agg=min|median|max) at the latest probed step.",
-        ("job_id", "layer", "agg"), _unit,
+        f"layer_{_stat.name}", "gauge",
+        f"{_stat.help} Aggregated over ranks (agg={'|'.join(_stat.aggs)}) at the latest probed step.",
+        ("job_id", "layer", "agg"), _stat.unit,
     )(_layer_stat(_stat))
 
 

@@ -17,25 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from gradwatch import wire
-
-AGGS = ("min", "median", "max")
-
-#: per-layer statistics exported, with the wire array and column they come from
-LAYER_STATS = {
-    "activation_mean": ("act", 0),
-    "activation_std": ("act", 1),
-    "activation_min": ("act", 2),
-    "activation_max": ("act", 3),
-    "activation_zero_ratio": ("act", 4),
-    "activation_nonfinite": ("act", 5),
-    "output_grad_norm": ("act_grad", 0),
-    "output_grad_nonfinite": ("act_grad", 1),
-    "grad_norm": ("module", 0),
-    "weight_norm": ("module", 1),
-    "grad_nonfinite": ("module", 2),
-}
-
+from gradwatch import statistics, wire
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -48,12 +30,14 @@ class RoundResult:
         layers: activation slot names, forward order.
         modules: names of modules owning parameters, ``named_parameters`` order.
         act: float64 [n_ranks, n_layers, 6] (wire ``ACT_FIELDS``), NaN where not observed.
-        act_grad: float64 [n_ranks, n_layers, 2].
-        module: float64 [n_ranks, n_modules, 3]: grad norm, weight norm, grad non-finite count.
-        agg: statistic name -> (float64 [3, n] min/median/max over ranks, bool [n] observed by
-            any rank), for each of ``LAYER_STATS``.
-        rank_totals: float64 [n_ranks, 3]: non-finite counts summed over layers of activations,
-            output gradients and parameter gradients.
+        act_grad: float64 [n_ranks, n_layers, 2] (wire ``ACT_GRAD_FIELDS``).
+        module: float64 [n_ranks, n_modules, 3] (wire ``PARAM_FIELDS``, merged per module): grad
+            norm, weight norm, grad non-finite count.
+        agg: statistic name -> (float64 [len(aggs), n] aggregated over ranks (min/median/max),
+            bool [n] observed by any rank), for each row of
+            :data:`gradwatch.statistics.STATISTICS`.
+        rank_totals: float64 [n_ranks, 3]: the statistics with a ``rank_total`` (non-finite
+            counts of activations, output gradients and parameter gradients) summed over layers.
         layer_types: module class name of each layer (``ReLU``, ``Linear``, ...).
         params: parameter names, ``named_parameters`` order.
         fp_grad, fp_weight: uint64 [n_ranks, n_params] fingerprints (see :mod:`gradwatch.wire`).
@@ -101,19 +85,11 @@ def _owner(param: str) -> str:
     return param.rpartition(".")[0] or param
 
 
-def _aggregate(values: np.ndarray, observed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """min/median/max over axis 0 of ``values`` where ``observed``: float64 [3, n], and bool [n]
-    telling which columns any rank observed. An observed NaN propagates."""
-    out = np.full((3, values.shape[1]), np.nan)
-    cols = observed.any(axis=0)
-    # a column with an observed NaN stays NaN; the others have at least one value to reduce
-    clean = cols & ~(np.isnan(values) & observed).any(axis=0)
-    if clean.any():
-        vc = np.where(observed, values, np.nan)[:, clean]
-        out[0, clean] = np.nanmin(vc, axis=0)
-        out[1, clean] = np.nanmedian(vc, axis=0)
-        out[2, clean] = np.nanmax(vc, axis=0)
-    return out, cols
+def _rank_totals(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """float64 [R, n]: each statistic with a ``rank_total`` summed over a rank's layers (NaN skipped)."""
+    return np.stack(
+        [np.nansum(arrays[s.array][..., s.column], axis=1) for s in statistics.STATISTICS if s.rank_total], axis=-1
+    )
 
 
 def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Report], complete: bool) -> RoundResult:
@@ -129,12 +105,11 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         for m, o, typ, _ in s.slots:
             types.setdefault(m + o, typ)
     lidx = {n: i for i, n in enumerate(layers)}
-    midx = {n: i for i, n in enumerate(modules)}
     R = len(ranks)
-    act = np.full((R, len(layers), 6), np.nan)
-    act_grad = np.full((R, len(layers), 2), np.nan)
-    sq = np.zeros((R, len(modules), 3))
-    seen_grad = np.zeros((R, len(modules)), bool)
+    act = np.full((R, len(layers), len(wire.ACT_FIELDS)), np.nan)
+    act_grad = np.full((R, len(layers), len(wire.ACT_GRAD_FIELDS)), np.nan)
+    param = np.full((R, len(params), len(wire.PARAM_FIELDS)), np.nan)
+    present = np.zeros((R, len(params)), bool)
     fp_grad = np.zeros((R, len(params)), np.uint64)
     fp_weight = np.zeros((R, len(params)), np.uint64)
     fp_grad_seen = np.zeros((R, len(params)), bool)
@@ -144,41 +119,23 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         cols = [lidx[n] for n in slot_names[k]]
         act[k, cols] = rep.act
         act_grad[k, cols] = rep.act_grad
-        owners = np.array([midx[_owner(p[0])] for p in s.params], dtype=np.int64)
-        p = rep.param.astype(np.float64)
-        has = ~np.isnan(p[:, 2])
-        np.add.at(sq[k, :, 0], owners[has], p[has, 0] ** 2)
-        np.add.at(sq[k, :, 1], owners, p[:, 1] ** 2)
-        np.add.at(sq[k, :, 2], owners[has], p[has, 2])
-        seen_grad[k, owners[has]] = True
         pcols = np.array([pidx[p[0]] for p in s.params], dtype=np.int64)
+        param[k, pcols] = rep.param
+        present[k, pcols] = True
         if rep.fp_grad is not None:
+            has = statistics.observed_rows("param", rep.param)  # the parameter had a gradient
             fp_grad[k, pcols] = rep.fp_grad
             fp_weight[k, pcols] = rep.fp_weight
             fp_grad_seen[k, pcols[has]] = True
             fp_weight_seen[k, pcols] = True
-    module = np.stack([np.sqrt(sq[..., 0]), np.sqrt(sq[..., 1]), sq[..., 2]], axis=-1)
-    module[..., 0][~seen_grad] = np.nan
-    module[..., 2][~seen_grad] = np.nan
-
-    arrays = {"act": act, "act_grad": act_grad, "module": module}
-    observed = {
-        "act": ~np.isnan(act[..., 5]),
-        "act_grad": ~np.isnan(act_grad[..., 1]),
-        "module": seen_grad,
-    }
-    agg = {}
-    for name, (src, col) in LAYER_STATS.items():
-        obs = observed[src] if not (src == "module" and col == 1) else np.ones_like(seen_grad)
-        agg[name] = _aggregate(arrays[src][..., col], obs)
-    totals = np.stack(
-        [
-            np.nansum(act[..., 5], axis=1),
-            np.nansum(act_grad[..., 1], axis=1),
-            np.nansum(module[..., 2], axis=1),
-        ],
-        axis=-1,
-    )
+    # parameters merge into their module as layers merge into a group; summed in parameter order
+    owners: dict[str, list[int]] = {m: [] for m in modules}
+    for i, p in enumerate(params):
+        owners[_owner(p)].append(i)
+    module = statistics.merge("param", param, present, [np.array(v, np.int64) for v in owners.values()], in_order=True)
+    arrays = {"act": act, "act_grad": act_grad, "param": module}
+    agg = statistics.aggregate_all(arrays)
+    totals = _rank_totals(arrays)
     reps = [reports[r] for r in ranks]
     return RoundResult(
         step, complete, ranks, layers, modules, act, act_grad, module, agg, totals,
@@ -221,40 +178,11 @@ def group_layers(rr: RoundResult, depth: int) -> RoundResult:
         return rr
     layers, lgroups = _groups(rr.layers, depth)
     modules, mgroups = _groups(rr.modules, depth)
-    R = len(rr.ranks)
-    act = np.full((R, len(layers), 6), np.nan)
-    act_grad = np.full((R, len(layers), 2), np.nan)
-    module = np.full((R, len(modules), 3), np.nan)
-    a_obs, g_obs, m_obs = ~np.isnan(rr.act[..., 5]), ~np.isnan(rr.act_grad[..., 1]), ~np.isnan(rr.module[..., 2])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        for g, idx in enumerate(lgroups):
-            o, v = a_obs[:, idx], rr.act[:, idx]
-            n = o.sum(axis=1)
-            mean = np.where(o, v[..., 0], 0).sum(axis=1) / n
-            var = np.where(o, v[..., 1] ** 2 + v[..., 0] ** 2, 0).sum(axis=1) / n - mean**2
-            act[:, g] = np.stack([
-                mean, np.sqrt(np.maximum(var, 0)),
-                np.where(o, v[..., 2], np.inf).min(axis=1), np.where(o, v[..., 3], -np.inf).max(axis=1),
-                np.where(o, v[..., 4], -np.inf).max(axis=1), np.where(o, v[..., 5], 0).sum(axis=1),
-            ], axis=-1)
-            act[n == 0, g] = np.nan
-            o, v = g_obs[:, idx], rr.act_grad[:, idx]
-            act_grad[:, g] = np.stack([
-                np.sqrt(np.where(o, v[..., 0] ** 2, 0).sum(axis=1)), np.where(o, v[..., 1], 0).sum(axis=1),
-            ], axis=-1)
-            act_grad[~o.any(axis=1), g] = np.nan
-        for g, idx in enumerate(mgroups):
-            o, v = m_obs[:, idx], rr.module[:, idx]
-            module[:, g, 0] = np.sqrt(np.where(o, v[..., 0] ** 2, 0).sum(axis=1))
-            module[:, g, 1] = np.sqrt((v[..., 1] ** 2).sum(axis=1))
-            module[:, g, 2] = np.where(o, v[..., 2], 0).sum(axis=1)
-            module[~o.any(axis=1), g, 0::2] = np.nan
-    arrays = {"act": act, "act_grad": act_grad, "module": module}
-    observed = {"act": ~np.isnan(act[..., 5]), "act_grad": ~np.isnan(act_grad[..., 1]), "module": ~np.isnan(module[..., 2])}
-    agg = {}
-    for name, (src, col) in LAYER_STATS.items():
-        obs = observed[src] if not (src == "module" and col == 1) else np.ones_like(observed["module"])
-        agg[name] = _aggregate(arrays[src][..., col], obs)
+    act, act_grad, module = (
+        statistics.merge(name, values, np.ones(values.shape[:2], bool), groups)
+        for name, values, groups in (("act", rr.act, lgroups), ("act_grad", rr.act_grad, lgroups), ("param", rr.module, mgroups))
+    )
+    agg = statistics.aggregate_all({"act": act, "act_grad": act_grad, "param": module})
     types = tuple(
         rr.layer_types[idx[0]] if rr.layer_types and len({rr.layer_types[i] for i in idx}) == 1 else ""
         for idx in lgroups

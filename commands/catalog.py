@@ -1,4 +1,4 @@
-"""README catalog, generated from the registries: metrics, checks, thresholds and settings.
+"""README catalog, generated from the registries: metrics, statistics, checks, thresholds and settings.
 
 ``python -m gradwatch.commands.catalog`` prints it; ``python -m gradwatch.commands.catalog --write``
 rewrites the part of README.md between the catalog markers. tests/test_readme.py fails when README
@@ -34,6 +34,30 @@ def _fields(model, prefix: str, flag: bool) -> list[str]:
     return rows
 
 
+def _observed(st) -> str:
+    from gradwatch.statistics import fields
+
+    return f"`{st.array}[{fields(st.array).index(st.observed_by)}]`" if st.observed_by else "always"
+
+
+def _statistics() -> list[str]:
+    from gradwatch.statistics import CALL_RULES, MERGE_RULES, STATISTICS
+
+    out = ["", "### Per-layer statistics", "",
+           "Each `gradwatch_layer_*` series is one row of `gradwatch/statistics.py`: the probe array and "
+           "column it travels in, how several calls of one module in a step combine on the rank, how members "
+           "merge (a module's parameters; layers under `--layer-depth`), and the `agg` values exported over "
+           "the ranks that observed it.", "",
+           "| metric | wire column | several calls of a module | members | over ranks | observed where not NaN |",
+           "|---|---|---|---|---|---|"]
+    for st in STATISTICS:
+        out.append(
+            f"| `gradwatch_layer_{st.name}` | `{st.array}[{st.column}]` {st.field} | {_cell(CALL_RULES[st.combine].doc)} "
+            f"| {_cell(MERGE_RULES[st.merge].doc)} | {', '.join(st.aggs)} | {_observed(st)} |"
+        )
+    return out
+
+
 def render() -> str:
     from gradwatch.agent.config import AgentConfig
     from gradwatch.aggregator.checks import CHECKS, Thresholds, load_all
@@ -48,6 +72,7 @@ def render() -> str:
         name = d.name + ("_total" if d.kind == "counter" else "")
         out.append(f"| `{name}` | {d.kind} | {', '.join(d.labels) or '-'} | {d.unit or '-'} | {_cell(d.help)} |")
     out.append("| `gradwatch_decode_seconds` | summary | - | seconds | Time spent decoding and applying messages. |")
+    out += _statistics()
     out += ["", "### Checks", "", "| check | default | severity | what it tells you |", "|---|---|---|---|"]
     for name, c in sorted(CHECKS.items()):
         out.append(f"| `{name}` | {'on' if c.default else 'off'} | {c.severity} | {_cell(c.description)} |")

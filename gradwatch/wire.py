@@ -31,7 +31,7 @@ unknown), ``grad_nonfinite`` (number of parameters whose gradient holds a NaN or
 (forward passes of the root module during this step, 0 when not counted), ``batch`` (samples the
 rank processed this step, summed over micro-steps; 0 when unknown), ``drops`` (reports this agent
 dropped so far), ``burst`` (probed out of cadence after an anomaly) and, when ``probe`` is true,
-arrays of raw little-endian bytes, row-major:
+arrays of raw little-endian bytes, row-major (columns declared once in :mod:`gradwatch.statistics`):
 
     act        float32 [n_slots, 6]   activation mean, std, min, max, zero ratio, non-finite count
     act_grad   float32 [n_slots, 2]   output-gradient L2 norm, non-finite count
@@ -71,13 +71,15 @@ from typing import Union
 import msgpack
 import numpy as np
 
-from .errors import GradwatchError
+from gradwatch import statistics
+from gradwatch.errors import GradwatchError
 
 PROTOCOL_VERSION = 1
 
-ACT_FIELDS = ("mean", "std", "min", "max", "zero_ratio", "nonfinite")
-ACT_GRAD_FIELDS = ("norm", "nonfinite")
-PARAM_FIELDS = ("grad_norm", "weight_norm", "grad_nonfinite")
+#: column names of the probe arrays, declared in :data:`gradwatch.statistics.STATISTICS`
+ACT_FIELDS = statistics.fields("act")
+ACT_GRAD_FIELDS = statistics.fields("act_grad")
+PARAM_FIELDS = statistics.fields("param")
 
 #: Every reason :func:`decode` may give; the aggregator labels its rejection counter with them.
 REJECT_REASONS = (
@@ -255,11 +257,8 @@ def encode(msg: Message) -> bytes:
             burst=bool(msg.burst),
         )
         if msg.probe:
-            m.update(
-                act=_array_bytes(msg.act, len(ACT_FIELDS)),
-                act_grad=_array_bytes(msg.act_grad, len(ACT_GRAD_FIELDS)),
-                param=_array_bytes(msg.param, len(PARAM_FIELDS)),
-            )
+            for key in statistics.ARRAYS:
+                m[key] = _array_bytes(getattr(msg, key), len(statistics.fields(key)))
             n = np.shape(msg.param)[0]
             m.update(fp_grad=_u64_bytes(msg.fp_grad, n), fp_weight=_u64_bytes(msg.fp_weight, n))
     elif isinstance(msg, Heartbeat):
@@ -377,14 +376,17 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
     probe = _get(m, "probe", bool)
     step = _get(m, "step", int, nonneg=True)
     schema = _get(m, "schema", str)
-    act = act_grad = param = fp_grad = fp_weight = None
+    arrays: dict = dict.fromkeys(statistics.ARRAYS)
+    fp_grad = fp_weight = None
     if probe:
         n_params, n_slots = schema_sizes(h, schema) if schema_sizes else (None, None)
-        act = _array(m, "act", n_slots, len(ACT_FIELDS))
-        act_grad = _array(m, "act_grad", act.shape[0], len(ACT_GRAD_FIELDS))
-        param = _array(m, "param", n_params, len(PARAM_FIELDS))
-        fp_grad = _fingerprints(m, "fp_grad", param.shape[0])
-        fp_weight = _fingerprints(m, "fp_weight", param.shape[0])
+        # without a schema, the first array of each kind sets the row count the others must match
+        rows = {"params": n_params, "slots": n_slots}
+        for key, a in statistics.ARRAYS.items():
+            arrays[key] = _array(m, key, rows[a.rows], len(statistics.fields(key)))
+            rows[a.rows] = arrays[key].shape[0]
+        fp_grad = _fingerprints(m, "fp_grad", rows["params"])
+        fp_weight = _fingerprints(m, "fp_weight", rows["params"])
     return Report(
         header=h,
         schema=schema,
@@ -395,9 +397,7 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
         micro=_get(m, "micro", int, nonneg=True),
         drops=_get(m, "drops", int, nonneg=True),
         probe=probe,
-        act=act,
-        act_grad=act_grad,
-        param=param,
+        **arrays,
         fp_grad=fp_grad,
         fp_weight=fp_weight,
         local_grad_norm=float(_get(m, "local_grad_norm", _NUM)),

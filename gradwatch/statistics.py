@@ -1,0 +1,368 @@
+"""Every per-layer and per-parameter statistic, declared once.
+
+A :class:`Statistic` row says everything the pipeline needs to know about one statistic: the wire
+array and column it travels in, how several calls of one module combine on the agent's host, how
+members merge (the parameters of a module, and layers under ``--layer-depth``), which rows of its
+array count as observed, how ranks aggregate, and its help text and unit. :data:`STATISTICS` is
+the table; :mod:`gradwatch.wire` (array columns), the agent's host-side combine
+(:func:`combine_calls`), the aggregator's reconciliation, layer grouping and exporter, and the
+README catalog iterate it. Adding a statistic is one row here plus its on-device reducer in the
+agent (which must emit the row's ``record`` field).
+
+Wire arrays (float32, row-major, one row per slot or parameter; see :mod:`gradwatch.wire`):
+
+    act        per activation slot: the output of a leaf module
+    act_grad   per activation slot: the gradient reaching that output
+    param      per parameter; the aggregator merges them into their owning module
+
+A NaN in a row's ``observed_by`` column marks "not observed" (a module that did not run, a
+gradient that never arrived); a statistic without ``observed_by`` is always observed.
+
+This module imports only numpy: no torch, no prometheus, neither the agent nor the aggregator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import numpy as np
+
+#: cross-rank aggregations a statistic may ask for, each a NaN-ignoring numpy reduction over ranks
+AGG_FUNCS: dict[str, Callable] = {"min": np.nanmin, "median": np.nanmedian, "max": np.nanmax}
+AGGS = ("min", "median", "max")
+
+
+@dataclass(frozen=True)
+class WireArray:
+    """One float32 array of a probe report.
+
+    Attributes:
+        key: the msgpack key and the :class:`~gradwatch.wire.Report` attribute.
+        rows: ``"slots"`` (one row per schema slot) or ``"params"`` (one per schema parameter).
+        exported_per: what one exported series is about: ``"layer"`` (the slot's name) or
+            ``"module"`` (the module owning the parameters).
+    """
+
+    key: str
+    rows: str
+    exported_per: str
+
+
+ARRAYS: dict[str, WireArray] = {
+    a.key: a
+    for a in (
+        WireArray("act", "slots", "layer"),
+        WireArray("act_grad", "slots", "layer"),
+        WireArray("param", "params", "module"),
+    )
+}
+
+
+# --- rules -------------------------------------------------------------------------------------
+# Host combine: several calls of one module in one step (weight tying, gradient accumulation).
+# Each rule maps (n int64 [k] element counts of each call, total = n.sum() > 0, x float64 [k] this
+# row's record of each call, rec {wire field: its row's records, float64 [k]}, done {wire field:
+# combined float}) to one float; ``empty`` is its value when no element was seen.
+
+
+@dataclass(frozen=True)
+class CallRule:
+    doc: str
+    fn: Optional[Callable]  # None: the agent combines this array itself (see the rule's doc)
+    empty: float = float("nan")
+
+
+def _weighted_mean(n, total, x, rec, done):
+    return float((n * x).sum() / total)
+
+
+def _pooled_std(n, total, x, rec, done):
+    # Chan, Golub and LeVeque 1979, "Updating formulae and a pairwise algorithm for computing
+    # sample variances": M2 = sum M2_i + sum n_i (mean_i - mean)^2; population std = sqrt(M2 / N)
+    m2 = float(x.sum() + (n * (rec["mean"] - done["mean"]) ** 2).sum())
+    return float(np.sqrt(max(m2, 0.0) / total)) if np.isfinite(m2) else float("nan")
+
+
+CALL_RULES: dict[str, CallRule] = {
+    "weighted_mean": CallRule("mean weighted by element counts (exact)", _weighted_mean),
+    "pooled_std": CallRule("pooled exactly from each call's mean and M2 (Chan et al. 1979)", _pooled_std),
+    "min": CallRule("min", lambda n, total, x, rec, done: float(x.min())),
+    "max": CallRule("max", lambda n, total, x, rec, done: float(x.max())),
+    "ratio": CallRule("counts summed, over elements summed", lambda n, total, x, rec, done: float(x.sum() / total), 0.0),
+    "sum": CallRule("summed", lambda n, total, x, rec, done: float(x.sum()), 0.0),
+    "l2": CallRule("sums of squares summed, then the square root", None),
+    "once": CallRule("one value per step", None),
+}
+
+# Member merge: the parameters of one module, and the layers of one group under --layer-depth.
+# Each rule maps (v float64 [R, m] member values, o bool [R, m] observed, cnt int [R] members
+# observed, members {wire field: float64 [R, m]}, done {wire field: float64 [R]}, total) to
+# float64 [R]; ``total`` sums over axis 1. Members are weighted equally: element counts are not
+# on the wire.
+
+
+@dataclass(frozen=True)
+class MergeRule:
+    doc: str
+    fn: Callable
+
+
+def _merge_mean(v, o, cnt, members, done, total):
+    return total(np.where(o, v, 0)) / cnt
+
+
+def _merge_pooled_std(v, o, cnt, members, done, total):
+    mean = done["mean"]
+    var = total(np.where(o, v**2 + members["mean"] ** 2, 0)) / cnt - mean**2
+    return np.sqrt(np.maximum(var, 0))
+
+
+MERGE_RULES: dict[str, MergeRule] = {
+    "l2": MergeRule("L2 norm over members", lambda v, o, cnt, members, done, total: np.sqrt(total(np.where(o, v**2, 0)))),
+    "sum": MergeRule("summed", lambda v, o, cnt, members, done, total: total(np.where(o, v, 0))),
+    "min": MergeRule("min", lambda v, o, cnt, members, done, total: np.where(o, v, np.inf).min(axis=1)),
+    "max": MergeRule("max", lambda v, o, cnt, members, done, total: np.where(o, v, -np.inf).max(axis=1)),
+    "mean": MergeRule("mean of the members' means", _merge_mean),
+    "pooled_std": MergeRule("pooled from the members' means and stds", _merge_pooled_std),
+}
+
+
+# --- the table ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """One per-layer or per-parameter statistic.
+
+    Attributes:
+        name: exported as ``gradwatch_layer_<name>``; the key of ``RoundResult.agg``.
+        array: key of :data:`ARRAYS` it travels in.
+        field: its column's name within the array (``wire.ACT_FIELDS`` and friends).
+        record: field of the agent's on-device record the host combine reads.
+        combine: key of :data:`CALL_RULES`: several calls of one module in one step.
+        merge: key of :data:`MERGE_RULES`: members (parameters of a module; layers of a group).
+        help: help text of the exported metric.
+        unit: Prometheus unit ("" for none).
+        observed_by: field of the same array whose NaN marks the row not observed; None: always.
+        aggs: cross-rank aggregations exported, the ``agg`` label (keys of :data:`AGG_FUNCS`).
+        rank_total: ``(metric name, help)`` of a per-rank gauge summing this statistic over the
+            rank's layers, or None.
+        column: column in the array, assigned by :func:`declare` from the table's order.
+    """
+
+    name: str
+    array: str
+    field: str
+    record: str
+    combine: str
+    merge: str
+    help: str
+    unit: str = ""
+    observed_by: Optional[str] = None
+    aggs: tuple[str, ...] = AGGS
+    rank_total: Optional[tuple[str, str]] = None
+    column: int = -1
+
+
+def declare(*rows: Statistic) -> tuple[Statistic, ...]:
+    """The table from ``rows``: columns numbered per array in order, every reference checked.
+
+    Raises:
+        ValueError: an unknown array, rule, aggregation or ``observed_by`` field, a duplicate
+            name or field, or a ``pooled_std`` row without a ``mean`` field before it.
+    """
+    out, cols, names = [], {}, set()
+    for r in rows:
+        if r.array not in ARRAYS:
+            raise ValueError(f"{r.name}: unknown array {r.array!r}")
+        if r.combine not in CALL_RULES or r.merge not in MERGE_RULES or not set(r.aggs) <= set(AGG_FUNCS):
+            raise ValueError(f"{r.name}: unknown rule or aggregation")
+        fields = cols.setdefault(r.array, [])
+        if r.name in names or r.field in fields:
+            raise ValueError(f"{r.name}: duplicate name or field")
+        if "pooled_std" in (r.combine, r.merge) and "mean" not in fields:
+            raise ValueError(f"{r.name}: pooled_std needs a 'mean' field earlier in {r.array}")
+        names.add(r.name)
+        out.append(replace(r, column=len(fields)))
+        fields.append(r.field)
+    for r in out:
+        if r.observed_by is not None and r.observed_by not in cols[r.array]:
+            raise ValueError(f"{r.name}: observed_by {r.observed_by!r} is not a field of {r.array}")
+    return tuple(out)
+
+
+_ACT = dict(array="act", observed_by="nonfinite")
+_GRAD = dict(array="act_grad", observed_by="nonfinite")
+
+#: every statistic, in export order; within an array, in wire column order
+STATISTICS: tuple[Statistic, ...] = declare(
+    Statistic("activation_mean", field="mean", record="mean", combine="weighted_mean", merge="mean",
+              help="Mean of the layer's output activations.", **_ACT),
+    Statistic("activation_std", field="std", record="m2", combine="pooled_std", merge="pooled_std",
+              help="Standard deviation (population) of the layer's output activations.", **_ACT),
+    Statistic("activation_min", field="min", record="min", combine="min", merge="min",
+              help="Smallest output activation of the layer.", **_ACT),
+    Statistic("activation_max", field="max", record="max", combine="max", merge="max",
+              help="Largest output activation of the layer.", **_ACT),
+    # the largest member's ratio: a dead member stays visible in its group
+    Statistic("activation_zero_ratio", field="zero_ratio", record="zeros", combine="ratio", merge="max",
+              help="Fraction of the layer's output activations that are exactly zero (0-1).", unit="ratio", **_ACT),
+    Statistic("activation_nonfinite", field="nonfinite", record="nonfinite", combine="sum", merge="sum",
+              help="NaN/Inf elements in the layer's output activations.", **_ACT,
+              rank_total=("rank_activation_nonfinite", "NaN/Inf activation elements summed over the rank's layers at the latest probed step.")),
+    Statistic("output_grad_norm", field="norm", record="sumsq", combine="l2", merge="l2",
+              help="L2 norm of the gradient reaching the layer's output (local to the rank, before all-reduce).", **_GRAD),
+    Statistic("output_grad_nonfinite", field="nonfinite", record="nonfinite", combine="sum", merge="sum",
+              help="NaN/Inf elements in the gradient reaching the layer's output.", **_GRAD,
+              rank_total=("rank_output_grad_nonfinite", "NaN/Inf output-gradient elements summed over the rank's layers at the latest probed step.")),
+    Statistic("grad_norm", array="param", field="grad_norm", record="sumsq", combine="once", merge="l2",
+              observed_by="grad_nonfinite", help="L2 norm of the gradient of the layer's own parameters after all-reduce."),
+    Statistic("weight_norm", array="param", field="weight_norm", record="norm", combine="once", merge="l2",
+              help="L2 norm of the layer's own parameters after the optimizer step."),
+    Statistic("grad_nonfinite", array="param", field="grad_nonfinite", record="nonfinite", combine="once", merge="sum",
+              observed_by="grad_nonfinite", help="NaN/Inf elements in the gradient of the layer's own parameters.",
+              rank_total=("rank_param_grad_nonfinite", "NaN/Inf parameter-gradient elements summed over the rank's parameters at the latest probed step.")),
+)
+
+
+def of(array: str) -> tuple[Statistic, ...]:
+    """The rows of ``array`` in column order."""
+    return tuple(s for s in STATISTICS if s.array == array)
+
+
+def fields(array: str) -> tuple[str, ...]:
+    """Column names of ``array``, in order (``wire.ACT_FIELDS`` and friends)."""
+    return tuple(s.field for s in of(array))
+
+
+def records(array: str) -> tuple[str, ...]:
+    """On-device record fields of ``array``, in column order (the agent's ``MOMENT_FIELDS``)."""
+    return tuple(s.record for s in of(array))
+
+
+# --- the operations the table drives -----------------------------------------------------------
+
+
+def combine_calls(array: str, n: np.ndarray, rec: np.ndarray) -> tuple[float, ...]:
+    """Combine one slot's records of several calls into one wire row of ``array``.
+
+    Args:
+        array: key of :data:`ARRAYS` whose rows all have a host combine (``"act"``).
+        n: int64 [k] element counts of each call.
+        rec: float64 [k, width] records, columns in :func:`records` order.
+
+    Returns:
+        One float per field of ``array``, in column order; each row's rule's ``empty`` value when
+        the calls saw no element.
+
+    Raises:
+        ValueError: a row of ``array`` has no host combine (the agent combines it itself).
+    """
+    rows = of(array)
+    rules = [CALL_RULES[s.combine] for s in rows]
+    if any(r.fn is None for r in rules):
+        raise ValueError(f"{array}: not combined by combine_calls")
+    total = n.sum()
+    if total == 0:
+        return tuple(r.empty for r in rules)
+    cols = {s.field: rec[:, s.column] for s in rows}
+    done: dict[str, float] = {}
+    for s, r in zip(rows, rules):
+        done[s.field] = r.fn(n, total, cols[s.field], cols, done)
+    return tuple(done[s.field] for s in rows)
+
+
+def observed(stat: Statistic, values: np.ndarray) -> np.ndarray:
+    """bool [...]: where ``stat`` was observed in ``values`` (float [..., width] of its array):
+    its ``observed_by`` column is not NaN; everywhere for a statistic without one."""
+    if stat.observed_by is None:
+        return np.ones(values.shape[:-1], bool)
+    return ~np.isnan(values[..., fields(stat.array).index(stat.observed_by)])
+
+
+def observed_rows(array: str, values: np.ndarray) -> np.ndarray:
+    """bool [...]: rows of ``values`` (float [..., width] of ``array``) where every statistic of
+    the array was observed (for ``param``: the parameter had a gradient)."""
+    out = np.ones(values.shape[:-1], bool)
+    for s in of(array):
+        out &= observed(s, values)
+    return out
+
+
+def merge(array: str, values: np.ndarray, present: np.ndarray, groups: list[np.ndarray], *, in_order: bool = False) -> np.ndarray:
+    """Merge members of ``array`` into groups, per rank, by each row's ``merge`` rule.
+
+    Args:
+        array: key of :data:`ARRAYS`.
+        values: float64 [R, N, width] member rows per rank.
+        present: bool [R, N]: the member exists on that rank (the others count as not observed;
+            an always-observed statistic merges over present members).
+        groups: int64 index arrays into N, the members of each group.
+        in_order: sum members one after another in their order (as a scatter-add does) instead
+            of numpy's pairwise summation; the two differ in the last bits from 8 members on.
+
+    Returns:
+        float64 [R, G, width]. An observed NaN propagates; a group none of whose members a rank
+        observed is NaN for the rows with ``observed_by`` (0 for an always-observed L2 norm or
+        sum over no member).
+    """
+    rows = of(array)
+    R = values.shape[0]
+    out = np.full((R, len(groups), len(rows)), np.nan)
+    masks = {s.observed_by: observed(s, values) & present for s in rows}  # one per observing column
+    if in_order:  # from 0, one member after another: a scatter-add's sum, to the last bit
+        total = lambda x: np.add.accumulate(np.pad(x, ((0, 0), (1, 0))), axis=1)[:, -1]  # noqa: E731
+    else:
+        total = lambda x: x.sum(axis=1)  # noqa: E731
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for g, idx in enumerate(groups):
+            v = values[:, idx]
+            members = {s.field: v[..., s.column] for s in rows}
+            seen = {k: m[:, idx] for k, m in masks.items()}
+            counts = {k: o.sum(axis=1) for k, o in seen.items()}
+            done: dict[str, np.ndarray] = {}
+            for s in rows:
+                o, cnt = seen[s.observed_by], counts[s.observed_by]
+                x = MERGE_RULES[s.merge].fn(v[..., s.column], o, cnt, members, done, total)
+                if s.observed_by is not None:
+                    x = np.where(cnt == 0, np.nan, x)
+                done[s.field] = x
+                out[:, g, s.column] = x
+    return out
+
+
+def aggregate(values: np.ndarray, seen: np.ndarray, aggs: tuple[str, ...] = AGGS) -> tuple[np.ndarray, np.ndarray]:
+    """Aggregate over ranks (axis 0) where ``seen``.
+
+    Args:
+        values: float64 [R, n].
+        seen: bool [R, n]: the rank observed the column.
+        aggs: keys of :data:`AGG_FUNCS`.
+
+    Returns:
+        float64 [len(aggs), n] (NaN for a column no rank observed; an observed NaN propagates),
+        and bool [n]: the columns any rank observed.
+    """
+    out = np.full((len(aggs), values.shape[1]), np.nan)
+    cols = seen.any(axis=0)
+    # a column with an observed NaN stays NaN; the others have at least one value to reduce
+    clean = cols & ~(np.isnan(values) & seen).any(axis=0)
+    if clean.any():
+        vc = np.where(seen, values, np.nan)[:, clean]
+        for a, name in enumerate(aggs):
+            out[a, clean] = AGG_FUNCS[name](vc, axis=0)
+    return out, cols
+
+
+def aggregate_all(arrays: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every statistic aggregated over ranks: ``{name: aggregate(...)}``.
+
+    Args:
+        arrays: key of :data:`ARRAYS` -> float64 [R, n, width] per-layer (or per-module) rows.
+    """
+    out = {}
+    for s in STATISTICS:
+        a = arrays[s.array]
+        out[s.name] = aggregate(a[..., s.column], observed(s, a), s.aggs)
+    return out

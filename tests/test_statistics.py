@@ -1,0 +1,291 @@
+"""The table of statistics (gradwatch/statistics.py) is the one declaration of each per-layer and
+per-parameter statistic: every row reaches the wire, /metrics of a real aggregator and the README
+catalog, and a row added to the table reaches all three with no other change (but the agent's
+on-device reducer, which these tests replace by hand-made wire arrays)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import requests
+import zmq
+
+from gradwatch import statistics, wire
+from gradwatch.statistics import STATISTICS, Statistic
+
+from .conftest import ROOT, free_port, samples, wait_for
+from .test_layout import imports, offenders
+
+R = 3
+#: two parameters per module: the merge into the module is exercised too
+PARAMS = tuple((f"{m}.{p}", (4,), "float32") for m in ("emb", "fc1", "fc2") for p in ("weight", "bias"))
+#: layers are not modules: a ReLU owns no parameter, so a per-module series read by layer index fails
+SLOTS = (("emb", "", "Embedding", "float32"), ("fc1", "", "Linear", "float32"), ("act", "", "ReLU", "float32"),
+         ("fc2", "", "Linear", "float32"), ("lstm", "[0]", "LSTM", "float32"))
+
+
+def cell(array: str, rank: int, row: int, col: int) -> float:
+    """A value unique to (array, rank, row, column), exact in float32, never NaN: every cell counts
+    as observed, and a statistic read from a wrong column or row cannot match."""
+    return 1000.0 * (list(statistics.ARRAYS).index(array) + 1) + 100.0 * col + 10.0 * row + 0.25 * rank + 0.125
+
+
+def arrays(rank: int) -> dict[str, np.ndarray]:
+    n = {"slots": len(SLOTS), "params": len(PARAMS)}
+    return {
+        key: np.array([[cell(key, rank, i, c) for c in range(len(statistics.fields(key)))] for i in range(n[a.rows])], np.float32)
+        for key, a in statistics.ARRAYS.items()
+    }
+
+
+def frames(job: str) -> list[bytes]:
+    out = []
+    for r in range(R):
+        sch = wire.Schema(wire.Header(job, r, R, f"b{r}", 0, 1.0), "host", r, 5, PARAMS, SLOTS)
+        fp = np.zeros(len(PARAMS), np.uint64)
+        rep = wire.Report(wire.Header(job, r, R, f"b{r}", 1, 1.0), sch.hash, 0, 0.1, 1.0, 0, probe=True,
+                          fp_grad=fp, fp_weight=fp, **arrays(r))
+        out += [wire.encode(sch), wire.encode(rep)]
+    return out
+
+
+def expected(stat: Statistic) -> dict[tuple[str, str], float]:
+    """(layer, agg) -> value of ``gradwatch_layer_<stat>``, computed here with plain numpy."""
+    a = statistics.ARRAYS[stat.array]
+    if a.rows == "slots":
+        names = [m + o for m, o, _, _ in SLOTS]
+        per_rank = np.array([[cell(stat.array, r, i, stat.column) for i in range(len(names))] for r in range(R)])
+    else:  # two parameters per module, rows 2k and 2k+1, merged by the row's rule
+        names = ["emb", "fc1", "fc2"]
+        v = np.array([[cell(stat.array, r, i, stat.column) for i in range(len(PARAMS))] for r in range(R)]).reshape(R, 3, 2)
+        per_rank = {"l2": np.sqrt((v**2).sum(-1)), "sum": v.sum(-1), "min": v.min(-1), "max": v.max(-1)}[stat.merge]
+    funcs = {"min": np.min, "median": np.median, "max": np.max}
+    return {(n, agg): float(funcs[agg](per_rank[:, i])) for i, n in enumerate(names) for agg in stat.aggs}
+
+
+# --- the table itself ------------------------------------------------------------------------------
+
+
+def test_statistics_module_is_foundation_and_torch_free():
+    path = ROOT / "gradwatch" / "statistics.py"
+    found = {"statistics.py": imports(path.read_text(), "gradwatch")}
+    assert offenders(found, ("torch", "prometheus_client", "zmq", "msgpack", "gradwatch")) == {}
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys, gradwatch.statistics; print(sorted(n for n in sys.modules "
+         "if n.split('.')[0] in ('torch', 'prometheus_client', 'zmq') or n.startswith(('gradwatch.agent', 'gradwatch.aggregator'))))"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
+
+
+def test_wire_columns_are_the_tables():
+    assert wire.ACT_FIELDS == ("mean", "std", "min", "max", "zero_ratio", "nonfinite")
+    assert wire.ACT_GRAD_FIELDS == ("norm", "nonfinite")
+    assert wire.PARAM_FIELDS == ("grad_norm", "weight_norm", "grad_nonfinite")
+    for s in STATISTICS:
+        assert statistics.fields(s.array)[s.column] == s.field
+    for key in statistics.ARRAYS:
+        assert [s.column for s in statistics.of(key)] == list(range(len(statistics.of(key))))
+
+
+def test_agent_record_fields_are_the_tables():
+    pytest.importorskip("torch")
+    from gradwatch.agent import stats
+
+    assert stats.MOMENT_FIELDS == statistics.records("act") == ("mean", "m2", "min", "max", "zeros", "nonfinite")
+
+
+@pytest.mark.parametrize(
+    "row, why",
+    [
+        (Statistic("x", array="nope", field="x", record="x", combine="sum", merge="sum", help="h"), "unknown array"),
+        (Statistic("x", array="act", field="x", record="x", combine="nope", merge="sum", help="h"), "unknown rule"),
+        (Statistic("x", array="act", field="x", record="x", combine="sum", merge="nope", help="h"), "unknown rule"),
+        (Statistic("x", array="act", field="x", record="x", combine="sum", merge="sum", help="h", aggs=("mode",)), "aggregation"),
+        (Statistic("x", array="act", field="x", record="x", combine="sum", merge="sum", help="h", observed_by="y"), "observed_by"),
+        (Statistic("x", array="act", field="x", record="x", combine="pooled_std", merge="sum", help="h"), "pooled_std"),
+        (Statistic("activation_mean", array="act_grad", field="y", record="y", combine="sum", merge="sum", help="h"), "duplicate"),
+        (Statistic("y", array="act", field="mean", record="y", combine="sum", merge="sum", help="h"), "duplicate"),
+    ],
+)
+def test_a_row_that_references_nothing_known_is_refused_at_import(row, why):
+    base = STATISTICS if why == "duplicate" else ()
+    with pytest.raises(ValueError, match=why):
+        statistics.declare(*base, row)
+
+
+def test_host_combine_of_several_calls_follows_the_rules():
+    """Two calls of one module: the exact pooled moments of the concatenated data."""
+    a, b = np.array([0.0, 1.0, 2.0, 0.0]), np.array([5.0, np.inf, 0.0])
+
+    def record(x):
+        f = x[np.isfinite(x)]
+        return [f.mean(), ((f - f.mean()) ** 2).sum(), x.min(), x.max(), (x == 0).sum(), (~np.isfinite(x)).sum()]
+
+    got = statistics.combine_calls("act", np.array([3, 2]), np.array([record(a[:3]), record(np.array([5.0, 0.0]))]))
+    both = np.array([0.0, 1.0, 2.0, 5.0, 0.0])
+    assert got == pytest.approx((both.mean(), both.std(), 0.0, 5.0, 2 / 5, 0.0))
+    got = statistics.combine_calls("act", np.array([4, 3]), np.array([record(a), record(b)]))
+    assert got[2:4] == (0.0, np.inf) and got[4] == 3 / 7 and got[5] == 1.0
+    empty = statistics.combine_calls("act", np.array([0]), np.zeros((1, 6)))
+    assert np.isnan(empty[:4]).all() and empty[4:] == (0.0, 0.0)
+    with pytest.raises(ValueError):  # output gradients are combined by the agent's vectorised code
+        statistics.combine_calls("act_grad", np.array([1]), np.zeros((1, 2)))
+
+
+# --- every row reaches the wire, /metrics and the README ----------------------------------------
+
+
+@pytest.mark.parametrize("stat", STATISTICS, ids=lambda s: s.name)
+def test_every_row_reaches_the_wire(stat):
+    for r in range(R):
+        rep = wire.decode(frames("wire")[2 * r + 1], schema_sizes=lambda h, d: (len(PARAMS), len(SLOTS)))
+        got = getattr(rep, stat.array)[:, stat.column]
+        assert got.tolist() == [cell(stat.array, r, i, stat.column) for i in range(len(got))]
+
+
+@pytest.fixture(scope="module")
+def scrape():
+    """/metrics of a real in-process aggregator fed the frames over a real ZeroMQ socket, scraped over HTTP."""
+    from gradwatch.aggregator import Aggregator, load
+
+    agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=free_port(),
+                          publish_interval_s=0.05)).start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(agg.endpoint)
+    try:
+        for f in frames("table"):
+            sock.send(f)
+
+        def complete():
+            text = requests.get(agg.metrics_url, timeout=5).text
+            return text if samples(text, "gradwatch_rounds_total").get((("job_id", "table"), ("outcome", "complete"))) == 1 else None
+
+        yield wait_for(complete, 20, interval=0.05, what="the probed step reconciled")
+    finally:
+        sock.close()
+        ctx.term()
+        agg.stop()
+
+
+@pytest.mark.parametrize("stat", STATISTICS, ids=lambda s: s.name)
+def test_every_row_reaches_metrics(scrape, stat):
+    from gradwatch.aggregator.exporter import METRICS
+
+    name = f"gradwatch_layer_{stat.name}"
+    got = {(d["layer"], d["agg"]): v for k, v in samples(scrape, name).items() if (d := dict(k))["job_id"] == "table"}
+    assert got == expected(stat)
+    d = METRICS[name]
+    assert d.help.startswith(stat.help) and d.unit == stat.unit and d.labels == ("job_id", "layer", "agg")
+    assert f"# HELP {name} {stat.help}" in scrape
+    if stat.rank_total:
+        totals = {dict(k)["rank"]: v for k, v in samples(scrape, "gradwatch_" + stat.rank_total[0]).items()}
+        n = len(SLOTS) if statistics.ARRAYS[stat.array].rows == "slots" else len(PARAMS)
+        assert totals == {str(r): sum(cell(stat.array, r, i, stat.column) for i in range(n)) for r in range(R)}
+
+
+@pytest.mark.parametrize("stat", STATISTICS, ids=lambda s: s.name)
+def test_every_row_reaches_the_readme_catalog(stat):
+    readme = (ROOT / "README.md").read_text()
+    metric_rows = [line for line in readme.splitlines() if line.startswith(f"| `gradwatch_layer_{stat.name}` |")]
+    assert len(metric_rows) == 2, metric_rows  # the metrics table and the statistics table
+    assert stat.help in metric_rows[0]
+    row = metric_rows[1]
+    for part in (f"`{stat.array}[{stat.column}]`", statistics.CALL_RULES[stat.combine].doc,
+                 statistics.MERGE_RULES[stat.merge].doc, ", ".join(stat.aggs)):
+        assert part in row, (part, row)
+
+
+# --- adding a row is enough ----------------------------------------------------------------------
+
+
+PLUMBING = {
+    "wire": ROOT / "gradwatch" / "wire.py",
+    "reconcile": ROOT / "aggregator" / "reconcile.py",
+    "exporter": ROOT / "aggregator" / "exporter.py",
+    "catalog": ROOT / "gradwatch" / "catalog.py",
+    "agent stats": ROOT / "agent" / "stats.py",
+}
+
+
+@pytest.mark.parametrize("name", PLUMBING)
+def test_the_plumbing_names_no_statistic(name):
+    """No string in the modules a statistic travels through names one (the checks may: they use
+    statistics, they do not carry them)."""
+    known = {s.name for s in STATISTICS} | {s.field for s in STATISTICS} | {s.record for s in STATISTICS}
+    known -= {"min", "max"}  # also aggregation names
+    # a report's own scalars (the global "grad_norm" of the sentinel) are no per-layer statistic
+    import msgpack
+
+    known -= set(msgpack.unpackb(wire.encode(wire.Report(wire.Header("j", 0, 1, "b", 0, 0.0), "h", 0, 0.1, 1.0, 0))))
+    tree = ast.parse(PLUMBING[name].read_text())
+    strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert strings & known == set()
+
+
+ADD_A_ROW = """
+import json
+import numpy as np
+import gradwatch.statistics as st
+
+# the one change: a row (an activation's largest absolute value) appended to the table
+st.STATISTICS = st.declare(*st.STATISTICS, st.Statistic(
+    "activation_absmax", array="act", field="absmax", record="absmax", combine="max", merge="max",
+    help="Largest absolute output activation of the layer.", observed_by="nonfinite"))
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from gradwatch import catalog, wire
+from gradwatch.aggregator import Aggregator, load
+
+out = {"fields": wire.ACT_FIELDS}
+slots = (("blocks.0.fc", "", "Linear", "float32"), ("blocks.1.fc", "", "Linear", "float32"))
+params = (("blocks.0.fc.weight", (2,), "float32"),)
+for depth in (0, 1):
+    agg = Aggregator(load(listen="tcp://127.0.0.1:0", layer_depth=depth), clock=lambda: 0.0)
+    for r in range(2):
+        sch = wire.Schema(wire.Header("j", r, 2, "b", 0, 0.0), "h", 0, 5, params, slots)
+        act = np.zeros((2, 7), np.float32)
+        act[:, 6] = [3 + r, 7 + r]  # absmax of each layer on each rank
+        rep = wire.Report(wire.Header("j", r, 2, "b", 1, 0.0), sch.hash, 0, 0.1, 1.0, 0, probe=True, act=act,
+                          act_grad=np.zeros((2, 2), np.float32), param=np.zeros((1, 3), np.float32),
+                          fp_grad=np.zeros(1, np.uint64), fp_weight=np.zeros(1, np.uint64))
+        agg.handle(wire.encode(sch))
+        agg.handle(wire.encode(rep))
+    agg.publish()
+    text = generate_latest(agg.registry).decode()
+    agg.runner.close()
+    out[depth] = sorted(
+        (s.labels["layer"], s.labels["agg"], s.value) for f in text_string_to_metric_families(text)
+        for s in f.samples if s.name == "gradwatch_layer_activation_absmax"
+    )
+calls = np.array([[0, 0, -1, 1, 0, 0, 1], [0, 0, -4, 2, 0, 0, 4]], np.float64)
+out["combined"] = st.combine_calls("act", np.array([2, 3]), calls)[-1]
+out["catalog"] = [l for l in catalog.render().splitlines() if "`gradwatch_layer_activation_absmax`" in l]
+print(json.dumps(out))
+"""
+
+
+def test_adding_a_row_is_enough():
+    """A fresh interpreter appends one row to the table before anything else reads it: the wire
+    carries a seventh activation column, the aggregator exports it per layer (and merged under
+    --layer-depth by the row's rule), the host combine applies the row's rule, the catalog lists it."""
+    import json
+
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(ADD_A_ROW)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["fields"][-1] == "absmax" and len(out["fields"]) == 7
+    aggs = ("min", "median", "max")
+    assert out["0"] == sorted([["blocks.0.fc", a, v] for a, v in zip(aggs, (3.0, 3.5, 4.0))]
+                              + [["blocks.1.fc", a, v] for a, v in zip(aggs, (7.0, 7.5, 8.0))])
+    assert out["1"] == sorted(["blocks", a, v] for a, v in zip(aggs, (7.0, 7.5, 8.0)))  # merged by max
+    assert out["combined"] == 4.0
+    assert len(out["catalog"]) == 2 and "Largest absolute output activation" in out["catalog"][0]  # metrics and statistics tables
