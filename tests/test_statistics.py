@@ -210,7 +210,7 @@ PLUMBING = {
     "wire": ROOT / "gradwatch" / "wire.py",
     "reconcile": ROOT / "aggregator" / "reconcile.py",
     "exporter": ROOT / "aggregator" / "exporter.py",
-    "catalog": ROOT / "gradwatch" / "catalog.py",
+    "catalog": ROOT / "commands" / "catalog.py",
     "agent stats": ROOT / "agent" / "stats.py",
 }
 
@@ -242,7 +242,8 @@ st.STATISTICS = st.declare(*st.STATISTICS, st.Statistic(
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from gradwatch import catalog, wire
+from gradwatch import wire
+from gradwatch.commands import catalog
 from gradwatch.aggregator import Aggregator, load
 
 out = {"fields": wire.ACT_FIELDS}
