@@ -33,6 +33,7 @@ class AgentConfig(BaseSettings):
     endpoint: str = Field("tcp://127.0.0.1:5555", description="Aggregator's ZeroMQ endpoint; the agent connects, never binds.")
     every: int = Field(10, ge=1, description="Probe cadence: per-layer statistics every N-th optimizer step.")
     job: str = Field("", description="Job id; default TORCHELASTIC_RUN_ID, else 'default'.")
+    job_key: str = Field("", max_length=64, description="What tells this job from another under the same id (e.g. a shared secret or launch id, the same on every rank); default a digest of the job id, MASTER_ADDR, MASTER_PORT and the world size.")
     rank: int = Field(-1, ge=-1, description="Global rank; default RANK, else torch.distributed, else 0.")
     world_size: int = Field(-1, ge=-1, description="World size; default WORLD_SIZE, else torch.distributed, else 1.")
     local_rank: int = Field(-1, ge=-1, description="Local rank on the host; default LOCAL_RANK, else 0.")
@@ -90,6 +91,21 @@ def load(**settings) -> AgentConfig:
 
 # GRADWATCH_* variables that belong to the other components, not the agent
 _OTHER_PREFIXES = ("GRADWATCH_AGGREGATOR_", "GRADWATCH_DEMO_", "GRADWATCH_PROMETHEUS_URL", "GRADWATCH_REQUIRE_")
+
+
+def job_key(cfg: AgentConfig, job: str, world: int) -> str:
+    """The job's identity digest sent beside its id (``wire.Header.key``): 16 hex chars.
+
+    Every rank of one job computes the same value from what they share: ``cfg.job_key`` if set,
+    else the job id, torchrun's ``MASTER_ADDR`` and ``MASTER_PORT`` and the world size, so two
+    jobs under torchrun's default run id ``none`` (or any shared id) stay two jobs at the
+    aggregator. A digest, not a secret: it separates honest jobs; authentication is CURVE's job.
+    """
+    import hashlib
+
+    env = os.environ
+    parts = [cfg.job_key] if cfg.job_key else [job, env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""), str(world)]
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).hexdigest()
 
 
 def resolve_identity(cfg: AgentConfig) -> tuple[str, int, int, int, str]:

@@ -46,7 +46,7 @@ import torch
 
 from gradwatch import wire
 
-from .config import AgentConfig, resolve_identity
+from .config import AgentConfig, job_key, resolve_identity
 from .hooks import ProbeRecorder, leaf_modules, normalise
 from .stats import Reducer, combine_moments, nonfinite_count
 from .transport import Sender
@@ -127,6 +127,7 @@ class Monitor:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: AgentConfig, scaler=None):
         self.cfg = cfg
         self.job, self.rank, self.world_size, self.local_rank, self.host = resolve_identity(cfg)
+        self.job_key = job_key(cfg, self.job, self.world_size)
         self.boot = secrets.token_hex(8)
         inner = unwrap(model)
         self._model_ref = weakref.ref(inner)
@@ -143,6 +144,7 @@ class Monitor:
         self._part_errors: dict[str, int] = {}
         self._warned: set[str] = set()
         self._closed = False
+        self._close_reason = ""  # wire.CLOSE_REASONS; TODO(monitor rewrite): "finished" after the last step
         self._forked = False
         self._probing = False
         self._probe_handles: list = []
@@ -186,7 +188,7 @@ class Monitor:
         self.sender.start()
         _MONITORS.add(self)
         ref = weakref.ref(self)
-        atexit.register(lambda: (m := ref()) and m.close())
+        atexit.register(lambda: (m := ref()) and m.close("exit"))
         if self._is_probe(0):
             self._install_probe()
 
@@ -196,10 +198,12 @@ class Monitor:
     def active(self) -> bool:
         return not (self._closed or self._forked)
 
-    def close(self) -> None:
-        """Remove every hook, stop the sender; idempotent, never raises."""
+    def close(self, reason: str = "closed") -> None:
+        """Remove every hook, stop the sender; idempotent, never raises. ``reason`` (one of
+        ``wire.CLOSE_REASONS``) travels in the goodbye heartbeat."""
         if self._closed:
             return
+        self._close_reason = reason
         self._closed = True
         self._remove_probe()
         for h in self._step_handles:
@@ -226,7 +230,7 @@ class Monitor:
     # --- wire messages (called from the sender thread) -----------------------------------------
 
     def _header(self, seq: int) -> wire.Header:
-        return wire.Header(self.job, self.rank, self.world_size, self.boot, seq, time.time())
+        return wire.Header(self.job, self.rank, self.world_size, self.boot, seq, time.time(), self.job_key)
 
     def _schema_msg(self, h: wire.Header) -> Optional[wire.Schema]:
         s = self._schema
@@ -239,6 +243,7 @@ class Monitor:
             h, step=self.step - 1, sent=self.sender.sent, drops=self.sender.drops,
             errors=self.errors + self.sender.errors, closing=self._closed,
             in_step_s=time.perf_counter() - self._last_step_end, waiting=self._first_bucket is not None,
+            reason=self._close_reason if self._closed else "",
         )
 
     # --- failure policy ----------------------------------------------------------------------
@@ -258,7 +263,7 @@ class Monitor:
             self.errors = _MAX_ERRORS
         if self.errors >= _MAX_ERRORS and not self._closed:
             warnings.warn("gradwatch: too many agent errors; monitoring is switched off", RuntimeWarning, stacklevel=3)
-            self.close()
+            self.close("disabled")
 
     # --- probe scheduling ----------------------------------------------------------------------
 
