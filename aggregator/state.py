@@ -20,7 +20,8 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   ranks vote for it from new boot ids (a report resuming at an earlier step, or a frame of
   another world size; votes agree on the world and expire after ``restart_grace_s``), or when
   one rank votes and every other rank has been silent for ``restart_grace_s``. A lone frame is
-  rejected (``world_mismatch``, ``restart_unconfirmed``). A report or heartbeat whose step runs
+  rejected (``world_mismatch``, ``restart_unconfirmed``), and so is a goodbye from a boot the rank
+  does not speak under (``foreign_goodbye``). A report or heartbeat whose step runs
   ahead of the rank's latest (or, for a new rank, the job's) by more than
   ``max(max_step_jump, 10 x the steps the rank's observed rate explains)`` is rejected
   (``step_jump``).
@@ -87,6 +88,7 @@ class RankState:
     errors_base: int = 0
     boot_step: int = -1  # the rank's latest step under its previous boot (-1: none)
     close_reason: str = ""  # why its agent said goodbye (wire.CLOSE_REASONS)
+    prev_boot: str = ""  # the boot before ``boot``
     first_report_at: float = math.nan  # aggregator clock of the rank's first report (its step rate)
 
 
@@ -229,6 +231,10 @@ class State:
                     self.reject("restart_unconfirmed")
                     return
                 job, r = self._restart(job, h), None
+        if isinstance(msg, wire.Heartbeat) and msg.closing and r is not None and new_boot:
+            # an agent says goodbye from the boot it spoke under: a new boot's goodbye is forged
+            self.reject("foreign_goodbye")
+            return
         if step >= 0 and step > self._step_limit(job, r, now):
             self.reject("step_jump")
             return
@@ -244,6 +250,7 @@ class State:
         if h.boot != r.boot:
             if r.boot:  # the agent restarted: its sequence and counters start over
                 r.restarts += 1
+                r.prev_boot = r.boot
                 r.boot_step = r.step
                 r.drops_base += r.agent_drops
                 r.errors_base += r.agent_errors
@@ -324,28 +331,43 @@ class State:
         return math.inf if job.max_step < 0 else job.max_step + self.max_step_jump
 
     def _short_names(self, s: wire.Schema) -> wire.Schema:
-        """``s`` with names over ``max_label_len`` characters cut, keeping 8 hex chars of the
-        whole name's BLAKE2b digest so that cut names stay distinct (label values)."""
+        """``s`` with label values over ``max_label_len`` characters cut (a layer's module path
+        plus output suffix; a parameter's owning module), each cut part keeping 8 hex chars of its
+        whole text's BLAKE2b digest so that cut names stay distinct. A parameter keeps its last
+        component (``.weight``), which names its owning module (:mod:`.reconcile`)."""
         n = self.max_label_len
 
-        def cut(name: str) -> str:
-            if len(name) <= n:
-                return name
-            return name[: n - 10] + "~" + hashlib.blake2b(name.encode(), digest_size=4).hexdigest() + "~"
+        def cut(text: str, room: int) -> str:
+            if len(text) <= room:
+                return text
+            return text[: max(room - 10, 0)] + "~" + hashlib.blake2b(text.encode(), digest_size=4).hexdigest() + "~"
 
-        if all(len(p[0]) <= n for p in s.params) and all(len(x[0]) <= n and len(x[1]) <= n for x in s.slots):
+        def slot(m: str, o: str) -> tuple[str, str]:
+            o = cut(o, 32)
+            return cut(m, n - len(o)), o
+
+        def param(name: str) -> str:
+            owner, dot, leaf = name.rpartition(".")
+            leaf = cut(leaf, 32)
+            return cut(owner, n - len(leaf) - 1) + dot + leaf
+
+        if all(len(p[0]) <= n for p in s.params) and all(len(x[0]) + len(x[1]) <= n for x in s.slots):
             return s
-        params = tuple((cut(a), b, c) for a, b, c in s.params)
-        slots = tuple((cut(a), cut(b), c, d) for a, b, c, d in s.slots)
+        params = tuple((param(a), b, c) for a, b, c in s.params)
+        slots = tuple((*slot(a, b), c, d) for a, b, c, d in s.slots)
         return replace(s, params=params, slots=slots, hash=s.hash)
 
     def _restart(self, job: JobState, h: wire.Header) -> JobState:
-        old = {r.boot for r in job.ranks.values()} - {b for b, _, _ in job.votes.values()} - {h.boot}
+        # the boots that spoke for the old incarnation: a rank whose agent restarted but did not
+        # report since (boot_step >= 0) already speaks for the new one
+        old = {r.prev_boot if r.boot_step >= 0 else r.boot for r in job.ranks.values()}
+        old -= {b for b, _, _ in job.votes.values()} | {h.boot, ""}
         # bounded: a long run of restarts keeps the latest incarnations' boots only
         retired = job.retired | old if len(job.retired) < 4 * job.world + 64 else frozenset(old)
         new = JobState(
             job.job, h.world, restarts=job.restarts + 1, retired=frozenset(retired),
             name=job.name, key=job.key, admitted=job.admitted, touched=job.touched,
+            schemas=job.schemas,  # content-addressed: the new incarnation's ranks resend the same
         )
         self.jobs[job.job] = new
         if self.runner is not None:
