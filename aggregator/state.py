@@ -30,8 +30,11 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   heard first, so invented job ids cannot squat slots.
 * **Series.** Module paths longer than ``max_label_len`` are cut, keeping a digest of the whole
   path so that labels stay distinct; a job's latest round exports at most
-  ``max_series_per_job`` per-layer series (the first layers in forward order), the rest are
-  counted in ``JobState.series_dropped``. The checks still see every layer.
+  ``max_series_per_job`` per-layer series (the first layers in forward order), and all jobs
+  together ``max_series_total``, first come first served; the rest are counted in
+  ``JobState.series_dropped``. The checks still see every layer.
+* **Memory per job.** Its open rounds hold at most ``max_pending_rounds`` rounds and
+  ``max_pending_bytes`` of report arrays; beyond either the oldest closes incomplete.
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ class Round:
     step: int
     opened: float
     reports: dict[int, wire.Report] = field(default_factory=dict)
+    nbytes: int = 0  # bytes of the reports' arrays
 
 
 @dataclass
@@ -118,6 +122,8 @@ class JobState:
     votes: dict = field(default_factory=dict)  # rank -> (boot, world, when): restart votes
     series_dropped: int = 0  # per-layer series of the latest round not exported (max_series_per_job)
     max_step: int = -1  # latest step any of its ranks reported
+    pending_bytes: int = 0  # array bytes of the reports its open rounds hold
+    exported_series: int = 0  # per-layer series its last_round exports
 
 
 class State:
@@ -142,6 +148,8 @@ class State:
         max_world: int = 65_536,
         max_pending_jobs: int = 16,
         max_series_per_job: int = 10_000,
+        max_series_total: int = 15_000,
+        max_pending_bytes: int = 512 << 20,
         max_label_len: int = 200,
         max_step_jump: int = 1000,
         restart_grace_s: float = 30.0,
@@ -152,6 +160,8 @@ class State:
         self.max_world = max_world
         self.max_pending_jobs = max_pending_jobs
         self.max_series_per_job = max_series_per_job
+        self.max_series_total = max_series_total
+        self.max_pending_bytes = max_pending_bytes
         self.max_label_len = max_label_len
         self.max_step_jump = max_step_jump
         self.restart_grace_s = restart_grace_s
@@ -401,10 +411,18 @@ class State:
         rnd = job.rounds.get(m.step)
         if rnd is None:
             rnd = job.rounds[m.step] = Round(m.step, now)
+        size = _nbytes(m)
+        old = rnd.reports.get(r.rank)
+        if old is not None:
+            size -= _nbytes(old)
         rnd.reports[r.rank] = m
+        rnd.nbytes += size
+        job.pending_bytes += size
         if len(rnd.reports) == job.world:
             self._close(job, rnd, complete=True)
         elif len(job.rounds) > self.max_pending:
+            self._close(job, job.rounds[min(job.rounds)], complete=False)
+        while job.pending_bytes > self.max_pending_bytes and job.rounds:  # memory bounded per job
             self._close(job, job.rounds[min(job.rounds)], complete=False)
 
     def tick(self) -> None:
@@ -430,6 +448,7 @@ class State:
 
     def _close(self, job: JobState, rnd: Round, complete: bool) -> None:
         del job.rounds[rnd.step]
+        job.pending_bytes -= rnd.nbytes
         if complete:
             job.rounds_complete += 1
         else:
@@ -437,10 +456,24 @@ class State:
         result = reconcile(job.world, job.schemas, rnd.step, rnd.reports, complete)
         # a straggling older round must not replace a newer result on the dashboards
         if job.last_round is None or result.step >= job.last_round.step:
-            job.last_round, job.series_dropped = cap_series(result, self.max_series_per_job)
+            # first come, first served: the series other jobs export keep theirs (a newcomer's
+            # schema cannot push a running job off the scrape), within max_series_total
+            others = sum(j.exported_series for j in self.jobs.values() if j is not job)
+            budget = min(self.max_series_per_job, max(0, self.max_series_total - others))
+            job.last_round, job.series_dropped = cap_series(result, budget)
+            job.exported_series = series_of(job.last_round)
         self.version += 1
         if self.runner is not None:
             self.runner.dispatch("on_round", job, result)
+
+
+def _nbytes(m: wire.Report) -> int:
+    return sum(a.nbytes for a in (m.act, m.act_grad, m.param, m.fp_grad, m.fp_weight) if a is not None)
+
+
+def series_of(rr: RoundResult) -> int:
+    """Per-layer series ``rr`` exports (at most: a statistic no rank observed is left out)."""
+    return len(rr.layers) * SERIES_PER_LAYER + len(rr.modules) * SERIES_PER_MODULE
 
 
 def cap_series(rr: RoundResult, budget: int) -> tuple[RoundResult, int]:
@@ -451,7 +484,7 @@ def cap_series(rr: RoundResult, budget: int) -> tuple[RoundResult, int]:
     in forward (``named_parameters``) order. Per-rank fields are untouched.
     """
     nl, nm = len(rr.layers), len(rr.modules)
-    total = nl * SERIES_PER_LAYER + nm * SERIES_PER_MODULE
+    total = series_of(rr)
     if total <= budget:
         return rr, 0
     f = budget / total

@@ -101,7 +101,7 @@ class Job:
 def agg():
     cfg = load(
         listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
-        round_grace_s=0.5, max_series_per_job=100, max_pending_jobs=8, max_jobs=4,
+        round_grace_s=0.5, max_series_per_job=100, max_series_total=250, max_pending_jobs=8, max_jobs=4,
         checks=Thresholds(silent_after_s=3, skew_steps=5, skew_for_s=0),
     )
     with Aggregator(cfg) as a:
@@ -276,6 +276,12 @@ def test_cardinality_is_capped_per_job_and_the_other_jobs_scrape_is_whole(agg, s
     wide.schema()
     wide.report(0, probe=True)
     settle(agg, sock)
+    # all jobs together stay under max_series_total (250 here): the running jobs keep theirs
+    wide2 = Agent(sock, "wide2", 0, 1, "", params=params, slots=slots)
+    wide2.schema()
+    wide2.report(0, probe=True)
+    job.steps(5)
+    settle(agg, sock)
     m = scrape(agg)
     assert rejected(m).get("malformed", 0) + rejected(m).get("bad_field", 0) >= 1 and "bomb" not in {dict(k)["job_id"] for k in m["gradwatch_job_world_size"]}
     layer_series = [k for n, s in m.items() if n.startswith("gradwatch_layer_") for k in s if ("job_id", "wide") in k]
@@ -285,6 +291,9 @@ def test_cardinality_is_capped_per_job_and_the_other_jobs_scrape_is_whole(agg, s
     assert all(len(dict(k)["layer"]) <= 200 for k in layer_series)
     small = [k for n, s in m.items() if n.startswith("gradwatch_layer_") for k in s if ("job_id", "small") in k]
     assert len(small) == 3 * 24 + 2 * 9  # 3 slots x 8 stats x 3 aggs, 2 modules x 3 stats x 3 aggs
+    wide2 = [k for n, s in m.items() if n.startswith("gradwatch_layer_") for k in s if ("job_id", "wide2") in k]
+    assert len(wide2) <= 250 - len(small) - len(layer_series)
+    assert m["gradwatch_job_series_dropped"][(("job_id", "wide2"),)] == 50 * 24 + 50 * 9 - len(wide2)
 
 
 def test_invented_job_ids_cannot_squat_slots(agg, sock):
@@ -375,3 +384,21 @@ def test_step_jumps_are_judged_by_the_ranks_rate():
     clock.t += 60  # a minute at 100 steps/s explains 6,000 steps; 10x that is plausible
     st.apply(_rep(0, 1099 + 50_000, "b", world=1, seq=102))
     assert st.rejected["step_jump"] == 1 and st.jobs["j"].ranks[0].step == 51_099
+
+
+def test_a_jobs_open_rounds_hold_at_most_max_pending_bytes():
+    st = State(clock=Clock(), max_pending_bytes=1 << 20)
+    n = 2000
+    params = tuple((f"p{i}.w", (1,), "float32") for i in range(n))
+    sch = wire.Schema(wire.Header("j", 0, 64, "b0", 0, 0.0), "h", 0, 1, params, ())
+    st.apply(sch)
+    per_report = n * (12 + 16)
+    for step in range(200):  # rank 0 alone: every round waits for 63 missing ranks
+        st.apply(wire.Report(
+            wire.Header("j", 0, 64, "b0", step + 1, 0.0), sch.hash, step, 0.01, 1.0, 0, probe=True,
+            act=np.zeros((0, 6), np.float32), act_grad=np.zeros((0, 2), np.float32),
+            param=np.zeros((n, 3), np.float32), fp_grad=np.zeros(n, np.uint64), fp_weight=np.zeros(n, np.uint64),
+        ))
+        job = st.jobs["j"]
+        assert job.pending_bytes == sum(r.nbytes for r in job.rounds.values()) <= 1 << 20
+    assert len(job.rounds) == (1 << 20) // per_report and job.rounds_incomplete == 200 - len(job.rounds)
