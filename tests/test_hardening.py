@@ -75,7 +75,7 @@ class Job:
     def __init__(self, sock, job="none", world=3, master=("10.0.0.1", "29500")):
         import os
 
-        env = {"MASTER_ADDR": master[0], "MASTER_PORT": master[1]}
+        env = {"MASTER_ADDR": master[0], "MASTER_PORT": master[1], "TORCHELASTIC_RUN_ID": job}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -402,3 +402,28 @@ def test_a_jobs_open_rounds_hold_at_most_max_pending_bytes():
         job = st.jobs["j"]
         assert job.pending_bytes == sum(r.nbytes for r in job.rounds.values()) <= 1 << 20
     assert len(job.rounds) == (1 << 20) // per_report and job.rounds_incomplete == 200 - len(job.rounds)
+
+
+def test_the_job_key_tells_jobs_apart_and_survives_restarts(monkeypatch):
+    cfg = AgentConfig()
+    for var in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+    def key(job, world, **env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        return job_key(cfg, job, world)
+
+    # torchrun's static rendezvous under the default run id: the master address tells jobs apart
+    a = key("none", 8, TORCHELASTIC_RUN_ID="none", MASTER_ADDR="node1", MASTER_PORT="29500")
+    b = key("none", 8, MASTER_ADDR="node7")
+    assert a != b and a == key("none", 8, MASTER_ADDR="node1") and len(a) == 16
+    # an elastic run id names one job: a new rendezvous round (port, world size) keeps its key
+    c = key("run-42", 8, TORCHELASTIC_RUN_ID="run-42", MASTER_ADDR="node1", MASTER_PORT="40001")
+    assert c == key("run-42", 6, MASTER_ADDR="node3", MASTER_PORT="51234")
+    # a key of one's own wins; a lone process without a launcher is itself
+    own = AgentConfig(job_key="s3cret")
+    assert job_key(own, "none", 8) == job_key(own, "other", 3) != a
+    for var in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var)
+    assert key("default", 1) != key("default", 2)
