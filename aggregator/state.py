@@ -27,7 +27,8 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   (``step_jump``).
 * **Slots.** A job takes one of ``max_jobs`` slots only once it sent a schema and a report using
   it; until then it is *pending*, one of at most ``max_pending_jobs`` evicted least recently
-  heard first, so invented job ids cannot squat slots.
+  heard first, so invented job ids cannot squat slots; a pending job holds at most
+  ``max_pending_ranks`` ranks (``pending_ranks``).
 * **Series.** Module paths longer than ``max_label_len`` are cut, keeping a digest of the whole
   path so that labels stay distinct; a job's latest round exports at most
   ``max_series_per_job`` per-layer series (the first layers in forward order), and all jobs
@@ -147,6 +148,7 @@ class State:
         max_jobs: int = 64,
         max_world: int = 65_536,
         max_pending_jobs: int = 16,
+        max_pending_ranks: int = 256,
         max_series_per_job: int = 10_000,
         max_series_total: int = 15_000,
         max_pending_bytes: int = 512 << 20,
@@ -159,6 +161,7 @@ class State:
         self.max_jobs = max_jobs  # the PULL socket takes any peer's job id: state stays bounded
         self.max_world = max_world
         self.max_pending_jobs = max_pending_jobs
+        self.max_pending_ranks = max_pending_ranks
         self.max_series_per_job = max_series_per_job
         self.max_series_total = max_series_total
         self.max_pending_bytes = max_pending_bytes
@@ -254,6 +257,11 @@ class State:
                 self.reject("too_many_jobs")
                 return
             job.admitted = True
+        if r is None and not job.admitted and len(job.ranks) >= self.max_pending_ranks:
+            # a job without a slot holds few ranks (state and series); the others are heard
+            # again, each within a heartbeat, once it has one
+            self.reject("pending_ranks")
+            return
         job.touched = now
         if r is None:
             r = job.ranks[h.rank] = RankState(h.rank)

@@ -216,6 +216,16 @@ def test_state_stays_bounded_whatever_job_ids_and_world_sizes_peers_claim():
         st.apply(wire.Report(replace(h, seq=1), sch.hash, 0, 0.01, 1.0, 0))
     assert sorted(j.job for j in st.jobs.values() if j.admitted) == ["run0", "run1", "run2"]
     assert st.rejected["too_many_jobs"] == 2 and len(st.jobs) <= 3 + 3
+    # a pending job holds few ranks; once it has a slot, all of them
+    st = State(clock=Clock(), max_pending_ranks=4)
+    for rank in range(8):
+        st.apply(wire.Heartbeat(wire.Header("wide", rank, 8, f"b{rank}", 0, 0.0), step=-1, sent=0, drops=0, errors=0))
+    assert sorted(st.jobs["wide"].ranks) == [0, 1, 2, 3] and st.rejected["pending_ranks"] == 4
+    st.apply(replace(sch, header=wire.Header("wide", 0, 8, "b0", 1, 0.0)))
+    st.apply(wire.Report(wire.Header("wide", 0, 8, "b0", 2, 0.0), sch.hash, 0, 0.01, 1.0, 0))
+    for rank in range(8):
+        st.apply(wire.Heartbeat(wire.Header("wide", rank, 8, f"b{rank}", 3, 0.0), step=0, sent=0, drops=0, errors=0))
+    assert sorted(st.jobs["wide"].ranks) == list(range(8))
 
 
 def test_config_mistakes_are_named_where_they_come_from(monkeypatch):
