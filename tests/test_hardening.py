@@ -427,3 +427,39 @@ def test_the_job_key_tells_jobs_apart_and_survives_restarts(monkeypatch):
     for var in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var)
     assert key("default", 1) != key("default", 2)
+
+
+def test_real_agents_a_closed_one_is_named_with_its_reason_while_its_peer_trains_on(agg):
+    import torch
+
+    import gradwatch.agent as gw
+
+    models = [torch.nn.Linear(4, 1) for _ in range(2)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    mons = [gw.attach(m, o, endpoint=agg.endpoint, job="pair", rank=r, world_size=2, every=1, heartbeat_s=0.2)
+            for r, (m, o) in enumerate(zip(models, opts))]
+    assert mons[0].job_key == mons[1].job_key and len(mons[0].job_key) == 16
+
+    def step(k):
+        models[k](torch.ones(2, 4)).sum().backward()
+        opts[k].step()
+        opts[k].zero_grad()
+
+    try:
+        for _ in range(3):
+            step(0)
+            step(1)
+        mons[1].close()  # its training would go on, unmonitored
+        for _ in range(12):
+            step(0)
+
+        def named():
+            f = requests.get(base(agg) + "/api/findings?active=1&job_id=pair", timeout=5).json()["findings"]
+            return [x for x in f if x["check"] == "rank_silent" and x["rank"] == 1]
+
+        (f,) = wait_for(named, 20, what="the closed agent named")
+        assert f["details"]["reason"] == "closed" and f["details"]["last_step"] == 2
+        assert "pair" in agg.state.jobs and agg.state.jobs["pair"].key == mons[0].job_key
+    finally:
+        for m in mons:
+            m.close()
