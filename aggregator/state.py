@@ -21,10 +21,9 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   another world size; votes agree on the world and expire after ``restart_grace_s``), or when
   one rank votes and every other rank has been silent for ``restart_grace_s``. A lone frame is
   rejected (``world_mismatch``, ``restart_unconfirmed``), and so is a goodbye from a boot the rank
-  does not speak under (``foreign_goodbye``). A report or heartbeat whose step runs
-  ahead of the rank's latest (or, for a new rank, the job's) by more than
-  ``max(max_step_jump, 10 x the steps the rank's observed rate explains)`` is rejected
-  (``step_jump``).
+  does not speak under (``foreign_goodbye``). A report or heartbeat whose step runs ahead of the
+  rank's latest (or its peers', if ahead) by more than ``max(max_step_jump, 10 x the steps the
+  rank's observed rate explains)`` is rejected (``step_jump``).
 * **Slots.** A job takes one of ``max_jobs`` slots only once it sent a schema and a report using
   it; until then it is *pending*, one of at most ``max_pending_jobs`` evicted least recently
   heard first, so invented job ids cannot squat slots; a pending job holds at most
@@ -123,6 +122,7 @@ class JobState:
     votes: dict = field(default_factory=dict)  # rank -> (boot, world, when): restart votes
     series_dropped: int = 0  # per-layer series of the latest round not exported (max_series_per_job)
     max_step: int = -1  # latest step any of its ranks reported
+    last_report_at: float = 0.0  # aggregator clock of its latest report
     pending_bytes: int = 0  # array bytes of the reports its open rounds hold
     exported_series: int = 0  # per-layer series its last_round exports
 
@@ -339,14 +339,20 @@ class State:
         return all(now - r.last_seen > self.restart_grace_s for k, r in job.ranks.items() if k not in job.votes)
 
     def _step_limit(self, job: JobState, r: Optional[RankState], now: float) -> float:
-        """Largest plausible step for the rank now: its latest (a new rank: the job's latest)
-        plus ``max(max_step_jump, 10 x rate x seconds since its latest report)``."""
-        if r is not None and r.step >= 0:
-            ref, rate, since = r.step, 0.0, now - r.last_report_at
-            if r.steps >= 2 and r.last_report_at > r.first_report_at:
-                rate = (r.steps - 1) / (r.last_report_at - r.first_report_at)
-            return ref + max(self.max_step_jump, 10 * rate * since)
-        return math.inf if job.max_step < 0 else job.max_step + self.max_step_jump
+        """Largest plausible step for the rank now: its latest step (or its peers' latest, if
+        ahead) plus ``max(max_step_jump, 10 x its observed step rate x seconds since its latest
+        report)``; before a rate is known, at most 1,000 steps/s are assumed. Unbounded before
+        the job's first step (a new job, or an aggregator that restarted mid-run)."""
+        if job.max_step < 0:
+            return math.inf
+        if r is None or r.steps == 0:
+            return job.max_step + max(self.max_step_jump, 1000 * (now - job.last_report_at))
+        since = now - r.last_report_at
+        if r.steps >= 2 and r.last_report_at > r.first_report_at:
+            rate = 10 * (r.steps - 1) / (r.last_report_at - r.first_report_at)
+        else:
+            rate = 1000.0
+        return max(r.step, job.max_step) + max(self.max_step_jump, rate * since)
 
     def _short_names(self, s: wire.Schema) -> wire.Schema:
         """``s`` with label values over ``max_label_len`` characters cut (a layer's module path
@@ -397,7 +403,7 @@ class State:
         r.boot_step = -1
         if r.steps == 0:
             r.first_report_at = now
-        job.max_step = max(job.max_step, m.step)
+        job.max_step, job.last_report_at = max(job.max_step, m.step), now
         r.step = max(r.step, m.step)
         r.step_time, r.grad_norm, r.grad_nonfinite = m.step_time, m.grad_norm, m.grad_nonfinite
         r.local_grad_norm, r.compute_time, r.loss, r.loss_scale = m.local_grad_norm, m.compute_time, m.loss, m.loss_scale

@@ -463,3 +463,16 @@ def test_real_agents_a_closed_one_is_named_with_its_reason_while_its_peer_trains
     finally:
         for m in mons:
             m.close()
+
+
+def test_a_rank_back_from_a_long_gap_or_catching_up_with_its_peers_is_no_step_jump():
+    clock = Clock()
+    st = State(clock=clock, max_step_jump=1000)
+    st.apply(_rep(0, 0, "a", world=2))
+    clock.t += 10  # one report, then its reports were lost for 10 s: rate unknown, 1,000 steps/s assumed
+    st.apply(_rep(0, 5000, "a", world=2, seq=1))
+    st.apply(_rep(1, 5000, "b", world=2))  # a rank heard for the first time, level with its peer
+    assert st.rejected["step_jump"] == 0 and {r.step for r in st.jobs["j"].ranks.values()} == {5000}
+    st.apply(_rep(1, 2**62, "b", world=2, seq=1))
+    st.apply(wire.Heartbeat(wire.Header("j", 1, 2, "b", 2, 0.0, "k"), 2**40, 0, 0, 0))
+    assert st.rejected["step_jump"] == 2
