@@ -135,7 +135,11 @@ class State:
         max_pending: rounds held per job.
         rank_ttl_s: seconds after which a silent rank is forgotten.
         clock: monotonic clock, seconds.
-        on_round: called with each reconciled :class:`RoundResult` (the checks hook in here).
+        runner: the checks' ``Runner`` (events on_report, on_heartbeat, on_round, on_tick), or None.
+        max_jobs, max_world, max_pending_jobs, max_pending_ranks, max_series_per_job,
+        max_series_total, max_pending_bytes, max_label_len, max_step_jump, restart_grace_s:
+            the bounds of the module docstring; each is an aggregator setting of the same name
+            (:class:`~.config.AggregatorConfig`, which documents units and defaults).
     """
 
     def __init__(
