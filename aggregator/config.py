@@ -6,6 +6,8 @@ Field descriptions double as ``--help``. Invalid values fail at start-up with
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -86,7 +88,7 @@ class AggregatorConfig(BaseSettings):
             raise ValueError(f"must look like tcp://host:port or ipc://path, got {v!r}")
         return v
 
-    @property
+    @cached_property  # read for every frame
     def limits(self) -> wire.Limits:
         return wire.Limits(max_message_bytes=self.max_message_bytes, max_names=self.max_names)
 
