@@ -23,7 +23,9 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   rejected (``world_mismatch``, ``restart_unconfirmed``), and so is a goodbye from a boot the rank
   does not speak under (``foreign_goodbye``). A report or heartbeat whose step runs ahead of the
   rank's latest (or its peers', if ahead) by more than ``max(max_step_jump, 10 x the steps the
-  rank's observed rate explains)`` is rejected (``step_jump``).
+  rank's observed rate explains)`` is rejected (``step_jump``). Boots a restart retired are
+  rejected (``retired_boot``) for ``restart_grace_s`` only: a dead incarnation falls silent
+  within seconds, so boots still speaking after that had their restart forged, and are heard.
 * **Slots.** A job takes one of ``max_jobs`` slots only once it sent a schema and a report using
   it; until then it is *pending*, one of at most ``max_pending_jobs`` evicted least recently
   heard first, so invented job ids cannot squat slots; a pending job holds at most
@@ -115,6 +117,7 @@ class JobState:
     rounds_incomplete: int = 0
     restarts: int = 0  # times the job came back from an earlier step (a checkpoint) under its id
     retired: frozenset = frozenset()  # boot ids of the previous incarnation: late messages dropped
+    retired_at: float = 0.0  # aggregator clock of the restart that retired them
     name: str = ""  # the job id its ranks send ('' : same as ``job``, the label)
     key: str = ""  # the identity digest its ranks send (wire.Header.key)
     admitted: bool = False  # holds one of max_jobs slots: it sent a schema and a report using it
@@ -220,8 +223,12 @@ class State:
             return
         job = self._job(h)
         if job is not None and h.boot in job.retired:
-            self.reject("retired_boot")  # a late message of the job's previous incarnation
-            return
+            if now - job.retired_at <= self.restart_grace_s:
+                self.reject("retired_boot")  # a late message of the job's previous incarnation
+                return
+            # a dead incarnation's messages stop within seconds; boots that still speak after the
+            # grace were retired by a restart that did not happen (forged): they are heard again
+            job.retired = frozenset()
         if job is None:
             job = self._new_job(h, now)
         r = job.ranks.get(h.rank)
@@ -231,7 +238,7 @@ class State:
             if not job.ranks:
                 job.world = h.world
             elif new_boot and self._vote(job, h, now):
-                job, r = self._restart(job, h), None
+                job, r = self._restart(job, h, now), None
             else:
                 self.reject("world_mismatch")
                 return
@@ -247,7 +254,7 @@ class State:
                 if not self._vote(job, h, now):
                     self.reject("restart_unconfirmed")
                     return
-                job, r = self._restart(job, h), None
+                job, r = self._restart(job, h, now), None
         if isinstance(msg, wire.Heartbeat) and msg.closing and r is not None and new_boot:
             # an agent says goodbye from the boot it spoke under: a new boot's goodbye is forged
             self.reject("foreign_goodbye")
@@ -385,15 +392,16 @@ class State:
         slots = tuple((*slot(a, b), c, d) for a, b, c, d in s.slots)
         return replace(s, params=params, slots=slots, hash=s.hash)
 
-    def _restart(self, job: JobState, h: wire.Header) -> JobState:
+    def _restart(self, job: JobState, h: wire.Header, now: float) -> JobState:
         # the boots that spoke for the old incarnation: a rank whose agent restarted but did not
         # report since (boot_step >= 0) already speaks for the new one
         old = {r.prev_boot if r.boot_step >= 0 else r.boot for r in job.ranks.values()}
         old -= {b for b, _, _ in job.votes.values()} | {h.boot, ""}
         # bounded: a long run of restarts keeps the latest incarnations' boots only
-        retired = job.retired | old if len(job.retired) < 4 * job.world + 64 else frozenset(old)
+        recent = now - job.retired_at <= self.restart_grace_s and len(job.retired) < 4 * job.world + 64
+        retired = job.retired | old if recent else old
         new = JobState(
-            job.job, h.world, restarts=job.restarts + 1, retired=frozenset(retired),
+            job.job, h.world, restarts=job.restarts + 1, retired=frozenset(retired), retired_at=now,
             name=job.name, key=job.key, admitted=job.admitted, touched=job.touched,
             schemas=job.schemas,  # content-addressed: the new incarnation's ranks resend the same
         )

@@ -476,3 +476,31 @@ def test_a_rank_back_from_a_long_gap_or_catching_up_with_its_peers_is_no_step_ju
     st.apply(_rep(1, 2**62, "b", world=2, seq=1))
     st.apply(wire.Heartbeat(wire.Header("j", 1, 2, "b", 2, 0.0, "k"), 2**40, 0, 0, 0))
     assert st.rejected["step_jump"] == 2
+
+
+def test_a_forged_majority_restart_locks_the_real_ranks_out_for_the_grace_only():
+    """A forger who knows the key can forge votes from half the ranks; the real ranks, still
+    speaking after restart_grace_s, are heard again (a dead incarnation falls silent)."""
+    clock = Clock()
+    st = State(clock=clock, restart_grace_s=5)
+    seq = [0, 0, 0, 0]
+
+    def real(step):
+        for r in range(4):
+            seq[r] += 1
+            st.apply(_rep(r, step, f"real{r}", world=4, seq=seq[r]))
+
+    for s in range(50):
+        real(s)
+        clock.t += 0.1
+    st.apply(_rep(0, 0, "forged0", world=4))
+    st.apply(_rep(1, 0, "forged1", world=4))
+    assert st.jobs["j"].restarts == 1
+    real(50)
+    assert st.rejected["retired_boot"] == 4
+    clock.t += 6
+    for s in range(51, 55):
+        real(s)
+    job = st.jobs["j"]
+    assert {r: x.step for r, x in job.ranks.items()} == {0: 54, 1: 54, 2: 54, 3: 54}
+    assert st.rejected["retired_boot"] == 4 and st.rejected["step_jump"] == 0
