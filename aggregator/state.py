@@ -346,8 +346,12 @@ class State:
         agree = sum(1 for _, w, _ in job.votes.values() if w == h.world)
         if 2 * agree >= max(job.world, h.world):
             return True
-        # the old incarnation is gone: nobody else spoke for restart_grace_s
-        return all(now - r.last_seen > self.restart_grace_s for k, r in job.ranks.items() if k not in job.votes)
+        # the old incarnation is gone: every rank still under an old boot (not the boot it voted
+        # with) has been silent for restart_grace_s
+        return all(
+            now - r.last_seen > self.restart_grace_s
+            for k, r in job.ranks.items() if k not in job.votes or job.votes[k][0] != r.boot
+        )
 
     def _step_limit(self, job: JobState, r: Optional[RankState], now: float) -> float:
         """Largest plausible step for the rank now: its latest step (or its peers' latest, if
@@ -360,10 +364,10 @@ class State:
             return job.max_step + max(self.max_step_jump, 1000 * (now - job.last_report_at))
         since = now - r.last_report_at
         if r.steps >= 2 and r.last_report_at > r.first_report_at:
-            rate = 10 * (r.steps - 1) / (r.last_report_at - r.first_report_at)
+            per_s = 10 * (r.steps - 1) / (r.last_report_at - r.first_report_at)  # 10x its rate
         else:
-            rate = 1000.0
-        return max(r.step, job.max_step) + max(self.max_step_jump, rate * since)
+            per_s = 1000.0
+        return max(r.step, job.max_step) + max(self.max_step_jump, per_s * since)
 
     def _short_names(self, s: wire.Schema) -> wire.Schema:
         """``s`` with label values over ``max_label_len`` characters cut (a layer's module path

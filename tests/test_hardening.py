@@ -369,6 +369,11 @@ def test_restart_needs_half_the_world_or_the_old_ranks_silent():
     clock.t += 6
     st.apply(_rep(3, 4, "late3", world=4))
     assert st.jobs["j"].restarts == 2
+    # a job only one live rank of which was heard yet: a forged vote for that rank is no restart
+    st = State(clock=clock, restart_grace_s=5)
+    st.apply(_rep(0, 10, "real0", world=4))
+    st.apply(_rep(0, 0, "forged", world=4))
+    assert st.jobs["j"].restarts == 0 and st.rejected["restart_unconfirmed"] == 1
 
 
 def test_step_jumps_are_judged_by_the_ranks_rate():
