@@ -17,8 +17,8 @@ from typing import Literal, Optional
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gradwatch.errors import ConfigError  # the one config error; gradwatch.agent.ConfigError names it too
 from gradwatch import auth
+from gradwatch.errors import ConfigError  # the one config error; gradwatch.agent.ConfigError names it too
 from gradwatch.settings import describe
 
 
@@ -31,6 +31,7 @@ class AgentConfig(BaseSettings):
     endpoint: str = Field("tcp://127.0.0.1:5555", description="Aggregator's ZeroMQ endpoint; the agent connects, never binds.")
     every: int = Field(10, ge=1, description="Probe cadence: per-layer statistics every N-th optimizer step.")
     job: str = Field("", description="Job id; default TORCHELASTIC_RUN_ID, else 'default'.")
+    job_key: str = Field("", max_length=64, description="What tells this job from another under the same id (e.g. a launch id, the same on every rank and across restarts); default derived from torchrun's run id, or MASTER_ADDR and MASTER_PORT (see job_key).")
     rank: int = Field(-1, ge=-1, description="Global rank; default RANK, else torch.distributed, else 0.")
     world_size: int = Field(-1, ge=-1, description="World size; default WORLD_SIZE, else torch.distributed, else 1.")
     local_rank: int = Field(-1, ge=-1, description="Local rank on the host; default LOCAL_RANK, else 0.")
@@ -129,6 +130,42 @@ def _env(name: str) -> str:
 
 # GRADWATCH_* variables that belong to the other components, not the agent
 _OTHER_PREFIXES = ("GRADWATCH_AGGREGATOR_", "GRADWATCH_DEMO_", "GRADWATCH_KEYS_", "GRADWATCH_PROMETHEUS_URL", "GRADWATCH_REQUIRE_")
+
+
+def job_key(cfg: AgentConfig, job: str, world: int) -> str:
+    """The job's identity digest sent beside its id (``wire.Header.key``): 16 hex chars.
+
+    Every rank of one job computes the same value from what its ranks share, and the value
+    survives the job's restarts, so two jobs under one id stay two jobs at the aggregator while a
+    restarted job stays itself:
+
+    1. ``cfg.job_key`` (``GRADWATCH_JOB_KEY``) when set;
+    2. the job id alone when it is torchrun's ``TORCHELASTIC_RUN_ID`` other than the default
+       ``none``: a run id names one job, and an elastic restart may move ``MASTER_PORT`` (each
+       rendezvous round picks one) and change the world size;
+    3. with ``MASTER_ADDR`` set (torchrun's static rendezvous under ``none``, or a launcher of
+       one's own): the job id, ``MASTER_ADDR`` and ``MASTER_PORT``, fixed for the job's life;
+    4. a single process without any of these: the job id, host name and process id;
+    5. else the job id alone.
+
+    A digest, not a secret: it separates honest jobs; authenticating peers is CURVE's job.
+    ``world`` only selects rule 4.
+    """
+    import hashlib
+
+    env = os.environ
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    if cfg.job_key:
+        parts = ["key", cfg.job_key]
+    elif run_id and run_id != "none" and job == run_id:
+        parts = ["run", job]
+    elif "MASTER_ADDR" in env:
+        parts = ["master", job, env["MASTER_ADDR"], env.get("MASTER_PORT", "")]
+    elif world == 1:
+        parts = ["process", job, socket.gethostname(), str(os.getpid())]
+    else:
+        parts = ["job", job]
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).hexdigest()
 
 
 def resolve_identity(cfg: AgentConfig) -> tuple[str, int, int, int, str]:

@@ -28,7 +28,7 @@ from gradwatch import wire
 
 from . import frame, measure, report
 from .amp import ScalerWatch
-from .config import AgentConfig, resolve_identity
+from .config import AgentConfig, job_key, resolve_identity
 from .failures import Failures
 from .ddp import CommHook, allreduce_mean, unwrap  # noqa: F401  (re-exported)
 from .fingerprint import Fingerprints, fingerprint  # noqa: F401  (re-exported)
@@ -64,12 +64,13 @@ class Monitor:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: AgentConfig, scaler=None):
         self.cfg = cfg
         self.job, self.rank, self.world_size, self.local_rank, self.host = resolve_identity(cfg)
+        self.job_key = job_key(cfg, self.job, self.world_size)
         self.boot = secrets.token_hex(8)
         inner = unwrap(model)
         params = [(normalise(n), p) for n, p in inner.named_parameters()]
         self._params = [p for _, p in params]
         self._param_meta = tuple((n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in params)
-        self.failures = Failures(self.close)  # every part's on_error
+        self.failures = Failures(lambda: self.close("disabled"))  # every part's on_error
         self.disabled = self.failures.disabled  # parts switched off after failing repeatedly
         self.reducer = Reducer(cfg.fused)
         self.recorder = ProbeRecorder(self.reducer, self.failures, inner)
@@ -81,6 +82,7 @@ class Monitor:
         self.scaler: Optional[ScalerWatch] = None
         self.step = self.probes = 0
         self._closed = self._forked = False
+        self._close_reason = ""  # wire.CLOSE_REASONS, sent in the goodbye heartbeat
         self._pre: Optional[tuple[list[int], dict]] = None  # the sentinel's (present, sections)
         self._losses: list[torch.Tensor] = []
         self._last_step_end = time.perf_counter()
@@ -104,7 +106,7 @@ class Monitor:
         self.sender.start()
         _MONITORS.add(self)
         ref = weakref.ref(self)
-        atexit.register(lambda: (m := ref()) and m.close())
+        atexit.register(lambda: (m := ref()) and m.close("exit"))
         self.schedule.advance(0)
 
     # --- public ------------------------------------------------------------------------------
@@ -117,10 +119,12 @@ class Monitor:
     def errors(self) -> int:
         return self.failures.errors
 
-    def close(self) -> None:
-        """Remove every hook, stop the sender; idempotent, never raises."""
+    def close(self, reason: str = "closed") -> None:
+        """Remove every hook, stop the sender; idempotent, never raises. ``reason`` (one of
+        ``wire.CLOSE_REASONS``) travels in the goodbye heartbeat."""
         if self._closed:
             return
+        self._close_reason = reason
         self._closed = self.failures.stopped = True
         self._stop_parts()
         self.recorder.remove()
@@ -164,7 +168,7 @@ class Monitor:
     # --- wire messages (called from the sender thread) -----------------------------------------
 
     def _header(self, seq: int) -> wire.Header:
-        return wire.Header(self.job, self.rank, self.world_size, self.boot, seq, time.time())
+        return wire.Header(self.job, self.rank, self.world_size, self.boot, seq, time.time(), self.job_key)
 
     def _schema_msg(self, h: wire.Header) -> Optional[wire.Schema]:
         s = self._schema
@@ -177,6 +181,7 @@ class Monitor:
             h, step=self.step - 1, sent=self.sender.sent, drops=self.sender.drops,
             errors=self.errors + self.sender.errors, closing=self._closed,
             in_step_s=time.perf_counter() - self._last_step_end, waiting=self.comm.first_bucket is not None,
+            reason=self._close_reason if self._closed else "",
         )
 
     def _stop_parts(self) -> None:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from functools import cached_property
 from typing import Optional
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-
-from gradwatch.errors import ConfigError  # the one config error; gradwatch.aggregator.ConfigError names it too
 from gradwatch import auth, wire
+from gradwatch.errors import ConfigError  # the one config error; gradwatch.aggregator.ConfigError names it too
 from gradwatch.settings import describe
 
 from .checks import Thresholds, resolve
@@ -39,7 +39,16 @@ class AggregatorConfig(BaseSettings):
     metrics_port: int = Field(9400, ge=0, le=65535, description="TCP port of the HTTP server; 0 picks a free one.")
     round_grace_s: float = Field(10.0, gt=0, le=3600, description="Seconds a probed step waits for missing ranks before it is reconciled as incomplete.")
     max_pending_rounds: int = Field(64, ge=1, le=10_000, description="Probed steps per job held while waiting for ranks; the oldest is closed incomplete beyond it.")
-    max_jobs: int = Field(64, ge=1, description="Jobs tracked at once; messages of further jobs are rejected (too_many_jobs) until one goes silent for rank_ttl_s.")
+    max_jobs: int = Field(64, ge=1, description="Jobs tracked at once, counting only jobs that sent a schema and a report using it; reports of further jobs are rejected (too_many_jobs) until one goes silent for rank_ttl_s.")
+    max_pending_jobs: int = Field(16, ge=1, description="Jobs held that have not yet sent a schema and a report (they take no max_jobs slot); beyond it the least recently heard is evicted (gradwatch_jobs_evicted_total), so invented job ids cannot squat slots.")
+    max_pending_ranks: int = Field(256, ge=1, description="Ranks a job holds before it sent a schema and a report; messages of further ranks are rejected (pending_ranks) until then (each is heard again within a heartbeat).")
+    max_series_per_job: int = Field(10_000, ge=0, description="Per-layer series a job's latest probed step may export; the first layers in forward order are kept, the others dropped and counted in gradwatch_job_series_dropped.")
+    max_series_total: int = Field(15_000, ge=0, description="Per-layer series all jobs together may export (keep it under the scrape's sample_limit, 20,000 as shipped); first come, first served, so a new job's schema cannot push running jobs off the scrape. Drops are counted in gradwatch_job_series_dropped.")
+    max_pending_bytes: int = Field(512 << 20, ge=1 << 20, description="Bytes of probe arrays a job's open rounds may hold; beyond it the oldest round is closed incomplete, so memory is bounded per job.")
+    max_names: int = Field(10_000, ge=1, le=1_000_000, description="Most parameters, and most slots (leaf module outputs), one schema may list; larger schemas are rejected (bad_field).")
+    max_label_len: int = Field(200, ge=32, le=4096, description="Longest module path (or host name) exported as a label value, characters; longer ones are cut, keeping a digest of the whole so they stay distinct.")
+    max_step_jump: int = Field(1000, ge=1, description="Steps a rank may advance at once beyond max_step_jump's floor of 10x what its observed step rate explains; larger jumps are rejected (step_jump).")
+    restart_grace_s: float = Field(30.0, gt=0, description="Seconds a rank's vote to restart its job (a report from a new boot at an earlier step, or another world size) counts; a restart needs votes from half the world, or the other ranks silent this long.")
     max_world: int = Field(65_536, ge=1, description="Largest world size accepted; larger claims are rejected (world_too_large), bounding per-rank state.")
     rank_ttl_s: float = Field(600.0, gt=0, description="Seconds after which a silent rank's series are no longer exported (case C34).")
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 30, description="Largest accepted message, bytes; larger ones are rejected as too_large.")
@@ -54,7 +63,7 @@ class AggregatorConfig(BaseSettings):
         description="Agents' CURVE public keys admitted with --server-key: a directory of .key files (gradwatch keys' "
         "DIR/clients), one .key file, or one 40-character Z85 public key. Read at start-up.",
     )
-    rcv_hwm: int = Field(10_000, ge=1, description="ZeroMQ receive high-water mark, messages.")
+    rcv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive high-water mark, messages per connected agent: queued memory is at most agents x rcv_hwm x message size under overload (further messages wait in the agents' own bounded queues, where they are dropped and counted).")
     publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read.")
     events_path: str = Field("", description="JSON-lines file findings are appended to as they are raised and resolved ('' for none).")
     grafana_url: str = Field("", description="Grafana base URL (http[s]://host[:port][/path]) to post each raised finding to as an annotation ('' for none).")
@@ -126,9 +135,9 @@ class AggregatorConfig(BaseSettings):
         except ValueError:  # *, an interface name or a host name: not known to be loopback
             return False
 
-    @property
+    @cached_property  # read for every frame
     def limits(self) -> wire.Limits:
-        return wire.Limits(max_message_bytes=self.max_message_bytes)
+        return wire.Limits(max_message_bytes=self.max_message_bytes, max_names=self.max_names)
 
 
 def _env(name: str) -> str:

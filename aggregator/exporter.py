@@ -145,6 +145,12 @@ metric("rounds", "counter", "Probed steps reconciled, by outcome: complete (ever
 metric("messages_received", "counter", "Valid messages received, by kind (schema, report, heartbeat).", ("kind",))(
     lambda s: (((k,), v) for k, v in s.received)
 )
+metric("job_series_dropped", "gauge", "Per-layer series of the job's latest probed step not exported: over --max-series-per-job, or over --max-series-total with the other jobs' series.", ("job_id",))(
+    lambda s: (((j.job,), j.series_dropped) for j in s.jobs)
+)
+metric("jobs_evicted", "counter", "Jobs evicted before they sent a schema and a report (more than --max-pending-jobs such jobs at once).", ())(
+    lambda s: (((), s.jobs_evicted),)
+)
 metric("messages_rejected", "counter", "Messages rejected, by reason (malformed, too_large, unknown_schema, ...).", ("reason",))(
     lambda s: (((k,), v) for k, v in s.rejected)
 )

@@ -228,6 +228,7 @@ class JobView:
     rounds_complete: int
     rounds_incomplete: int
     restarts: int = 0
+    series_dropped: int = 0  # per-layer series of last_round over the job's cap (state.cap_series)
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,7 @@ class Snapshot:
     rejected: tuple[tuple[str, int], ...] = ()
     decode_seconds: float = 0.0
     decode_count: int = 0
+    jobs_evicted: int = 0  # pending jobs evicted (State.max_pending_jobs)
 
 
 def snapshot(state, wall_now: float) -> Snapshot:
@@ -255,7 +257,8 @@ def snapshot(state, wall_now: float) -> Snapshot:
             )
             for r in sorted(job.ranks.values(), key=lambda x: x.rank)
         )
-        jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete, job.restarts))
+        jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete,
+                            job.restarts, job.series_dropped))
     return Snapshot(
         tuple(jobs),
         state.runner.view() if state.runner is not None else None,
@@ -263,6 +266,7 @@ def snapshot(state, wall_now: float) -> Snapshot:
         tuple(sorted(state.rejected.items())),
         state.decode_seconds,
         state.decode_count,
+        getattr(state, "jobs_evicted", 0),
     )
 
 

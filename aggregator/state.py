@@ -7,18 +7,60 @@ Nothing else mutates state. Scrapes never read it directly: the writer publishes
 A probed step's *round* collects one report per rank; it is complete when every rank of the world
 has reported, or closed incomplete ``round_grace_s`` after its first report (or when more than
 ``max_pending_rounds`` wait). Either way it is reconciled (:mod:`.reconcile`).
+
+Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
+
+* **Identity.** A job is its id *and* the ``key`` its ranks share (``wire.Header.key``: a digest of
+  torchrun's run id, master address and port and world size, or a configured key), so two jobs
+  under one id (torchrun's default ``none``) stay two jobs. Labels stay ``job_id``: the first
+  live job under an id is labelled with the id, a later one with ``id~`` and the first 4 (8, 16
+  on a clash) hex chars of its key; ``State.jobs`` is keyed by that label. (With CURVE on, the
+  authenticated client key belongs in the same tuple: :meth:`State.identity`.)
+* **Restart by majority.** A job's state starts over only when at least half of its world's
+  ranks vote for it from new boot ids (a report resuming at an earlier step, or a frame of
+  another world size; votes agree on the world and expire after ``restart_grace_s``), or when
+  one rank votes and every other rank has been silent for ``restart_grace_s``. A lone frame is
+  rejected (``world_mismatch``, ``restart_unconfirmed``), and so is a goodbye from a boot the rank
+  does not speak under (``foreign_goodbye``). A report or heartbeat whose step runs ahead of the
+  rank's latest (or its peers', if ahead) by more than ``max(max_step_jump, 10 x the steps the
+  rank's observed rate explains)`` is rejected (``step_jump``). Boots a restart retired are
+  rejected (``retired_boot``) for ``restart_grace_s`` only: a dead incarnation falls silent
+  within seconds, so boots still speaking after that had their restart forged, and are heard.
+* **Slots.** A job takes one of ``max_jobs`` slots only once it sent a schema and a report using
+  it; until then it is *pending*, one of at most ``max_pending_jobs`` evicted least recently
+  heard first, so invented job ids cannot squat slots; a pending job holds at most
+  ``max_pending_ranks`` ranks (``pending_ranks``).
+* **Series.** Module paths longer than ``max_label_len`` are cut, keeping a digest of the whole
+  path so that labels stay distinct; a job's latest round exports at most
+  ``max_series_per_job`` per-layer series (the first layers in forward order), and all jobs
+  together ``max_series_total``, first come first served; the rest are counted in
+  ``JobState.series_dropped``. The checks still see every layer.
+* **Memory per job.** Its open rounds hold at most ``max_pending_rounds`` rounds and
+  ``max_pending_bytes`` of report arrays; beyond either the oldest closes incomplete.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from gradwatch import wire
+from gradwatch.statistics import ARRAYS, STATISTICS
 
 from .reconcile import RoundResult, reconcile
+
+
+def _per(kind: str) -> int:
+    return sum(len(s.aggs) for s in STATISTICS if ARRAYS[s.array].exported_per == kind)
+
+
+#: per-layer series one exported layer (an activation slot) or module (parameters) costs:
+#: its statistics x their aggregations (min, median, max) over ranks
+SERIES_PER_LAYER = _per("layer")
+SERIES_PER_MODULE = _per("module")
 
 @dataclass
 class RankState:
@@ -56,6 +98,9 @@ class RankState:
     drops_base: int = 0
     errors_base: int = 0
     boot_step: int = -1  # the rank's latest step under its previous boot (-1: none)
+    close_reason: str = ""  # why its agent said goodbye (wire.CLOSE_REASONS)
+    prev_boot: str = ""  # the boot before ``boot``
+    first_report_at: float = math.nan  # aggregator clock of the rank's first report (its step rate)
 
 
 @dataclass
@@ -63,6 +108,7 @@ class Round:
     step: int
     opened: float
     reports: dict[int, wire.Report] = field(default_factory=dict)
+    nbytes: int = 0  # bytes of the reports' arrays
 
 
 @dataclass
@@ -77,6 +123,18 @@ class JobState:
     rounds_incomplete: int = 0
     restarts: int = 0  # times the job came back from an earlier step (a checkpoint) under its id
     retired: frozenset = frozenset()  # boot ids of the previous incarnation: late messages dropped
+    retired_at: float = 0.0  # aggregator clock of the restart that retired them
+    name: str = ""  # the job id its ranks send ('' : same as ``job``, the label)
+    key: str = ""  # the identity digest its ranks send (wire.Header.key)
+    admitted: bool = False  # holds one of max_jobs slots: it sent a schema and a report using it
+    touched: float = 0.0  # aggregator clock of its latest accepted message (pending eviction)
+    peer_key: Optional[str] = None  # with CURVE on, the client public key that created the job
+    votes: dict = field(default_factory=dict)  # rank -> (boot, world, when): restart votes
+    series_dropped: int = 0  # per-layer series of the latest round not exported (max_series_per_job)
+    max_step: int = -1  # latest step any of its ranks reported
+    last_report_at: float = 0.0  # aggregator clock of its latest report
+    pending_bytes: int = 0  # array bytes of the reports its open rounds hold
+    exported_series: int = 0  # per-layer series its last_round exports
 
 
 class State:
@@ -87,7 +145,11 @@ class State:
         max_pending: rounds held per job.
         rank_ttl_s: seconds after which a silent rank is forgotten.
         clock: monotonic clock, seconds.
-        on_round: called with each reconciled :class:`RoundResult` (the checks hook in here).
+        runner: the checks' ``Runner`` (events on_report, on_heartbeat, on_round, on_tick), or None.
+        max_jobs, max_world, max_pending_jobs, max_pending_ranks, max_series_per_job,
+        max_series_total, max_pending_bytes, max_label_len, max_step_jump, restart_grace_s:
+            the bounds of the module docstring; each is an aggregator setting of the same name
+            (:class:`~.config.AggregatorConfig`, which documents units and defaults).
     """
 
     def __init__(
@@ -99,18 +161,35 @@ class State:
         runner=None,
         max_jobs: int = 64,
         max_world: int = 65_536,
+        max_pending_jobs: int = 16,
+        max_pending_ranks: int = 256,
+        max_series_per_job: int = 10_000,
+        max_series_total: int = 15_000,
+        max_pending_bytes: int = 512 << 20,
+        max_label_len: int = 200,
+        max_step_jump: int = 1000,
+        restart_grace_s: float = 30.0,
     ):
         import time
 
         self.max_jobs = max_jobs  # the PULL socket takes any peer's job id: state stays bounded
         self.max_world = max_world
+        self.max_pending_jobs = max_pending_jobs
+        self.max_pending_ranks = max_pending_ranks
+        self.max_series_per_job = max_series_per_job
+        self.max_series_total = max_series_total
+        self.max_pending_bytes = max_pending_bytes
+        self.max_label_len = max_label_len
+        self.max_step_jump = max_step_jump
+        self.restart_grace_s = restart_grace_s
+        self.labels: dict[tuple[str, str], str] = {}  # identity (job id, key) -> label, State.jobs' key
+        self.jobs_evicted = 0  # pending jobs evicted to make room for another
         self.grace_s = grace_s
         self.max_pending = max_pending
         self.rank_ttl_s = rank_ttl_s
         self.clock = clock or time.monotonic
         self.runner = runner  # checks.Runner, or None
         self.jobs: dict[str, JobState] = {}
-        self.job_keys: dict[str, str] = {}  # job -> CURVE public key that created it
         self.received: collections.Counter = collections.Counter()  # by kind
         self.rejected: collections.Counter = collections.Counter()  # by reason
         self.decode_seconds = 0.0
@@ -123,57 +202,102 @@ class State:
         self.rejected[reason] += 1
         self.version += 1
 
+    @staticmethod
+    def identity(h: wire.Header) -> tuple[str, str]:
+        """What a job is: its id and the key its ranks share. (A CURVE client key goes here.)"""
+        return (h.job, h.key)
+
+    @property
+    def job_keys(self) -> dict[str, str]:
+        """``{job label: the CURVE public key that created it}``, for jobs made with CURVE on."""
+        return {label: j.peer_key for label, j in self.jobs.items() if j.peer_key is not None}
+
+    def _job(self, h: wire.Header) -> Optional[JobState]:
+        label = self.labels.get(self.identity(h))
+        return self.jobs.get(label) if label is not None else None
+
     def known_schema(self, h: wire.Header, digest: str):
-        job = self.jobs.get(h.job)
+        job = self._job(h)
         return job.schemas.get(digest) if job else None
 
     def schema_sizes(self, h: wire.Header, digest: str):
-        job = self.jobs.get(h.job)
+        job = self._job(h)
         s = job.schemas.get(digest) if job else None
         return (len(s.params), len(s.slots)) if s else (None, None)
 
     def apply(self, msg: wire.Message, peer_key: Optional[str] = None) -> None:
-        """Fold one decoded message into state. ``peer_key``: the sender's CURVE public key, with
-        CURVE on; a job is bound to the key that created it, others' messages are rejected
-        (``wrong_key``)."""
+        """Fold one decoded message into state; a message that may not change it is counted in
+        ``rejected`` by reason (see the module docstring) and leaves it as it was. ``peer_key``:
+        the sender's CURVE public key, with CURVE on; a job is bound to the key that created it,
+        others' messages are rejected (``wrong_key``)."""
         h = msg.header
         now = self.clock()
-        job = self.jobs.get(h.job)
-        if peer_key is not None and job is not None and self.job_keys.get(h.job, peer_key) != peer_key:
-            self.reject("wrong_key")
-            return
-        if job is not None and h.boot in job.retired:
-            self.reject("retired_boot")  # a late message of the job's previous incarnation
-            return
         if h.world > self.max_world:
             self.reject("world_too_large")
             return
-        if job is None:
-            if len(self.jobs) >= self.max_jobs:
-                self.reject("too_many_jobs")
+        job = self._job(h)
+        if peer_key is not None and job is not None and job.peer_key not in (None, peer_key):
+            self.reject("wrong_key")  # CURVE on: only the key that created a job writes to it
+            return
+        if job is not None and h.boot in job.retired:
+            if now - job.retired_at <= self.restart_grace_s:
+                self.reject("retired_boot")  # a late message of the job's previous incarnation
                 return
-            job = self.jobs[h.job] = JobState(h.job, h.world)
-            self.job_keys = {j: k for j, k in self.job_keys.items() if j in self.jobs}  # forgotten jobs unbound
-            if peer_key is not None:
-                self.job_keys[h.job] = peer_key
-        if h.world != job.world:
-            # the job restarted with another world size: start over rather than mix worlds
-            job = self._restart(job, h)
+            # a dead incarnation's messages stop within seconds; boots that still speak after the
+            # grace were retired by a restart that did not happen (forged): they are heard again
+            job.retired = frozenset()
+        if job is None:
+            job = self._new_job(h, now)
+            job.peer_key = peer_key
         r = job.ranks.get(h.rank)
+        new_boot = r is None or h.boot != r.boot
+        if h.world != job.world:
+            # another world size: a restarted job (elastic), or a forged or misrouted frame
+            if not job.ranks:
+                job.world = h.world
+            elif new_boot and self._vote(job, h, now):
+                job, r = self._restart(job, h, now), None
+            else:
+                self.reject("world_mismatch")
+                return
+        step = msg.step if isinstance(msg, (wire.Report, wire.Heartbeat)) else -1
         if r is not None and isinstance(msg, wire.Report):
             # the rank's step before its agent restarted (-1 when it did not)
-            before = r.step if (r.boot and h.boot != r.boot) else r.boot_step
-        if r is not None and isinstance(msg, wire.Report) and msg.step <= before:
-            # a restarted rank resumes from an earlier step (a checkpoint): the whole job did
-            # (torchelastic restarts every rank under the same run id). Start its state, and the
-            # checks' step watermarks, over rather than ignore everything up to the old step.
-            job = self._restart(job, h)
-            r = None
+            before = r.step if new_boot else r.boot_step
+            if msg.step <= before:
+                # a restarted rank resumes from an earlier step (a checkpoint): the whole job did
+                # (torchelastic restarts every rank under the same run id) once enough ranks say so.
+                # Its state, and the checks' step watermarks, start over rather than ignore every
+                # step up to the old one.
+                if not self._vote(job, h, now):
+                    self.reject("restart_unconfirmed")
+                    return
+                job, r = self._restart(job, h, now), None
+        if isinstance(msg, wire.Heartbeat) and msg.closing and r is not None and new_boot:
+            # an agent says goodbye from the boot it spoke under: a new boot's goodbye is forged
+            self.reject("foreign_goodbye")
+            return
+        if step >= 0 and step > self._step_limit(job, r, now):
+            self.reject("step_jump")
+            return
+        if isinstance(msg, wire.Report) and not job.admitted and msg.schema in job.schemas:
+            # a schema and a step using it: the job takes a slot, if one is free
+            if sum(j.admitted for j in self.jobs.values()) >= self.max_jobs:
+                self.reject("too_many_jobs")
+                return
+            job.admitted = True
+        if r is None and not job.admitted and len(job.ranks) >= self.max_pending_ranks:
+            # a job without a slot holds few ranks (state and series); the others are heard
+            # again, each within a heartbeat, once it has one
+            self.reject("pending_ranks")
+            return
+        job.touched = now
         if r is None:
             r = job.ranks[h.rank] = RankState(h.rank)
         if h.boot != r.boot:
             if r.boot:  # the agent restarted: its sequence and counters start over
                 r.restarts += 1
+                r.prev_boot = r.boot
                 r.boot_step = r.step
                 r.drops_base += r.agent_drops
                 r.errors_base += r.agent_errors
@@ -191,22 +315,117 @@ class State:
 
         if isinstance(msg, wire.Schema):
             self.received["schema"] += 1
-            job.schemas[msg.hash] = msg
-            r.schema, r.host, r.local_rank = msg.hash, msg.host, msg.local_rank
+            if msg.hash not in job.schemas:
+                job.schemas[msg.hash] = self._short_names(msg)
+            r.schema, r.host, r.local_rank = msg.hash, msg.host[: self.max_label_len], msg.local_rank
         elif isinstance(msg, wire.Heartbeat):
             self.received["heartbeat"] += 1
             r.agent_drops, r.agent_errors = msg.drops, msg.errors
             r.closing, r.in_step_s, r.waiting, r.heartbeat_at = msg.closing, msg.in_step_s, msg.waiting, now
+            r.close_reason = msg.reason if msg.closing else ""
             if self.runner is not None:
                 self.runner.dispatch("on_heartbeat", job, r, msg)
         else:
             self.received["report"] += 1
             self._report(job, r, msg, now)
 
-    def _restart(self, job: JobState, h: wire.Header) -> JobState:
+    def _new_job(self, h: wire.Header, now: float) -> JobState:
+        """A pending job for a new identity, evicting the least recently heard pending job when
+        ``max_pending_jobs`` are held; labelled as the module docstring says."""
+        pending = [j for j in self.jobs.values() if not j.admitted]
+        if len(pending) >= self.max_pending_jobs:
+            self._drop(min(pending, key=lambda j: j.touched))
+            self.jobs_evicted += 1
+        label = h.job
+        for n in (4, 8, 16):
+            if label not in self.jobs:
+                break
+            label = f"{h.job}~{hashlib.blake2b(h.key.encode(), digest_size=8).hexdigest()[:n]}"
+        while label in self.jobs:  # the same key prefix under a job id that looks like a label
+            label += "~"
+        self.labels[self.identity(h)] = label
+        job = self.jobs[label] = JobState(label, h.world, name=h.job, key=h.key, touched=now)
+        return job
+
+    def _drop(self, job: JobState) -> None:
+        del self.jobs[job.job]
+        self.labels.pop((job.name, job.key), None)
+        if self.runner is not None:
+            self.runner.forget(job.job)
+        self.version += 1
+
+    def _vote(self, job: JobState, h: wire.Header, now: float) -> bool:
+        """Record rank ``h.rank``'s vote, from a new boot, for restarting the job with world
+        ``h.world``; True when the votes carry it (module docstring)."""
+        job.votes[h.rank] = (h.boot, h.world, now)
+        for rank, (_, _, when) in list(job.votes.items()):
+            if now - when > self.restart_grace_s:
+                del job.votes[rank]
+        agree = sum(1 for _, w, _ in job.votes.values() if w == h.world)
+        if 2 * agree >= max(job.world, h.world):
+            return True
+        # the old incarnation is gone: every rank still under an old boot (not the boot it voted
+        # with) has been silent for restart_grace_s
+        return all(
+            now - r.last_seen > self.restart_grace_s
+            for k, r in job.ranks.items() if k not in job.votes or job.votes[k][0] != r.boot
+        )
+
+    def _step_limit(self, job: JobState, r: Optional[RankState], now: float) -> float:
+        """Largest plausible step for the rank now: its latest step (or its peers' latest, if
+        ahead) plus ``max(max_step_jump, 10 x its observed step rate x seconds since its latest
+        report)``; before a rate is known, at most 1,000 steps/s are assumed. Unbounded before
+        the job's first step (a new job, or an aggregator that restarted mid-run)."""
+        if job.max_step < 0:
+            return math.inf
+        if r is None or r.steps == 0:
+            return job.max_step + max(self.max_step_jump, 1000 * (now - job.last_report_at))
+        since = now - r.last_report_at
+        if r.steps >= 2 and r.last_report_at > r.first_report_at:
+            per_s = 10 * (r.steps - 1) / (r.last_report_at - r.first_report_at)  # 10x its rate
+        else:
+            per_s = 1000.0
+        return max(r.step, job.max_step) + max(self.max_step_jump, per_s * since)
+
+    def _short_names(self, s: wire.Schema) -> wire.Schema:
+        """``s`` with label values over ``max_label_len`` characters cut (a layer's module path
+        plus output suffix; a parameter's owning module), each cut part keeping 8 hex chars of its
+        whole text's BLAKE2b digest so that cut names stay distinct. A parameter keeps its last
+        component (``.weight``), which names its owning module (:mod:`.reconcile`)."""
+        n = self.max_label_len
+
+        def cut(text: str, room: int) -> str:
+            if len(text) <= room:
+                return text
+            return text[: max(room - 10, 0)] + "~" + hashlib.blake2b(text.encode(), digest_size=4).hexdigest() + "~"
+
+        def slot(m: str, o: str) -> tuple[str, str]:
+            o = cut(o, 32)
+            return cut(m, n - len(o)), o
+
+        def param(name: str) -> str:
+            owner, dot, leaf = name.rpartition(".")
+            leaf = cut(leaf, 32)
+            return cut(owner, n - len(leaf) - 1) + dot + leaf
+
+        if all(len(p[0]) <= n for p in s.params) and all(len(x[0]) + len(x[1]) <= n for x in s.slots):
+            return s
+        params = tuple((param(a), b, c) for a, b, c in s.params)
+        slots = tuple((*slot(a, b), c, d) for a, b, c, d in s.slots)
+        return replace(s, params=params, slots=slots, hash=s.hash)
+
+    def _restart(self, job: JobState, h: wire.Header, now: float) -> JobState:
+        # the boots that spoke for the old incarnation: a rank whose agent restarted but did not
+        # report since (boot_step >= 0) already speaks for the new one
+        old = {r.prev_boot if r.boot_step >= 0 else r.boot for r in job.ranks.values()}
+        old -= {b for b, _, _ in job.votes.values()} | {h.boot, ""}
+        # bounded: a long run of restarts keeps the latest incarnations' boots only
+        recent = now - job.retired_at <= self.restart_grace_s and len(job.retired) < 4 * job.world + 64
+        retired = job.retired | old if recent else old
         new = JobState(
-            job.job, h.world, restarts=job.restarts + 1,
-            retired=job.retired | {r.boot for r in job.ranks.values() if r.boot != h.boot},
+            job.job, h.world, restarts=job.restarts + 1, retired=frozenset(retired), retired_at=now,
+            name=job.name, key=job.key, admitted=job.admitted, touched=job.touched, peer_key=job.peer_key,
+            schemas=job.schemas,  # content-addressed: the new incarnation's ranks resend the same
         )
         self.jobs[job.job] = new
         if self.runner is not None:
@@ -216,6 +435,9 @@ class State:
 
     def _report(self, job: JobState, r: RankState, m: wire.Report, now: float) -> None:
         r.boot_step = -1
+        if r.steps == 0:
+            r.first_report_at = now
+        job.max_step, job.last_report_at = max(job.max_step, m.step), now
         r.step = max(r.step, m.step)
         r.step_time, r.grad_norm, r.grad_nonfinite = m.step_time, m.grad_norm, m.grad_nonfinite
         r.local_grad_norm, r.compute_time, r.loss, r.loss_scale = m.local_grad_norm, m.compute_time, m.loss, m.loss_scale
@@ -237,10 +459,18 @@ class State:
         rnd = job.rounds.get(m.step)
         if rnd is None:
             rnd = job.rounds[m.step] = Round(m.step, now)
+        size = _nbytes(m)
+        old = rnd.reports.get(r.rank)
+        if old is not None:
+            size -= _nbytes(old)
         rnd.reports[r.rank] = m
+        rnd.nbytes += size
+        job.pending_bytes += size
         if len(rnd.reports) == job.world:
             self._close(job, rnd, complete=True)
         elif len(job.rounds) > self.max_pending:
+            self._close(job, job.rounds[min(job.rounds)], complete=False)
+        while job.pending_bytes > self.max_pending_bytes and job.rounds:  # memory bounded per job
             self._close(job, job.rounds[min(job.rounds)], complete=False)
 
     def tick(self) -> None:
@@ -262,13 +492,11 @@ class State:
                 used.update(rep.schema for rnd in job.rounds.values() for rep in rnd.reports.values())
                 job.schemas = {k: v for k, v in job.schemas.items() if k in used}
             if not job.ranks:
-                del self.jobs[job.job]
-                if self.runner is not None:
-                    self.runner.forget(job.job)
-                self.version += 1
+                self._drop(job)
 
     def _close(self, job: JobState, rnd: Round, complete: bool) -> None:
         del job.rounds[rnd.step]
+        job.pending_bytes -= rnd.nbytes
         if complete:
             job.rounds_complete += 1
         else:
@@ -276,7 +504,46 @@ class State:
         result = reconcile(job.world, job.schemas, rnd.step, rnd.reports, complete)
         # a straggling older round must not replace a newer result on the dashboards
         if job.last_round is None or result.step >= job.last_round.step:
-            job.last_round = result
+            # first come, first served: the series other jobs export keep theirs (a newcomer's
+            # schema cannot push a running job off the scrape), within max_series_total
+            others = sum(j.exported_series for j in self.jobs.values() if j is not job)
+            budget = min(self.max_series_per_job, max(0, self.max_series_total - others))
+            job.last_round, job.series_dropped = cap_series(result, budget)
+            job.exported_series = series_of(job.last_round)
         self.version += 1
         if self.runner is not None:
             self.runner.dispatch("on_round", job, result)
+
+
+def _nbytes(m: wire.Report) -> int:
+    return sum(a.nbytes for a in (m.act, m.act_grad, m.param, m.fp_grad, m.fp_weight) if a is not None)
+
+
+def series_of(rr: RoundResult) -> int:
+    """Per-layer series ``rr`` exports (at most: a statistic no rank observed is left out)."""
+    return len(rr.layers) * SERIES_PER_LAYER + len(rr.modules) * SERIES_PER_MODULE
+
+
+def cap_series(rr: RoundResult, budget: int) -> tuple[RoundResult, int]:
+    """``rr`` cut to at most ``budget`` per-layer series, and how many series were cut.
+
+    A layer (activation slot) exports :data:`SERIES_PER_LAYER` series, a module
+    :data:`SERIES_PER_MODULE`; over budget, layers and modules keep the same share, the first ones
+    in forward (``named_parameters``) order. Per-rank fields are untouched.
+    """
+    nl, nm = len(rr.layers), len(rr.modules)
+    total = series_of(rr)
+    if total <= budget:
+        return rr, 0
+    f = budget / total
+    kl, km = int(nl * f), int(nm * f)
+    agg = {}
+    for stat in STATISTICS:
+        values, observed = rr.agg[stat.name]
+        k = km if ARRAYS[stat.array].exported_per == "module" else kl
+        agg[stat.name] = (values[:, :k], observed[:k])
+    cut = replace(
+        rr, layers=rr.layers[:kl], act=rr.act[:, :kl], act_grad=rr.act_grad[:, :kl],
+        layer_types=rr.layer_types[:kl], modules=rr.modules[:km], module=rr.module[:, :km], agg=agg,
+    )
+    return cut, total - kl * SERIES_PER_LAYER - km * SERIES_PER_MODULE

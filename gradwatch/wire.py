@@ -11,6 +11,8 @@ https://github.com/msgpack/msgpack/blob/master/spec.md) with these common keys:
     boot   str    random id of this agent instance; a new one means the rank restarted
     seq    int    per-rank sequence number, +1 per message sent; gaps are messages lost
     time   float  sender's wall clock, seconds since the epoch
+    key    str    optional, at most 64 chars: what the job's ranks share, hashed (see
+                  ``agent.config.job_key``), so two jobs under one id stay two jobs ("" if absent)
 
 ``schema`` adds ``hash`` (16 hex chars), ``host``, ``local_rank``, ``every`` (probe cadence,
 steps), ``params`` (list of ``[name, shape, dtype]`` in ``model.named_parameters()`` order) and
@@ -53,7 +55,8 @@ count >= 1.
 (cumulative messages sent and dropped by this agent), ``errors`` (internal agent failures),
 ``closing`` (the agent is shutting down: the rank finished, it did not go silent), ``in_step_s``
 (seconds since the rank's latest optimizer step ended) and ``waiting`` (the rank has handed its
-first gradient bucket of the current step to all-reduce, i.e. it waits on its peers).
+first gradient bucket of the current step to all-reduce, i.e. it waits on its peers) and,
+optionally, ``reason`` (why a closing agent stops, one of :data:`CLOSE_REASONS`; "" otherwise).
 
 Decoding is defensive: sizes are capped before msgpack allocates anything (case C30), every field
 is type-checked, array byte lengths must match the schema's counts, and each failure raises
@@ -94,6 +97,12 @@ REJECT_REASONS = (
     "bad_array",
 )
 
+#: Why an agent says goodbye (``Heartbeat.reason``): training finished (the process exits after its
+#: last step), ``Monitor.close()`` was called, the agent switched itself off after repeated
+#: errors, or the interpreter is exiting. "" when the heartbeat is not a goodbye or says nothing;
+#: a reason a later agent may add decodes as "other".
+CLOSE_REASONS = ("", "finished", "closed", "disabled", "exit", "other")
+
 _F32 = np.dtype("<f4")
 _U64 = np.dtype("<u8")
 
@@ -114,12 +123,13 @@ class Limits:
 
     Attributes:
         max_message_bytes: largest frame accepted, bytes.
-        max_names: most parameters or slots one schema may list.
+        max_names: most parameters, and most slots, one schema may list (each caps series and
+            memory: a forged schema with 200,000 names once made a 453 MB scrape).
         max_str_bytes: longest string (a module path), bytes.
     """
 
     max_message_bytes: int = 16 * 1024 * 1024
-    max_names: int = 200_000
+    max_names: int = 10_000
     max_str_bytes: int = 4096
 
 
@@ -131,6 +141,7 @@ class Header:
     boot: str
     seq: int
     time: float
+    key: str = ""  # the job's identity digest beside its id (module docstring)
 
 
 @dataclass(frozen=True)
@@ -183,6 +194,7 @@ class Heartbeat:
     closing: bool = False
     in_step_s: float = 0.0
     waiting: bool = False
+    reason: str = ""  # why a closing agent stops, one of CLOSE_REASONS
 
 
 Message = Union[Schema, Report, Heartbeat]
@@ -208,6 +220,7 @@ def _header_map(kind: str, h: Header) -> dict:
         "boot": h.boot,
         "seq": h.seq,
         "time": h.time,
+        "key": h.key,
     }
 
 
@@ -265,7 +278,7 @@ def encode(msg: Message) -> bytes:
         m = _header_map("heartbeat", msg.header)
         m.update(
             step=msg.step, sent=msg.sent, drops=msg.drops, errors=msg.errors, closing=bool(msg.closing),
-            in_step_s=float(msg.in_step_s), waiting=bool(msg.waiting),
+            in_step_s=float(msg.in_step_s), waiting=bool(msg.waiting), reason=msg.reason,
         )
     else:
         raise TypeError(f"not a wire message: {type(msg).__name__}")
@@ -308,7 +321,10 @@ def _header(m: dict, limits: Limits) -> Header:
     t = float(_get(m, "time", _NUM))
     if not math.isfinite(t):
         raise WireError("bad_field", "time: not finite")
-    return Header(job=job, rank=rank, world=world, boot=boot, seq=_get(m, "seq", int, nonneg=True), time=t)
+    key = _get(m, "key", str) if "key" in m else ""
+    if len(key) > 64:
+        raise WireError("bad_field", "key: longer than 64")
+    return Header(job=job, rank=rank, world=world, boot=boot, seq=_get(m, "seq", int, nonneg=True), time=t, key=key)
 
 
 def _array(m: dict, key: str, rows: int | None, cols: int) -> np.ndarray:
@@ -457,6 +473,9 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None, known_sch
         return _schema(m, h, limits, known_schema)
     if kind == "report":
         return _report(m, h, schema_sizes)
+    reason = _get(m, "reason", str) if "reason" in m else ""
+    if reason not in CLOSE_REASONS:
+        reason = "other"  # bounded: it ends up in findings
     return Heartbeat(
         header=h,
         step=_get(m, "step", int),
@@ -466,4 +485,5 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None, known_sch
         closing=_get(m, "closing", bool),
         in_step_s=float(_get(m, "in_step_s", _NUM)),
         waiting=_get(m, "waiting", bool),
+        reason=reason,
     )

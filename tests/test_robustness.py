@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import pytest
 import requests
@@ -200,12 +201,32 @@ def test_a_rank_restart_that_resumes_forward_keeps_the_job():
 
 
 def test_state_stays_bounded_whatever_job_ids_and_world_sizes_peers_claim():
-    st = State(clock=Clock(), max_jobs=3, max_world=8)
+    """Jobs that never sent a schema and a step take no slot: at most max_pending_jobs of them are
+    held, the least recently heard evicted (issue 9: invented job ids cannot squat slots); jobs
+    that did hold one of max_jobs slots, and further ones are rejected."""
+    st = State(clock=Clock(), max_jobs=3, max_world=8, max_pending_jobs=3)
     for i in range(10):
         st.apply(wire.Heartbeat(wire.Header(f"job{i}", 0, 2, "b", 0, 0.0), step=0, sent=0, drops=0, errors=0))
-    st.apply(wire.Heartbeat(wire.Header("job0", 5, 1000, "c", 0, 0.0), step=0, sent=0, drops=0, errors=0))
-    assert sorted(st.jobs) == ["job0", "job1", "job2"] and st.jobs["job0"].world == 2
-    assert st.rejected["too_many_jobs"] == 7 and st.rejected["world_too_large"] == 1
+    st.apply(wire.Heartbeat(wire.Header("job9", 5, 1000, "c", 0, 0.0), step=0, sent=0, drops=0, errors=0))
+    assert sorted(st.jobs) == ["job7", "job8", "job9"] and st.jobs["job9"].world == 2
+    assert st.jobs_evicted == 7 and st.rejected["world_too_large"] == 1
+    sch = wire.Schema(wire.Header("x", 0, 1, "b", 0, 0.0), "h", 0, 1, (), ())
+    for i in range(5):
+        h = wire.Header(f"run{i}", 0, 1, "b", 0, 0.0)
+        st.apply(replace(sch, header=h))
+        st.apply(wire.Report(replace(h, seq=1), sch.hash, 0, 0.01, 1.0, 0))
+    assert sorted(j.job for j in st.jobs.values() if j.admitted) == ["run0", "run1", "run2"]
+    assert st.rejected["too_many_jobs"] == 2 and len(st.jobs) <= 3 + 3
+    # a pending job holds few ranks; once it has a slot, all of them
+    st = State(clock=Clock(), max_pending_ranks=4)
+    for rank in range(8):
+        st.apply(wire.Heartbeat(wire.Header("wide", rank, 8, f"b{rank}", 0, 0.0), step=-1, sent=0, drops=0, errors=0))
+    assert sorted(st.jobs["wide"].ranks) == [0, 1, 2, 3] and st.rejected["pending_ranks"] == 4
+    st.apply(replace(sch, header=wire.Header("wide", 0, 8, "b0", 1, 0.0)))
+    st.apply(wire.Report(wire.Header("wide", 0, 8, "b0", 2, 0.0), sch.hash, 0, 0.01, 1.0, 0))
+    for rank in range(8):
+        st.apply(wire.Heartbeat(wire.Header("wide", rank, 8, f"b{rank}", 3, 0.0), step=0, sent=0, drops=0, errors=0))
+    assert sorted(st.jobs["wide"].ranks) == list(range(8))
 
 
 def test_config_mistakes_are_named_where_they_come_from(monkeypatch):

@@ -438,3 +438,18 @@ def test_a_resent_schema_with_a_known_hash_is_not_parsed_again():
     assert (got.params, got.slots, got.hash) == (s.params, s.slots, s.hash)
     assert got.header.seq == 9 and got.host == "other-host"
     assert wire.decode(wire.encode(s), known_schema=lambda h, d: None) == s  # unknown: parsed
+
+
+def test_heartbeat_key_and_goodbye_reason_round_trip_and_stay_bounded():
+    h = wire.Header("j1", 0, 2, "b" * 16, 3, 1.7e9, "ab" * 8)
+    hb = wire.Heartbeat(h, 5, 4, 0, 0, closing=True, reason="disabled")
+    assert wire.decode(wire.encode(hb)) == hb
+    m = msgpack.unpackb(wire.encode(hb))
+    m["reason"] = "unheard-of"
+    assert wire.decode(msgpack.packb(m)).reason == "other"
+    del m["key"], m["reason"]  # an agent before the key and the reason
+    old = wire.decode(msgpack.packb(m))
+    assert old.header.key == "" and old.reason == ""
+    m["key"] = "k" * 65
+    with pytest.raises(wire.WireError, match="bad_field"):
+        wire.decode(msgpack.packb(m))

@@ -7,6 +7,11 @@ goodbye has died (killed by the OOM killer or a signal, a crashed host), lost it
 hangs with its agent in the same interpreter lock. Its peers typically wait for it in their next
 collective: see ``training_stalled``. The finding names the rank and resolves when it is heard
 again (a restarted rank is heard under a new boot id) or is forgotten after ``rank_ttl_s``.
+
+A goodbye is believed only while the job ends with it: a rank whose agent said goodbye (closed,
+switched off after repeated errors, ...: the heartbeat's ``reason``) while the steps of its peers
+that are still heard pass its last step by more than ``skew_steps`` is named too. Its training
+goes on without monitoring, which is as blind as a silent rank.
 """
 
 from __future__ import annotations
@@ -21,15 +26,29 @@ class RankSilent(Check):
     description = (
         "Names a rank that has sent no message (not even a heartbeat, which the agent sends from its "
         "own thread every second) for silent_after_s seconds without saying goodbye: the process died, "
-        "its host or network failed, or it hangs holding the interpreter lock."
+        "its host or network failed, or it hangs holding the interpreter lock. Also a rank whose agent said "
+        "goodbye (closed, disabled after errors) while its live peers' steps pass its own by more than skew_steps."
     )
 
     def on_tick(self, job, now):
         if not job.ranks:
             return Evaluation.no_data()
         findings = []
+        live = [r.step for r in job.ranks.values() if not r.closing and now - r.last_seen <= self.t.silent_after_s]
+        lead = max(live, default=-1)
         for k, r in sorted(job.ranks.items()):
             age = now - r.last_seen
+            if r.closing and lead - r.step > self.t.skew_steps:
+                why = getattr(r, "close_reason", "") or "no reason given"
+                findings.append(Finding(
+                    self.name, job.job, r.step,
+                    f"rank {k}'s agent stopped at step {r.step} ({why}) while its peers went on to step {lead}: "
+                    f"the rank trains unmonitored",
+                    rank=k,
+                    details={"stopped": True, "reason": why, "last_step": r.step, "peers_step": lead,
+                             "host": r.host, "local_rank": r.local_rank},
+                ))
+                continue
             if r.closing or age <= self.t.silent_after_s:
                 continue
             findings.append(Finding(

@@ -1,0 +1,511 @@
+"""Issue 9: no foreign or malformed bytes can reset, hide or flood a job.
+
+Each attack runs against a real aggregator (in this process, its receive thread and HTTP server)
+over real ZeroMQ TCP sockets on loopback, beside a legitimate job whose metrics and findings must
+not change. The attacker knows what ``/metrics`` shows: job ids, world sizes, ranks, steps; not the
+job key its ranks share (``agent.config.job_key``) nor their boot ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+
+import numpy as np
+import pytest
+import requests
+import zmq
+
+from gradwatch import wire
+from gradwatch.agent.config import AgentConfig, job_key
+from gradwatch.aggregator.checks import Thresholds
+from gradwatch.aggregator.config import load
+from gradwatch.aggregator.daemon import Aggregator
+from gradwatch.aggregator.state import State
+
+from .conftest import samples, wait_for
+
+PARAMS = (("fc1.weight", (8, 4), "float32"), ("fc1.bias", (8,), "float32"), ("fc2.weight", (2, 8), "float32"))
+SLOTS = (("fc1", "", "Linear", "float32"), ("act", "", "ReLU", "float32"), ("fc2", "", "Linear", "float32"))
+
+
+class Agent:
+    """One rank's agent reduced to its wire messages, with the job key its peers share."""
+
+    def __init__(self, sock, job, rank, world, key, params=PARAMS, slots=SLOTS):
+        self.sock, self.job, self.rank, self.world, self.key = sock, job, rank, world, key
+        self.params, self.slots = params, slots
+        self.boot, self.seq, self.step = secrets.token_hex(8), 0, -1
+        self.hash = wire.schema_hash(params, slots)
+
+    def header(self):
+        h = wire.Header(self.job, self.rank, self.world, self.boot, self.seq, time.time(), self.key)
+        self.seq += 1
+        return h
+
+    def send(self, msg):
+        self.sock.send(wire.encode(msg))
+
+    def schema(self):
+        self.send(wire.Schema(self.header(), "node", self.rank, 5, self.params, self.slots))
+
+    def heartbeat(self, closing=False, reason=""):
+        self.send(wire.Heartbeat(self.header(), self.step, self.seq, 0, 0, closing=closing, reason=reason))
+
+    def report(self, step, probe=False):
+        self.step = step
+        arrays = {}
+        if probe:
+            rng = np.random.default_rng(step * 100 + self.rank)
+            ns, npar = len(self.slots), len(self.params)
+            arrays = dict(
+                probe=True, act=np.abs(rng.standard_normal((ns, 6))).astype(np.float32) * [1, 1, 1, 1, 0, 0],
+                act_grad=np.abs(rng.standard_normal((ns, 2))).astype(np.float32) * [1, 0],
+                param=np.abs(rng.standard_normal((npar, 3))).astype(np.float32) * [1, 1, 0],
+                fp_grad=np.zeros(npar, np.uint64), fp_weight=np.zeros(npar, np.uint64),
+            )
+        self.send(wire.Report(self.header(), self.hash, step, 0.05, 1.0, 0, **arrays))
+
+    def restart(self):
+        self.boot, self.seq = secrets.token_hex(8), 0
+
+
+class Job:
+    def __init__(self, sock, job="none", world=3, master=("10.0.0.1", "29500")):
+        import os
+
+        env = {"MASTER_ADDR": master[0], "MASTER_PORT": master[1], "TORCHELASTIC_RUN_ID": job}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            self.key = job_key(AgentConfig(), job, world)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        self.ranks = [Agent(sock, job, r, world, self.key) for r in range(world)]
+        self.next = 0
+        for a in self.ranks:
+            a.schema()
+
+    def steps(self, n, every=5):
+        for _ in range(n):
+            for a in self.ranks:
+                a.report(self.next, probe=self.next % every == 0)
+            self.next += 1
+        for a in self.ranks:
+            a.heartbeat()
+
+
+@pytest.fixture
+def agg():
+    cfg = load(
+        listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
+        round_grace_s=0.5, max_series_per_job=100, max_series_total=250, max_pending_jobs=8, max_jobs=4,
+        checks=Thresholds(silent_after_s=3, skew_steps=5, skew_for_s=0),
+    )
+    with Aggregator(cfg) as a:
+        yield a
+
+
+@pytest.fixture
+def sock(agg):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 2000)
+    s.connect(agg.endpoint)
+    yield s
+    ctx.destroy(linger=2000)
+
+
+def base(agg) -> str:
+    return agg.metrics_url.rsplit("/", 1)[0]
+
+
+def label(job: str, key: str) -> str:
+    """The label of a second live job under ``job`` (aggregator.state's docstring)."""
+    return f"{job}~{hashlib.blake2b(key.encode(), digest_size=8).hexdigest()[:4]}"
+
+
+def scrape(agg) -> dict:
+    text = requests.get(agg.metrics_url, timeout=5).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            out.setdefault(name, {}).update(samples(line + "\n", name))
+    return out
+
+
+def legit_view(m: dict, job="none") -> dict:
+    """Every sample of the legitimate job but its wall-clock timestamps (NaN as a string)."""
+    return {
+        (name, k): "nan" if v != v else v for name, series in m.items() if "timestamp" not in name and "age_seconds" not in name
+        for k, v in series.items() if ("job_id", job) in k
+    }
+
+
+def settle(agg, sock, job=None, n=None):
+    """Wait until the aggregator has applied everything sent (a marker heartbeat of its own job)."""
+    marker = wire.Header("settle-marker", 0, 1, "m", int(time.monotonic() * 1e6), 0.0)
+    sock.send(wire.encode(wire.Heartbeat(marker, -1, 0, 0, 0)))
+    wait_for(lambda: any(k.startswith("settle-marker") for k in agg.state.jobs)
+             and agg.state.jobs[[k for k in agg.state.jobs if k.startswith("settle-marker")][0]].ranks[0].last_seq == marker.seq,
+             10, what="the aggregator to drain")
+    time.sleep(0.2)  # a publish interval or two
+
+
+def rejected(m: dict) -> dict:
+    return {dict(k)["reason"]: v for k, v in m.get("gradwatch_messages_rejected_total", {}).items()}
+
+
+def test_forged_frames_with_the_public_job_id_and_world_leave_the_real_job_alone(agg, sock):
+    job = Job(sock)
+    job.steps(12)
+    settle(agg, sock)
+    forger = Agent(sock, "none", 0, 3, key="")  # knows /metrics: id, world, ranks; not the key
+    forger.world = 4
+    forger.heartbeat()
+    forger.world = 3
+    forger.report(0)
+    forger.report(2**62)
+    forger.heartbeat(closing=True, reason="closed")
+    settle(agg, sock)
+    before = rejected(scrape(agg))
+    # the strongest forger also knows the key: each frame is still rejected by reason
+    insider = Agent(sock, "none", 1, 3, key=job.key)
+    insider.world = 4
+    insider.heartbeat()
+    insider.world = 3
+    insider.report(0)
+    insider.restart()
+    insider.report(2**62)
+    insider.restart()
+    insider.heartbeat(closing=True, reason="closed")
+    job.steps(12)
+    settle(agg, sock)
+    m = scrape(agg)
+    lv = legit_view(m)
+    assert m["gradwatch_job_restarts_total"][(("job_id", "none"),)] == 0
+    assert {dict(k)["rank"]: v for (n, k), v in lv.items() if n == "gradwatch_rank_step"} == {"0": 23, "1": 23, "2": 23}
+    assert all(v == 0 for (n, k), v in lv.items() if n == "gradwatch_rank_restarts_total")
+    assert {dict(k)["rank"]: v for (n, k), v in lv.items() if n == "gradwatch_rank_steps_total"} == {"0": 24, "1": 24, "2": 24}
+    r = rejected(m)
+    assert r.get("retired_boot", 0) == 0
+    delta = {k: v - before.get(k, 0) for k, v in r.items() if v != before.get(k, 0)}
+    assert delta == {"world_mismatch": 1, "restart_unconfirmed": 1, "step_jump": 1, "foreign_goodbye": 1}
+    # the key-less forger's frames made a job of their own, labelled apart from the real one
+    assert sorted(dict(k)["job_id"] for k in m["gradwatch_job_world_size"] if dict(k)["job_id"].startswith("none")) == [
+        "none", label("none", "")]
+    active = requests.get(base(agg) + "/api/findings?active=1&job_id=none", timeout=5).json()["findings"]
+    assert active == []
+
+
+def test_the_same_job_sent_again_with_and_without_forgeries_exports_the_same_series(agg, sock):
+    """The legitimate job's every series (but timestamps) is the same with forgeries beside it."""
+    job = Job(sock, job="clean")
+    job.steps(11)
+    settle(agg, sock)
+    before = legit_view(scrape(agg), "clean")
+    for rank in range(3):
+        f = Agent(sock, "clean", rank, 3, key="")
+        f.world = 4
+        f.heartbeat()
+        f.world = 3
+        f.report(0)
+        f.report(2**62)
+        f.heartbeat(closing=True, reason="disabled")
+    settle(agg, sock)
+    after = legit_view(scrape(agg), "clean")
+    assert after == before and any(n == "gradwatch_layer_grad_norm" for n, _ in after)
+
+
+def test_two_honest_jobs_under_torchruns_default_id_stay_two_jobs(agg, sock):
+    a = Job(sock, "none", world=3, master=("10.0.0.1", "29500"))
+    b = Job(sock, "none", world=2, master=("10.0.0.2", "29500"))
+    for _ in range(3):
+        a.steps(4)
+        b.steps(2)
+    settle(agg, sock)
+    m = scrape(agg)
+    worlds = {dict(k)["job_id"]: v for k, v in m["gradwatch_job_world_size"].items()}
+    label_b = label("none", b.key)
+    assert worlds["none"] == 3 and worlds[label_b] == 2
+    steps = m["gradwatch_rank_step"]
+    assert steps[(("job_id", "none"), ("rank", "2"))] == 11 and steps[(("job_id", label_b), ("rank", "1"))] == 5
+    assert m["gradwatch_job_restarts_total"][(("job_id", "none"),)] == 0
+    assert m["gradwatch_job_restarts_total"][(("job_id", label_b),)] == 0
+    assert rejected(m).get("retired_boot", 0) == 0
+
+
+def test_a_real_restart_of_most_ranks_is_believed_and_an_elastic_shrink_too(agg, sock):
+    job = Job(sock, "elastic", world=3)
+    job.steps(20)
+    settle(agg, sock)
+    for a in job.ranks:  # torchelastic restarts every rank from the checkpoint at step 10
+        a.restart()
+        a.schema()
+    job.next = 10
+    job.steps(5)
+    settle(agg, sock)
+    m = scrape(agg)
+    assert m["gradwatch_job_restarts_total"][(("job_id", "elastic"),)] == 1
+    assert {dict(k)["rank"]: v for k, v in m["gradwatch_rank_step"].items() if ("job_id", "elastic") in k} == {"0": 14, "1": 14, "2": 14}
+    # the job comes back with two ranks (a node lost): both new ranks agree on world 2
+    job.ranks = [Agent(sock, "elastic", r, 2, job.key) for r in range(2)]
+    for a in job.ranks:
+        a.schema()
+    job.next = 10
+    job.steps(3)
+    settle(agg, sock)
+    m = scrape(agg)
+    assert m["gradwatch_job_world_size"][(("job_id", "elastic"),)] == 2
+    assert m["gradwatch_job_restarts_total"][(("job_id", "elastic"),)] == 2
+
+
+def test_cardinality_is_capped_per_job_and_the_other_jobs_scrape_is_whole(agg, sock):
+    job = Job(sock, "small")
+    job.steps(6)
+    # 20,000 names: over max_names, the schema is rejected whole
+    big = [(f"m{i}", "", "Linear", "float32") for i in range(20_000)]
+    Agent(sock, "bomb", 0, 1, "", params=(), slots=tuple(big)).schema()
+    # under max_names, with long names: exported up to max_series_per_job (100 here) and counted
+    slots = tuple((f"{'deep.' * 100}m{i}", "", "Linear", "float32") for i in range(50))
+    params = tuple((f"{'deep.' * 100}m{i}.weight", (2,), "float32") for i in range(50))
+    wide = Agent(sock, "wide", 0, 1, "", params=params, slots=slots)
+    wide.schema()
+    wide.report(0, probe=True)
+    settle(agg, sock)
+    # all jobs together stay under max_series_total (250 here): the running jobs keep theirs
+    wide2 = Agent(sock, "wide2", 0, 1, "", params=params, slots=slots)
+    wide2.schema()
+    wide2.report(0, probe=True)
+    job.steps(5)
+    settle(agg, sock)
+    m = scrape(agg)
+    assert rejected(m).get("malformed", 0) + rejected(m).get("bad_field", 0) >= 1 and "bomb" not in {dict(k)["job_id"] for k in m["gradwatch_job_world_size"]}
+    layer_series = [k for n, s in m.items() if n.startswith("gradwatch_layer_") for k in s if ("job_id", "wide") in k]
+    assert 0 < len(layer_series) <= 100
+    dropped = m["gradwatch_job_series_dropped"][(("job_id", "wide"),)]
+    assert dropped == 50 * 24 + 50 * 9 - len(layer_series)
+    assert all(len(dict(k)["layer"]) <= 200 for k in layer_series)
+    small = [k for n, s in m.items() if n.startswith("gradwatch_layer_") for k in s if ("job_id", "small") in k]
+    assert len(small) == 3 * 24 + 2 * 9  # 3 slots x 8 stats x 3 aggs, 2 modules x 3 stats x 3 aggs
+    wide2 = [k for n, s in m.items() if n.startswith("gradwatch_layer_") for k in s if ("job_id", "wide2") in k]
+    assert len(wide2) <= 250 - len(small) - len(layer_series)
+    assert m["gradwatch_job_series_dropped"][(("job_id", "wide2"),)] == 50 * 24 + 50 * 9 - len(wide2)
+
+
+def test_invented_job_ids_cannot_squat_slots(agg, sock):
+    for i in range(100):  # max_pending_jobs 8, max_jobs 4
+        Agent(sock, f"fake{i}", 0, 2, "").heartbeat()
+    settle(agg, sock)
+    job = Job(sock, "real")
+    job.steps(6)
+    settle(agg, sock)
+    m = scrape(agg)
+    assert m["gradwatch_rank_step"][(("job_id", "real"), ("rank", "0"))] == 5
+    assert m["gradwatch_jobs_evicted_total"][()] >= 90 and rejected(m).get("too_many_jobs", 0) == 0
+    assert len(agg.state.jobs) <= 8 + 4
+
+
+def test_a_rank_whose_agent_stops_while_its_peers_go_on_is_named(agg, sock):
+    job = Job(sock, "blind")
+    job.steps(10)
+    job.ranks[2].heartbeat(closing=True, reason="disabled")  # switched off after errors
+    stopped = job.ranks.pop()
+    for _ in range(10):
+        for a in job.ranks:
+            a.report(job.next)
+        job.next += 1
+    for a in job.ranks:
+        a.heartbeat()
+
+    def named():
+        f = requests.get(base(agg) + "/api/findings?active=1&job_id=blind", timeout=5).json()["findings"]
+        return [x for x in f if x["check"] == "rank_silent" and x["rank"] == 2]
+
+    (f,) = wait_for(named, 10, what="the stopped agent named")
+    assert f["details"]["reason"] == "disabled" and f["details"]["last_step"] == 9
+    # a job that ends together (every rank says goodbye at its last step) is not a finding
+    done = Job(sock, "done")
+    done.steps(10)
+    for a in done.ranks:
+        a.heartbeat(closing=True, reason="finished")
+    settle(agg, sock)
+    time.sleep(0.3)
+    f = requests.get(base(agg) + "/api/findings?active=1&job_id=done", timeout=5).json()["findings"]
+    assert f == [] and stopped.step == 9
+
+
+# --- the state's rules, without sockets ----------------------------------------------------------
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _rep(rank, step, boot, world=3, seq=0, key="k"):
+    return wire.Report(wire.Header("j", rank, world, boot, seq, 0.0, key), "", step, 0.01, 1.0, 0)
+
+
+def test_restart_needs_half_the_world_or_the_old_ranks_silent():
+    clock = Clock()
+    st = State(clock=clock, restart_grace_s=5)
+    for s in range(20):
+        for r in range(4):
+            st.apply(_rep(r, s, f"old{r}", world=4, seq=s))
+    st.apply(_rep(0, 3, "new0", world=4))
+    assert st.jobs["j"].restarts == 0 and st.rejected["restart_unconfirmed"] == 1
+    st.apply(_rep(1, 3, "new1", world=4))  # half of 4: believed
+    assert st.jobs["j"].restarts == 1 and st.jobs["j"].retired == {"old0", "old1", "old2", "old3"}
+    # one rank alone resumes earlier, the others silent past the grace: believed too
+    for r in range(4):
+        st.apply(_rep(r, 10, f"mid{r}", world=4, seq=1))
+    clock.t += 6
+    st.apply(_rep(3, 4, "late3", world=4))
+    assert st.jobs["j"].restarts == 2
+    # a job only one live rank of which was heard yet: a forged vote for that rank is no restart
+    st = State(clock=clock, restart_grace_s=5)
+    st.apply(_rep(0, 10, "real0", world=4))
+    st.apply(_rep(0, 0, "forged", world=4))
+    assert st.jobs["j"].restarts == 0 and st.rejected["restart_unconfirmed"] == 1
+
+
+def test_step_jumps_are_judged_by_the_ranks_rate():
+    clock = Clock()
+    st = State(clock=clock, max_step_jump=1000)
+    for s in range(100):
+        st.apply(_rep(0, s, "b", world=1, seq=s))
+        clock.t += 0.01  # 100 steps/s
+    st.apply(_rep(0, 1099, "b", world=1, seq=100))  # within max_step_jump
+    assert st.rejected["step_jump"] == 0
+    st.apply(_rep(0, 2**62, "b", world=1, seq=101))
+    assert st.rejected["step_jump"] == 1 and st.jobs["j"].ranks[0].step == 1099
+    clock.t += 60  # a minute at 100 steps/s explains 6,000 steps; 10x that is plausible
+    st.apply(_rep(0, 1099 + 50_000, "b", world=1, seq=102))
+    assert st.rejected["step_jump"] == 1 and st.jobs["j"].ranks[0].step == 51_099
+
+
+def test_a_jobs_open_rounds_hold_at_most_max_pending_bytes():
+    st = State(clock=Clock(), max_pending_bytes=1 << 20)
+    n = 2000
+    params = tuple((f"p{i}.w", (1,), "float32") for i in range(n))
+    sch = wire.Schema(wire.Header("j", 0, 64, "b0", 0, 0.0), "h", 0, 1, params, ())
+    st.apply(sch)
+    per_report = n * (12 + 16)
+    for step in range(200):  # rank 0 alone: every round waits for 63 missing ranks
+        st.apply(wire.Report(
+            wire.Header("j", 0, 64, "b0", step + 1, 0.0), sch.hash, step, 0.01, 1.0, 0, probe=True,
+            act=np.zeros((0, 6), np.float32), act_grad=np.zeros((0, 2), np.float32),
+            param=np.zeros((n, 3), np.float32), fp_grad=np.zeros(n, np.uint64), fp_weight=np.zeros(n, np.uint64),
+        ))
+        job = st.jobs["j"]
+        assert job.pending_bytes == sum(r.nbytes for r in job.rounds.values()) <= 1 << 20
+    assert len(job.rounds) == (1 << 20) // per_report and job.rounds_incomplete == 200 - len(job.rounds)
+
+
+def test_the_job_key_tells_jobs_apart_and_survives_restarts(monkeypatch):
+    cfg = AgentConfig()
+    for var in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+    def key(job, world, **env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        return job_key(cfg, job, world)
+
+    # torchrun's static rendezvous under the default run id: the master address tells jobs apart
+    a = key("none", 8, TORCHELASTIC_RUN_ID="none", MASTER_ADDR="node1", MASTER_PORT="29500")
+    b = key("none", 8, MASTER_ADDR="node7")
+    assert a != b and a == key("none", 8, MASTER_ADDR="node1") and len(a) == 16
+    # an elastic run id names one job: a new rendezvous round (port, world size) keeps its key
+    c = key("run-42", 8, TORCHELASTIC_RUN_ID="run-42", MASTER_ADDR="node1", MASTER_PORT="40001")
+    assert c == key("run-42", 6, MASTER_ADDR="node3", MASTER_PORT="51234")
+    # a key of one's own wins; a lone process without a launcher is itself
+    own = AgentConfig(job_key="s3cret")
+    assert job_key(own, "none", 8) == job_key(own, "other", 3) != a
+    for var in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var)
+    assert key("default", 1) != key("default", 2)
+
+
+def test_real_agents_a_closed_one_is_named_with_its_reason_while_its_peer_trains_on(agg):
+    import torch
+
+    import gradwatch.agent as gw
+
+    models = [torch.nn.Linear(4, 1) for _ in range(2)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    mons = [gw.attach(m, o, endpoint=agg.endpoint, job="pair", rank=r, world_size=2, every=1, heartbeat_s=0.2)
+            for r, (m, o) in enumerate(zip(models, opts))]
+    assert mons[0].job_key == mons[1].job_key and len(mons[0].job_key) == 16
+
+    def step(k):
+        models[k](torch.ones(2, 4)).sum().backward()
+        opts[k].step()
+        opts[k].zero_grad()
+
+    try:
+        for _ in range(3):
+            step(0)
+            step(1)
+        mons[1].close()  # its training would go on, unmonitored
+        for _ in range(12):
+            step(0)
+
+        def named():
+            f = requests.get(base(agg) + "/api/findings?active=1&job_id=pair", timeout=5).json()["findings"]
+            return [x for x in f if x["check"] == "rank_silent" and x["rank"] == 1]
+
+        (f,) = wait_for(named, 20, what="the closed agent named")
+        assert f["details"]["reason"] == "closed" and f["details"]["last_step"] == 2
+        assert "pair" in agg.state.jobs and agg.state.jobs["pair"].key == mons[0].job_key
+    finally:
+        for m in mons:
+            m.close()
+
+
+def test_a_rank_back_from_a_long_gap_or_catching_up_with_its_peers_is_no_step_jump():
+    clock = Clock()
+    st = State(clock=clock, max_step_jump=1000)
+    st.apply(_rep(0, 0, "a", world=2))
+    clock.t += 10  # one report, then its reports were lost for 10 s: rate unknown, 1,000 steps/s assumed
+    st.apply(_rep(0, 5000, "a", world=2, seq=1))
+    st.apply(_rep(1, 5000, "b", world=2))  # a rank heard for the first time, level with its peer
+    assert st.rejected["step_jump"] == 0 and {r.step for r in st.jobs["j"].ranks.values()} == {5000}
+    st.apply(_rep(1, 2**62, "b", world=2, seq=1))
+    st.apply(wire.Heartbeat(wire.Header("j", 1, 2, "b", 2, 0.0, "k"), 2**40, 0, 0, 0))
+    assert st.rejected["step_jump"] == 2
+
+
+def test_a_forged_majority_restart_locks_the_real_ranks_out_for_the_grace_only():
+    """A forger who knows the key can forge votes from half the ranks; the real ranks, still
+    speaking after restart_grace_s, are heard again (a dead incarnation falls silent)."""
+    clock = Clock()
+    st = State(clock=clock, restart_grace_s=5)
+    seq = [0, 0, 0, 0]
+
+    def real(step):
+        for r in range(4):
+            seq[r] += 1
+            st.apply(_rep(r, step, f"real{r}", world=4, seq=seq[r]))
+
+    for s in range(50):
+        real(s)
+        clock.t += 0.1
+    st.apply(_rep(0, 0, "forged0", world=4))
+    st.apply(_rep(1, 0, "forged1", world=4))
+    assert st.jobs["j"].restarts == 1
+    real(50)
+    assert st.rejected["retired_boot"] == 4
+    clock.t += 6
+    for s in range(51, 55):
+        real(s)
+    job = st.jobs["j"]
+    assert {r: x.step for r, x in job.ranks.items()} == {0: 54, 1: 54, 2: 54, 3: 54}
+    assert st.rejected["retired_boot"] == 4 and st.rejected["step_jump"] == 0
