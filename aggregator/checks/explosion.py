@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
 from ._steps import Steps
@@ -88,6 +89,14 @@ class Explosion(Check):
         "are left to the nonfinite check; steps AMP's loss scaler skipped are not reported by the agent "
         "(case C10)."
     )
+    dashboard = "gradient_flow"
+
+    class Thresholds(Check.Thresholds):
+        explode_above: float = Field(1e3, gt=0, description="Gradient norm (global, or a layer's) above which gradients are exploding.")
+        spike_factor: float = Field(10.0, gt=1, description="A gradient norm above this multiple of its rolling median is a spike.")
+        spike_window: int = Field(20, ge=3, description="Steps in the rolling median the spike check compares against.")
+        spike_min_history: int = Field(5, ge=1, description="Values the rolling median needs (steps for the global gradient norm, probed steps for a layer's) before a spike can be judged.")
+
     metrics = {
         "job_grad_norm_median": (
             "Rolling median of the global gradient norm (after all-reduce) over the last spike_window steps, "
@@ -171,7 +180,7 @@ class Explosion(Check):
         if norm > t.explode_above:
             kinds["explode"] = {"threshold": t.explode_above}
             score = max(score, norm / t.explode_above)
-        if global_ and norm < t.vanish_below:
+        if global_ and "vanish" in self.kinds and norm < t.vanish_below:
             kinds["vanish"] = {"threshold": t.vanish_below}
             score = max(score, 1.0)
         if median > 0 and norm > t.spike_factor * median:

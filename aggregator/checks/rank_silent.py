@@ -11,6 +11,8 @@ again (a restarted rank is heard under a new boot id) or is forgotten after ``ra
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from . import Check, Evaluation, Finding, register
 
 
@@ -23,6 +25,10 @@ class RankSilent(Check):
         "own thread every second) for silent_after_s seconds without saying goodbye: the process died, "
         "its host or network failed, or it hangs holding the interpreter lock."
     )
+    dashboard = "rank_health"
+
+    class Thresholds(Check.Thresholds):
+        silent_after_s: float = Field(15.0, gt=0, description="Seconds without any message after which a rank is silent.")
 
     def on_tick(self, job, now):
         if not job.ranks:

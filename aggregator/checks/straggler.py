@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
 
@@ -59,6 +60,14 @@ class Straggler(Check):
         "resiliency extension does, with no collective. Names a rank whose relative score stays below "
         "straggler_score for straggler_windows windows."
     )
+    dashboard = "rank_health"
+
+    class Thresholds(Check.Thresholds):
+        straggler_score: float = Field(0.7, gt=0, lt=1, description="Straggler score (0-1, 1 = as fast as the reference) below which a rank straggles.")
+        straggler_window: int = Field(16, ge=2, description="Steps per window of the straggler medians.")
+        straggler_windows: int = Field(2, ge=1, description="Consecutive windows a rank must straggle before it is named.")
+        straggler_min_s: float = Field(0.01, ge=0, description="Seconds per step by which a rank's median must exceed the fastest rank's before it can straggle, so scheduling jitter on very short steps is not named.")
+
     metrics = {
         "rank_straggler_relative_score": (
             "Fastest rank's median compute time per step over the latest window divided by this rank's "
