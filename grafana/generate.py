@@ -378,8 +378,9 @@ def rank_health(t: Thresholds) -> dict:
         timeseries("Step time per rank", "Wall time of each rank's latest optimizer step (waiting in all-reduce included).",
                    [target(f"gradwatch_rank_step_seconds{{{JR}}}", "rank {{rank}}")], unit="s", minimum=0),
         timeseries("Straggler score per rank (relative)", (
-            "Fastest rank's median compute time per step over the latest window divided by this rank's: 1 is "
-            f"as fast as the fastest rank. Dashed line: straggler_score ({t.straggler_score:g})."),
+            "Median over the latest window's steps of the fastest rank's compute time at the step divided by "
+            "this rank's: 1 is as fast as the fastest rank. Dashed line: straggler_score "
+            f"({t.straggler_score:g})."),
             [target(f"gradwatch_rank_straggler_relative_score{{{JR}}}", "rank {{rank}}")],
             unit="percentunit", minimum=0, maximum=1, lines=((t.straggler_score, "red"),)),
         timeseries("Straggler score per rank (individual)",
