@@ -253,6 +253,18 @@ def test_straggler_holds_under_load_bursts_names_the_sleeping_rank_only():
     assert wrong == {"clean": 0, "faulty": 0}, wrong
 
 
+def test_straggler_stays_healthy_when_goodbyes_overtake_the_last_reports():
+    j = Job(["straggler"], world=2, straggler_window=2)
+    _steps(j, 1, 4, [0.01, 0.011])
+    assert j.status("straggler") == Outcome.HEALTHY
+    j.report(0, 5, compute_time=0.01)
+    j.heartbeat(0, 5, closing=True)  # rank 0 is done; rank 1's report of step 5 is still in flight
+    j.report(1, 5, compute_time=0.011)
+    j.report(0, 6, compute_time=0.01)
+    j.report(1, 6, compute_time=0.011)
+    assert j.status("straggler") == Outcome.HEALTHY and j.events("straggler") == []
+
+
 def test_straggler_has_no_data_with_one_rank():
     j = Job(["straggler"], world=1, straggler_window=2)
     _steps(j, 1, 4, [0.01])

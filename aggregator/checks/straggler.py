@@ -31,7 +31,8 @@ window, while a rank that is slower at every step does. A rank straggles after
 ``straggler_windows`` consecutive slow windows: one slow window (a checkpoint) is not enough. The finding resolves at its
 first window back in line. The individual score is exported only: when every rank slows down
 together the job got slower (input pipeline, thermal limits), which is not a straggler. Fewer than
-two ranks with a complete window, or steps with a single rank: no data.
+two ranks with a complete window: no data; fewer than two that have not said goodbye: healthy (the
+job is ending).
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class Straggler(Check):
                     closed = True
         if closed:
             return self._evaluate(job, st)
-        return Evaluation.no_data() if len(self._live(job, st)) < 2 else None
+        return Evaluation.no_data() if len(self._timed(job, st)) < 2 else None
 
     def _close(self, r: _Rank, step: int, source: str) -> None:
         r.current = float(np.median(r.times))
@@ -165,15 +166,19 @@ class Straggler(Check):
         for buf in (r.times, r.ratios, r.excess, r.slow):
             buf.clear()
 
-    def _live(self, job, st: _Job) -> dict[int, _Rank]:
+    def _timed(self, job, st: _Job) -> dict[int, _Rank]:
+        """Ranks of the job with a complete window (forgotten ranks dropped)."""
         for k in [k for k in st.ranks if k not in job.ranks]:
             del st.ranks[k]
-        return {k: r for k, r in st.ranks.items() if r.windows and not job.ranks[k].closing}
+        return {k: r for k, r in st.ranks.items() if r.windows}
 
     def _evaluate(self, job, st: _Job):
-        live = self._live(job, st)
-        if len(live) < 2:
+        timed = self._timed(job, st)
+        if len(timed) < 2:
             return Evaluation.no_data()
+        live = {k: r for k, r in timed.items() if not job.ranks[k].closing}
+        if len(live) < 2:  # the job is ending: goodbyes arrive while the last reports are in flight
+            return Evaluation.healthy()
         fastest_rank = min(live, key=lambda k: (live[k].current, k))
         fastest = live[fastest_rank].current
         findings = []
