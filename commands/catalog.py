@@ -60,7 +60,7 @@ def _statistics() -> list[str]:
 
 def render() -> str:
     from gradwatch.agent.config import AgentConfig
-    from gradwatch.aggregator.checks import CHECKS, Thresholds, load_all
+    from gradwatch.aggregator.checks import CHECKS, OWNERS, Thresholds, load_all
     from gradwatch.aggregator.config import AggregatorConfig
     from gradwatch.aggregator.exporter import METRICS
 
@@ -79,9 +79,13 @@ def render() -> str:
     out += ["", "### Check thresholds", "",
             "Set with `gradwatch aggregator --checks.NAME VALUE`, underscores written as hyphens "
             "(`--checks.skew-steps 10`), or `GRADWATCH_AGGREGATOR_CHECKS__NAME` (`..._CHECKS__SKEW_STEPS=10`).", "",
-            "| threshold | default | meaning |", "|---|---|---|"]
+            "Each is declared in the file of the check that owns it; other checks reading it name it in `uses`.", "",
+            "| threshold | check | default | meaning |", "|---|---|---|---|"]
     for name, f in Thresholds.model_fields.items():
-        out.append(f"| `{name}` | `{f.default}` | {_cell(f.description)} |")
+        owner = f"`{OWNERS[name]}`" if OWNERS[name] else "every per-layer check"
+        readers = [f"`{n}`" for n, c in sorted(CHECKS.items()) if name in c.uses]
+        owner += f" (read by {', '.join(readers)})" if readers else ""
+        out.append(f"| `{name}` | {owner} | `{f.default}` | {_cell(f.description)} |")
     out += ["", "### Agent settings", "",
             "Keyword arguments of `gradwatch.agent.attach`, or environment variables.", "",
             "| variable | default | meaning |", "|---|---|---|"]

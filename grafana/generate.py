@@ -11,7 +11,9 @@ Every dashboard has a stable ``uid`` (Grafana's URL ``/d/<uid>``), the template 
 rank or per layer, ``rank`` and ``layer`` (multi-value, "All" by default). Findings the aggregator
 posts to Grafana (``--grafana-url``) show as annotations tagged ``gradwatch`` and ``job:<job_id>``.
 Threshold lines are the aggregator's default check thresholds (:class:`~gradwatch.aggregator.
-checks.Thresholds`), the ones its findings, and the alerts built on them, use.
+checks.Thresholds`), the ones its findings, and the alerts built on them, use. Which checks a
+dashboard's status panels show comes from the check registry (each check's ``dashboard``), so a new
+check appears without editing this module.
 
 Only metrics of the aggregator's catalog (``gradwatch.aggregator.exporter.METRICS``, counters with
 ``_total``, the decode-time summary) and Prometheus' own per-scrape series appear in queries.
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gradwatch.aggregator.checks import Thresholds
+from gradwatch.aggregator.checks import CHECKS, Thresholds
 from gradwatch.commands.errors import CommandError
 
 # dashboards/ and provisioning/ are package data of gradwatch.grafana (grafana/ in a checkout)
@@ -51,8 +53,19 @@ JL = 'job_id="$job_id", layer=~"$layer"'
 # JSON has no -Infinity and the schema wants a number, so the base step carries this one.
 BASE = -1e300
 
-CONSISTENCY_CHECKS = "grad_agreement|replica_drift|outlier_rank"
-RANK_CHECKS = "straggler|rank_silent|step_skew|training_stalled"
+
+def checks_on(dashboard: str) -> list[str]:
+    """Registered checks whose status the dashboard shows (``Check.dashboard``), sorted."""
+    return sorted(n for n, c in CHECKS.items() if c.dashboard == dashboard)
+
+
+def pattern(names: list[str]) -> str:
+    """A PromQL regex matching exactly these check names."""
+    return "|".join(names)
+
+
+def _listing(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
 # --- building blocks ---------------------------------------------------------------------------
@@ -297,6 +310,7 @@ def gradient_flow(t: Thresholds) -> dict:
         "Per layer, for training teams: how the gradient norm is spread over the layers, how it evolves, "
         "dead units and non-finite values, at every probed step (medians or maxima over ranks)."
     ), [
+        check_states(pattern(checks_on("gradient_flow"))),
         barchart("Gradient norm by layer (latest probed step)",
                  "L2 norm of each layer's parameter gradient after all-reduce, median over ranks; log scale. "
                  "Vanishing layers have the shortest bars, exploding ones the longest.",
@@ -326,14 +340,15 @@ def gradient_flow(t: Thresholds) -> dict:
 
 
 def consistency(t: Thresholds) -> dict:
-    c = f'check=~"{CONSISTENCY_CHECKS}"'
+    names = checks_on("consistency")
+    c = f'check=~"{pattern(names)}"'
     return dashboard("gradwatch-consistency", "Cross-rank consistency", (
         "Do the replicas agree? Gradient fingerprints after all-reduce and weight fingerprints after the "
         "step must be equal bit for bit on every rank; a rank whose own statistics stand apart is an outlier."
     ), [
-        check_states(CONSISTENCY_CHECKS),
+        check_states(pattern(names)),
         timeseries("Ranks named by consistency findings",
-                   "1 while an active finding of grad_agreement, replica_drift or outlier_rank names the rank.",
+                   f"1 while an active finding of {_listing(names)} names the rank.",
                    [target(f"gradwatch_check_rank_flagged{{{JR}, {c}}}", "rank {{rank}}: {{check}}")],
                    bars=True, minimum=0, no_value="no rank named"),
         stat("Findings raised", "Findings each consistency check raised for this job since the aggregator started.",
@@ -364,12 +379,13 @@ def rank_health(t: Thresholds) -> dict:
     return dashboard("gradwatch-rank-health", "Rank health", (
         "Is every rank alive and keeping up? Step times, straggler scores, heartbeat age and step skew."
     ), [
-        check_states(RANK_CHECKS),
+        check_states(pattern(checks_on("rank_health"))),
         timeseries("Step time per rank", "Wall time of each rank's latest optimizer step (waiting in all-reduce included).",
                    [target(f"gradwatch_rank_step_seconds{{{JR}}}", "rank {{rank}}")], unit="s", minimum=0),
         timeseries("Straggler score per rank (relative)", (
-            "Fastest rank's median compute time per step over the latest window divided by this rank's: 1 is "
-            f"as fast as the fastest rank. Dashed line: straggler_score ({t.straggler_score:g})."),
+            "Median over the latest window's steps of the fastest rank's compute time at the step divided by "
+            "this rank's: 1 is as fast as the fastest rank. Dashed line: straggler_score "
+            f"({t.straggler_score:g})."),
             [target(f"gradwatch_rank_straggler_relative_score{{{JR}}}", "rank {{rank}}")],
             unit="percentunit", minimum=0, maximum=1, lines=((t.straggler_score, "red"),)),
         timeseries("Straggler score per rank (individual)",

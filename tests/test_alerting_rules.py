@@ -301,3 +301,25 @@ def test_vanishing_and_explosion_alerts_key_on_their_own_checks():
     """Vanishing is a check of its own, so its alert needs no copy of the aggregator's threshold."""
     assert 'check="vanishing"' in alerts()["GradientVanishing"]["expr"]
     assert 'check="vanishing"' not in alerts()["GradientExplosion"]["expr"]
+
+
+def test_every_check_has_an_alert_a_runbook_section_and_promtool_cases():
+    """What a new check still lacks, by name: the alert rule naming it (``check="NAME"``), the runbook
+    section of that alert, and promtool cases where the alert fires and where it does not."""
+    load_all()
+    runbook = set(re.findall(r"^## (\w+)\n", RUNBOOK.read_text(), re.M))
+    firing, quiet = set(), set()
+    for t in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
+        for case in t.get("alert_rule_test", []):
+            (firing if case.get("exp_alerts") else quiet).add(case["alertname"])
+    lacks = {}
+    for check in sorted(set(CHECKS) - NO_FINDINGS):
+        names = [a for a, r in alerts().items() if f'check="{check}"' in r["expr"]]
+        missing = [] if names else [f"an alert rule with check=\"{check}\" in {RULES.relative_to(ROOT)}"]
+        for a in names:
+            missing += [f"a '## {a}' section in {RUNBOOK.relative_to(ROOT)}"] if a not in runbook else []
+            missing += [f"a promtool case where {a} fires in {RULE_TESTS.relative_to(ROOT)}"] if a not in firing else []
+            missing += [f"a promtool case where {a} stays quiet in {RULE_TESTS.relative_to(ROOT)}"] if a not in quiet else []
+        if missing:
+            lacks[check] = missing
+    assert lacks == {}, "\n".join(f"check {c} lacks: " + "; ".join(m) for c, m in lacks.items())

@@ -188,10 +188,39 @@ def test_explosion_per_layer_names_at_most_max_layers_worst_layers():
     job = Job(["explosion"], max_layers=2)
     grads = {"emb.weight": {0: 2e3}, "fc1.weight": {0: 8e3}, "fc2.weight": {0: 5e3}, "head.weight": {0: 1.5e3}}
     job.step(0, 1.0, arrays=probe(param=grads))
-    assert sorted(e[3] for e in job.events("explosion")) == ["fc1", "fc2"]
-    assert all(e[:3] == ("raised", 0, None) for e in job.events("explosion"))
-    f = {f.layer: f for f in job.active("explosion")}
-    assert f["fc1"].details["grad_norm"] == pytest.approx(math.hypot(8e3, 1.0))  # weight and bias
+    # one fault, one finding (it was one per layer): named by its worst layer, listing the worst max_layers
+    assert job.events("explosion") == [("raised", 0, None, "fc1")]
+    (f,) = job.active("explosion")
+    assert list(f.details["layers"]) == ["fc1", "fc2"]
+    assert f.details["layers"]["fc1"]["grad_norm"] == pytest.approx(math.hypot(8e3, 1.0))  # weight and bias
+
+
+def test_explosion_one_fault_one_finding_layers_and_knock_on_folded_in_never_another_rank():
+    """An explosion on rank 1 at step 10 seen globally and in three layers at the probe, then a
+    knock-on spike at step 17 where rank 0's local norm is the largest: one finding naming rank 1,
+    carrying the layers, both source ranks and the latest bad step; it resolves spike_window steps
+    after the knock-on."""
+    job = Job(["explosion"], spike_window=20)
+    for s in range(10):
+        job.step(s, 1.0, locals=[1.0, 1.1, 0.9], arrays=probe() if s % 5 == 0 else None)
+    blown = {"emb.weight": {0: 2e3}, "fc1.weight": {0: 8e3}, "fc2.weight": {0: 5e3}}
+    job.step(10, 9e3, locals=[1.0, 2.7e4, 1.0], arrays=probe(param=blown))
+    for s in range(11, 17):
+        job.step(s, 1.0, locals=[1.0, 1.0, 1.0])
+    job.step(17, 30.0, locals=[60.0, 2.0, 1.0])  # knock-on: a spike, rank 0's local norm largest
+    assert job.events("explosion") == [("raised", 10, 1, None)]
+    (f,) = job.active("explosion")
+    d = f.details
+    assert (f.rank, f.step, d["first_step"], d["last_bad_step"]) == (1, 10, 10, 17)
+    assert set(d["layers"]) == {"emb", "fc1", "fc2"} and d["layers"]["fc1"]["step"] == 10
+    assert d["source_ranks"] == {"1": 10, "0": 17} and d["kinds"] == ["explode", "spike"]
+    assert d["episode"]["spike"]["step"] == 17 and d["local_grad_norms"][1] == 2.7e4  # the first step's evidence
+    assert "rank 1" in f.summary and "rank 0" not in f.summary and "up to step 17" in f.summary
+    for s in range(18, 37):
+        job.step(s, 1.0, locals=[1.0, 1.0, 1.0])
+    assert job.events("explosion") == [("raised", 10, 1, None)]
+    job.step(37, 1.0, locals=[1.0, 1.0, 1.0])
+    assert job.events("explosion") == [("raised", 10, 1, None), ("resolved", 10, 1, None)]
 
 
 def test_explosion_per_layer_spike_against_the_layers_own_probed_median():

@@ -16,7 +16,16 @@ the active set into events — *raised* when a finding's key (rank, layer) appea
 it goes — written to the event log, counted, and exported. A check that raises is counted in
 ``gradwatch_check_errors_total{check}``, logged once, and never takes the aggregator down.
 
-All thresholds live in :class:`Thresholds`, one configuration for every check.
+Thresholds. A check declares its own in a nested ``class Thresholds(Check.Thresholds)`` (pydantic
+fields with default, bounds and description) and reads thresholds another check declares only by
+naming them in ``uses``; thresholds every per-layer check shares are :class:`Common`. The
+aggregate :class:`Thresholds` model (the aggregator's ``checks`` setting: CLI ``--checks.NAME``,
+env ``GRADWATCH_AGGREGATOR_CHECKS__NAME``) is built from the registry by
+:func:`thresholds_model`, so a threshold name is one flat, global name and must be unique across
+checks. Each check is given the aggregate instance as ``self.t``.
+
+Dashboards. ``dashboard`` names the Grafana dashboard that shows the check's status
+(:data:`DASHBOARDS`); the generator takes its check lists from the registry.
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic.fields import FieldInfo
 
 log = logging.getLogger("gradwatch.aggregator")
 
@@ -87,32 +97,17 @@ class Evaluation:
         return Evaluation(Outcome.FINDING, tuple(findings)) if findings else Evaluation(Outcome.HEALTHY)
 
 
-class Thresholds(BaseModel):
-    """Every check's thresholds, in one place (CLI: ``--checks.NAME``, env:
-    ``GRADWATCH_AGGREGATOR_CHECKS__NAME``)."""
+#: Grafana dashboards a check's status is shown on (``Check.dashboard``); see grafana/generate.py
+DASHBOARDS = ("gradient_flow", "consistency", "rank_health")
 
-    model_config = {"extra": "forbid", "frozen": True}
+_FROZEN = ConfigDict(extra="forbid", frozen=True)
 
-    explode_above: float = Field(1e3, gt=0, description="Gradient norm (global, or a layer's) above which gradients are exploding.")
-    vanish_below: float = Field(1e-8, ge=0, description="Global gradient norm below which gradients are vanishing.")
-    spike_factor: float = Field(10.0, gt=1, description="A gradient norm above this multiple of its rolling median is a spike.")
-    spike_window: int = Field(20, ge=3, description="Steps in the rolling median the spike check compares against.")
-    spike_min_history: int = Field(5, ge=1, description="Values the rolling median needs (steps for the global gradient norm, probed steps for a layer's) before a spike can be judged.")
-    outlier_z: float = Field(3.5, gt=0, description="Robust z-score (median/MAD across ranks, Iglewicz and Hoaglin 1993) beyond which a rank is an outlier.")
-    outlier_probes: int = Field(3, ge=1, description="Consecutive probed steps a rank must be an outlier before it is named.")
-    outlier_min_mad: float = Field(0.15, ge=0, description="Smallest spread (MAD) across ranks the outlier check assumes, as a fraction of the median, so that natural rank-to-rank noise is not an outlier (0.15: beyond outlier_z 3.5 a rank must differ from the median by about 78%).")
-    noise_ema: float = Field(0.9, ge=0, lt=1, description="Smoothing of the exponential moving averages in the gradient noise scale.")
-    noise_min_rounds: int = Field(5, ge=1, description="Probed steps before the gradient noise scale is reported.")
-    dead_ratio: float = Field(0.99, gt=0, le=1, description="Zero ratio of a ReLU-family layer's output above which its units are dead.")
-    dead_probes: int = Field(3, ge=1, description="Consecutive probed steps a layer must look dead before it is named.")
-    straggler_score: float = Field(0.7, gt=0, lt=1, description="Straggler score (0-1, 1 = as fast as the reference) below which a rank straggles.")
-    straggler_window: int = Field(16, ge=2, description="Steps per window of the straggler medians.")
-    straggler_windows: int = Field(2, ge=1, description="Consecutive windows a rank must straggle before it is named.")
-    straggler_min_s: float = Field(0.01, ge=0, description="Seconds per step by which a rank's median must exceed the fastest rank's before it can straggle, so scheduling jitter on very short steps is not named.")
-    silent_after_s: float = Field(15.0, gt=0, description="Seconds without any message after which a rank is silent.")
-    stall_after_s: float = Field(30.0, gt=0, description="Seconds without any rank completing a step after which training has stalled.")
-    skew_steps: int = Field(5, ge=1, description="Steps between the most and least advanced rank beyond which ranks are skewed.")
-    skew_for_s: float = Field(10.0, ge=0, description="Seconds the step skew must last before a rank is named (reports of fast steps arrive in batches).")
+
+class Common(BaseModel):
+    """Thresholds shared by every check that names layers (not one check's own)."""
+
+    model_config = _FROZEN
+
     max_layers: int = Field(5, ge=1, le=100, description="Most layers a check names at once (the worst ones), to bound series.")
 
 
@@ -125,8 +120,19 @@ class Check:
     default: ClassVar[bool] = True
     #: value series the check exports: short name -> (help, label names after job_id, unit)
     metrics: ClassVar[dict[str, tuple[str, tuple[str, ...], str]]] = {}
+    #: Grafana dashboard showing the check's status, one of :data:`DASHBOARDS`
+    dashboard: ClassVar[str] = ""
+    #: thresholds this check reads that another check declares (their names)
+    uses: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, t: Thresholds):
+    class Thresholds(BaseModel):
+        """The check's own thresholds: a subclass declares them as pydantic fields (default, bounds,
+        description). Names are global (``--checks.NAME``), unique across checks."""
+
+        model_config = _FROZEN
+
+    def __init__(self, t: BaseModel):
+        """``t``: the aggregate :class:`Thresholds` (or any model with the fields this check reads)."""
         self.t = t
 
     def on_report(self, job, rank, report) -> Optional[Evaluation]:
@@ -153,10 +159,70 @@ CHECKS: dict[str, type[Check]] = {}
 
 
 def register(cls: type[Check]) -> type[Check]:
+    """Class decorator adding a check to :data:`CHECKS`.
+
+    Raises:
+        ValueError: the name is empty or taken, ``dashboard`` is not one of :data:`DASHBOARDS`, or
+            ``Thresholds`` is not a subclass of ``Check.Thresholds``.
+    """
     if not cls.name or cls.name in CHECKS:
         raise ValueError(f"check {cls.__name__} needs a unique name, got {cls.name!r}")
+    if cls.dashboard not in DASHBOARDS:
+        raise ValueError(f"check {cls.name}: dashboard must be one of {', '.join(DASHBOARDS)}, got {cls.dashboard!r}")
+    if not issubclass(cls.Thresholds, Check.Thresholds):
+        raise ValueError(f"check {cls.name}: its Thresholds must subclass Check.Thresholds")
     CHECKS[cls.name] = cls
     return cls
+
+
+def _same(a: FieldInfo, b: FieldInfo) -> bool:
+    return (a.annotation, a.default, a.description, a.metadata) == (b.annotation, b.default, b.description, b.metadata)
+
+
+#: threshold name -> the check declaring it ("" for :class:`Common`), in the aggregate's order
+OWNERS: dict[str, str] = {}
+
+
+def thresholds_model(checks: Optional[dict[str, type[Check]]] = None) -> type[BaseModel]:
+    """The aggregate thresholds model: :class:`Common`'s fields, then every check's own, in
+    registration order (a field a check inherits from another's ``Thresholds`` counts once).
+    Fills :data:`OWNERS` when built from the registry.
+
+    Raises:
+        ValueError: two checks declare the same threshold differently, or a check ``uses`` a
+            threshold no check declares; the message names the checks.
+    """
+    checks = CHECKS if checks is None else checks
+    fields: dict[str, tuple[Any, FieldInfo]] = {n: (f.annotation, f) for n, f in Common.model_fields.items()}
+    owners = dict.fromkeys(fields, "")
+    for cname, cls in checks.items():
+        for fname, f in cls.Thresholds.model_fields.items():
+            if fname not in fields:
+                fields[fname], owners[fname] = (f.annotation, f), cname
+            elif not _same(fields[fname][1], f):
+                raise ValueError(f"check {cname} declares threshold {fname!r}, already declared by "
+                                 f"{owners[fname] or 'Common'}; read it with uses = ({fname!r},)")
+    for cname, cls in checks.items():
+        missing = [u for u in cls.uses if u not in fields]
+        if missing:
+            raise ValueError(f"check {cname} uses thresholds no check declares: {', '.join(missing)}")
+    common = [n for n in fields if not owners[n]]
+    ordered = {n: fields[n] for n in [*[n for n in fields if owners[n]], *common]}
+    model = create_model(
+        "Thresholds", __base__=_AllThresholds, __module__=__name__,
+        **ordered,  # type: ignore[call-overload]
+    )
+    if checks is CHECKS:
+        OWNERS.clear()
+        OWNERS.update({n: owners[n] for n in ordered})
+    return model
+
+
+class _AllThresholds(BaseModel):
+    """Every check's thresholds, in one model built from the registry (:func:`thresholds_model`).
+    CLI: ``--checks.NAME``; env: ``GRADWATCH_AGGREGATOR_CHECKS__NAME``."""
+
+    model_config = _FROZEN
 
 
 def load_all() -> dict[str, type[Check]]:
@@ -243,7 +309,7 @@ class Runner:
         wall: wall clock, seconds since the epoch.
     """
 
-    def __init__(self, names: list[str], thresholds: Thresholds, events_path: str = "", sinks=(), wall=time.time):
+    def __init__(self, names: list[str], thresholds: BaseModel, events_path: str = "", sinks=(), wall=time.time):
         load_all()
         self.checks = {n: CHECKS[n](thresholds) for n in names}
         self.t = thresholds
@@ -355,3 +421,8 @@ class RunnerView:
     events: tuple = ()
     values: dict = field(default_factory=dict)
     severity: dict = field(default_factory=dict)
+
+
+# every check registers itself on import; the aggregate model needs all of them
+load_all()
+Thresholds = thresholds_model()

@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pydantic import Field
+
 from . import Check, Evaluation, Finding, register
 
 #: leaf module types whose output has exact zeros with zero gradient (see the module docstring)
@@ -52,6 +54,11 @@ class DeadUnits(Check):
         "Softshrink: exact zeros with zero gradient), median over ranks, above dead_ratio for dead_probes "
         "consecutive probed steps: the layer's units are dead. Names at most max_layers layers."
     )
+    dashboard = "gradient_flow"
+
+    class Thresholds(Check.Thresholds):
+        dead_ratio: float = Field(0.99, gt=0, le=1, description="Zero ratio of a ReLU-family layer's output above which its units are dead.")
+        dead_probes: int = Field(3, ge=1, description="Consecutive probed steps a layer must look dead before it is named.")
 
     def __init__(self, t):
         super().__init__(t)

@@ -17,18 +17,23 @@ norms (no DDP hook) no rank is named, except in a world of one. A vanishing norm
 
 Per layer, every probed step: each module's parameter-gradient norm (after all-reduce; median
 over ranks) against ``explode_above`` and against the median of that module's previous
-``spike_window`` probed norms. At most ``max_layers`` layers are named, the worst first (largest
+``spike_window`` probed norms. At most ``max_layers`` layers are listed, the worst first (largest
 ratio of norm to its threshold).
 
 Non-finite norms (NaN, Inf) are left to the ``nonfinite`` check: they are not judged here and
 never enter a rolling median (case C36).
 
-Lifetimes. A finding is keyed by the rank it names (global) or the layer (per layer); explode and
-spike at the same step on the same rank are one finding listing both kinds. It is raised at the
-first step showing the condition and stays active until ``spike_window`` steps pass without the
-condition recurring (each recurrence extends it), then resolves. One bad step thus gives one
-finding that lasts a window, instead of flapping with every step, and a persistent explosion
-stays one finding.
+One fault, one finding. A job has at most one episode at a time: it opens at the first bad step
+(global or a layer's) and lasts until ``spike_window`` steps pass without any bad step, global or
+per layer (each recurrence extends it), then resolves. Everything bad within it is its evidence,
+updated while it lasts: the kinds (explode, spike), the layers (the worst ``max_layers``, each
+with its first step and largest norm), the ranks that held the largest local norm at a bad global
+step, the first and the latest bad step. The finding names the rank of its *first* bad global
+step, or, when a layer's spike came first, that layer; what follows within the episode (the same
+explosion seen in five layers at the probe, a knock-on spike a few steps later while the weights
+recover, with another rank's local norm largest) is folded into it and never attributed to
+another rank. One injected explosion thus gives one finding, not one per layer and per
+recurrence, and a persistent explosion stays one finding.
 
 Case C10 (mixed precision): steps that AMP's ``GradScaler`` skips because of an overflow send no
 report (the agent, given the scaler, discards their statistics and counts them in the next
@@ -45,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
 from ._steps import Steps
@@ -52,13 +58,15 @@ from ._steps import Steps
 
 @dataclass
 class _Episode:
-    rank: Optional[int]
-    layer: Optional[str]
-    step: int  # first step of the episode
-    until: int  # resolves once a step >= until is evaluated without the condition
-    score: float  # how far past its threshold (1 = at it); bounds the layers named
-    kinds: dict = field(default_factory=dict)  # kind -> {"step", "grad_norm", "median"}
-    details: dict = field(default_factory=dict)
+    rank: Optional[int]  # the source rank of its first bad global step; never changes
+    layer: Optional[str]  # the worst layer when a layer opened it (no global trouble yet); never changes
+    step: int  # first bad step
+    until: int  # resolves once a step >= until is evaluated without trouble
+    last: int = -1  # latest bad step
+    kinds: dict = field(default_factory=dict)  # global kind -> {"step", "grad_norm", "median", ...}, latest
+    details: dict = field(default_factory=dict)  # the first bad global step's norms and local norms
+    layers: dict = field(default_factory=dict)  # layer -> {"step", "last_step", "grad_norm", "score", "kinds"}
+    sources: dict = field(default_factory=dict)  # rank -> first bad global step it held the largest local norm
 
 
 @dataclass
@@ -66,7 +74,7 @@ class _Job:
     steps: Steps
     norms: collections.deque
     layer_norms: dict = field(default_factory=dict)  # module -> deque of probed norms
-    episodes: dict = field(default_factory=dict)  # (rank, layer) -> _Episode
+    episode: Optional[_Episode] = None
     last_step: int = -1  # latest step evaluated (globally or by a round)
     last_round: int = -1
     evaluated: bool = False
@@ -83,11 +91,20 @@ class Explosion(Check):
     description = (
         "Global gradient norm every step, and each layer's at probed steps, against explode_above "
         "and against spike_factor times its rolling median over spike_window steps. Names "
-        "the rank with the largest local (pre-all-reduce) gradient norm as the likely source, and at most "
-        "max_layers layers. A finding lasts spike_window steps past its last bad step. Non-finite norms "
+        "the rank with the largest local (pre-all-reduce) gradient norm at the first bad step as the likely source. One "
+        "finding per fault: later bad steps and layers (at most max_layers) within spike_window steps of the last "
+        "bad one are folded into it as evidence. Non-finite norms "
         "are left to the nonfinite check; steps AMP's loss scaler skipped are not reported by the agent "
         "(case C10)."
     )
+    dashboard = "gradient_flow"
+
+    class Thresholds(Check.Thresholds):
+        explode_above: float = Field(1e3, gt=0, description="Gradient norm (global, or a layer's) above which gradients are exploding.")
+        spike_factor: float = Field(10.0, gt=1, description="A gradient norm above this multiple of its rolling median is a spike.")
+        spike_window: int = Field(20, ge=3, description="Steps in the rolling median the spike check compares against.")
+        spike_min_history: int = Field(5, ge=1, description="Values the rolling median needs (steps for the global gradient norm, probed steps for a layer's) before a spike can be judged.")
+
     metrics = {
         "job_grad_norm_median": (
             "Rolling median of the global gradient norm (after all-reduce) over the last spike_window steps, "
@@ -140,12 +157,16 @@ class Explosion(Check):
             hist.append(v)
             if kinds:
                 bad.append((score, i, module, v, kinds))
-        for score, _, module, v, kinds in sorted(bad, key=lambda x: (-x[0], x[1])):
-            self._episode(st, r.step, None, module, score, kinds, {"grad_norm": v, "probed_step": r.step})
-        # the worst max_layers layers over the episodes still active, this round's and earlier ones
-        layers = sorted((e for e in st.episodes.values() if e.layer is not None), key=lambda e: -e.score)
-        for e in layers[self.t.max_layers :]:
-            del st.episodes[(e.rank, e.layer)]
+        bad.sort(key=lambda x: (-x[0], x[1]))
+        if bad:
+            e = self._open(st, r.step, None, bad[0][2])
+            for score, _, module, v, kinds in bad:
+                ev = e.layers.setdefault(module, {"step": r.step, "grad_norm": v, "score": score, "kinds": []})
+                ev.update(last_step=r.step, grad_norm=max(ev["grad_norm"], v), score=max(ev["score"], score),
+                          kinds=sorted(set(ev["kinds"]) | set(kinds)))
+            # the worst max_layers layers of the episode, this round's and earlier ones
+            worst = sorted(e.layers.items(), key=lambda kv: -kv[1]["score"])[: self.t.max_layers]
+            e.layers = dict(worst)
         st.last_step = max(st.last_step, r.step)
         st.evaluated = True
         return self._evaluation(job.job, st)
@@ -171,7 +192,7 @@ class Explosion(Check):
         if norm > t.explode_above:
             kinds["explode"] = {"threshold": t.explode_above}
             score = max(score, norm / t.explode_above)
-        if global_ and norm < t.vanish_below:
+        if global_ and "vanish" in self.kinds and norm < t.vanish_below:
             kinds["vanish"] = {"threshold": t.vanish_below}
             score = max(score, 1.0)
         if median > 0 and norm > t.spike_factor * median:
@@ -205,29 +226,36 @@ class Explosion(Check):
         else:
             source = next(iter(reports)) if st.steps.world == 1 else None
         details = {"grad_norm": g, "local_grad_norms": local, "ranks_reporting": len(reports)}
-        if "vanish" in kinds:
-            self._episode(st, step, None, None, score, {"vanish": kinds.pop("vanish")}, details)
-        if kinds:
-            self._episode(st, step, source, None, score, kinds, dict(details, source_rank=source))
-
-    def _episode(self, st: _Job, step: int, rank, layer, score: float, kinds: dict, details: dict) -> None:
-        e = st.episodes.get((rank, layer))
-        if e is None:
-            e = st.episodes[(rank, layer)] = _Episode(rank, layer, step, 0, score)
-        e.until = step + self.t.spike_window
-        e.score = max(e.score, score)
+        if "vanish" in kinds:  # names no rank
+            source = None
+        else:
+            details["source_rank"] = source
+        e = self._open(st, step, source, None)
+        if not e.details:
+            e.details = details
+        if source is not None:
+            e.sources.setdefault(source, step)
         for k, info in kinds.items():
-            e.kinds[k] = dict(info, step=step, grad_norm=details["grad_norm"])
-        e.details = details
+            e.kinds[k] = dict(info, step=step, grad_norm=g)
+
+    def _open(self, st: _Job, step: int, rank, layer) -> _Episode:
+        """The job's episode, opened at ``step`` naming ``rank`` or ``layer`` unless one is active;
+        either way extended to ``spike_window`` steps past ``step``."""
+        e = st.episode
+        if e is None:
+            e = st.episode = _Episode(rank, layer, step, 0)
+        e.last = max(e.last, step)
+        e.until = max(e.until, step + self.t.spike_window)
+        return e
 
     # --- findings -------------------------------------------------------------------------------
 
     def _evaluation(self, job_id: str, st: _Job) -> Optional[Evaluation]:
-        for key in [k for k, e in st.episodes.items() if st.last_step >= e.until]:
-            del st.episodes[key]
+        if st.episode is not None and st.last_step >= st.episode.until:
+            st.episode = None
         if not st.evaluated:
             return None
-        return Evaluation.found(*(self._finding(job_id, e) for e in st.episodes.values()))
+        return Evaluation.found(*([self._finding(job_id, st.episode)] if st.episode is not None else []))
 
     def _finding(self, job_id: str, e: _Episode) -> Finding:
         parts = []
@@ -244,13 +272,30 @@ class Explosion(Check):
                     f"gradient norm {_fmt(k['grad_norm'])}, {_fmt(k['factor'])}x its rolling median {_fmt(k['median'])} "
                     f"(spike, step {k['step']})"
                 )
-        what = f"layer {e.layer}: " if e.layer is not None else "global "
-        summary = what + "; ".join(parts)
-        if e.layer is None and e.rank is not None:
-            local = e.details["local_grad_norms"].get(e.rank, math.nan)
-            summary += f"; largest local gradient norm on rank {e.rank} ({_fmt(local)}), the likely source"
-        elif e.layer is None and "vanish" not in e.kinds:
-            summary += "; no local gradient norms to name the source rank"
-        details = dict(e.details, kinds=sorted(e.kinds), episode={k: dict(v) for k, v in e.kinds.items()},
-                       active_until_step=e.until)
+        def layer(name: str) -> str:
+            v = e.layers.get(name)
+            return f"{name} ({_fmt(v['grad_norm'])}, {'/'.join(v['kinds'])} from step {v['step']})" if v else name
+
+        layers = [layer(n) for n in e.layers if n != e.layer]
+        if e.layer is not None:
+            summary = f"layer {layer(e.layer)}"
+            if parts:
+                summary += "; then global " + "; ".join(parts)
+        else:
+            summary = "global " + "; ".join(parts)
+            if e.rank is not None:
+                local = e.details.get("local_grad_norms", {}).get(e.rank, math.nan)
+                summary += f"; largest local gradient norm on rank {e.rank} ({_fmt(local)}), the likely source"
+            elif "vanish" not in e.kinds:
+                summary += "; no local gradient norms to name the source rank"
+        if layers:
+            summary += "; layers " + ", ".join(layers)
+        if e.last > e.step:
+            summary += f"; bad again up to step {e.last} (one episode)"
+        kinds = set(e.kinds).union(*(v["kinds"] for v in e.layers.values()))
+        details = dict(
+            e.details, kinds=sorted(kinds), episode={k: dict(v) for k, v in e.kinds.items()},
+            layers={k: dict(v) for k, v in e.layers.items()}, source_ranks={str(k): v for k, v in e.sources.items()},
+            first_step=e.step, last_bad_step=e.last, active_until_step=e.until,
+        )
         return Finding(self.name, job_id, e.step, summary, rank=e.rank, layer=e.layer, details=details)

@@ -15,6 +15,8 @@ class GradientAgreement(Check):
         "all-reduce they must be equal bit for bit. Names the ranks that differ from the majority and "
         "the parameters affected (a faulty device or a broken communication hook)."
     )
+    dashboard = "consistency"
+
     fingerprints = ("fp_grad", "fp_grad_seen")
 
     def on_round(self, job, r):

@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from pydantic import Field
 
 from . import Check, Evaluation, register
 
@@ -60,6 +61,12 @@ class NoiseScale(Check):
         "both estimates smoothed by an EMA (noise_ema). A batch size far above B_simple wastes compute, far "
         "below wastes steps. Never a finding."
     )
+    dashboard = "gradient_flow"
+
+    class Thresholds(Check.Thresholds):
+        noise_ema: float = Field(0.9, ge=0, lt=1, description="Smoothing of the exponential moving averages in the gradient noise scale.")
+        noise_min_rounds: int = Field(5, ge=1, description="Probed steps before the gradient noise scale is reported.")
+
     metrics = {
         "job_gradient_noise_scale": ("Gradient noise scale B_simple, samples: EMA of tr(Sigma) over EMA of |G|^2.", (), ""),
         "job_gradient_noise_g2": ("EMA of the unbiased estimate of the squared norm of the true gradient, |G|^2.", (), ""),

@@ -84,6 +84,7 @@ class NonFinite(Check):
         "the first module in forward order and the pass (forward activation, output gradient, parameter "
         "gradient, weight). One finding per job, kept active."
     )
+    dashboard = "gradient_flow"
 
     def __init__(self, t):
         super().__init__(t)

@@ -34,6 +34,7 @@ import math
 import warnings
 
 import numpy as np
+from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
 
@@ -89,6 +90,13 @@ class OutlierRank(Check):
         "Iglewicz and Hoaglin); names a rank beyond outlier_z for outlier_probes consecutive probed "
         "steps (bad data shard, faulty device, diverged weights). Needs at least three ranks."
     )
+    dashboard = "consistency"
+
+    class Thresholds(Check.Thresholds):
+        outlier_z: float = Field(3.5, gt=0, description="Robust z-score (median/MAD across ranks, Iglewicz and Hoaglin 1993) beyond which a rank is an outlier.")
+        outlier_probes: int = Field(3, ge=1, description="Consecutive probed steps a rank must be an outlier before it is named.")
+        outlier_min_mad: float = Field(0.15, ge=0, description="Smallest spread (MAD) across ranks the outlier check assumes, as a fraction of the median, so that natural rank-to-rank noise is not an outlier (0.15: beyond outlier_z 3.5 a rank must differ from the median by about 78%).")
+
     metrics = {
         "rank_outlier_zscore": (
             "Largest absolute robust z-score of the rank's local gradient norm, activation scale and "

@@ -16,6 +16,8 @@ goes on without monitoring, which is as blind as a silent rank.
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from . import Check, Evaluation, Finding, register
 
 
@@ -29,6 +31,10 @@ class RankSilent(Check):
         "its host or network failed, or it hangs holding the interpreter lock. Also a rank whose agent said "
         "goodbye (closed, disabled after errors) while its live peers' steps pass its own by more than skew_steps."
     )
+    dashboard = "rank_health"
+
+    class Thresholds(Check.Thresholds):
+        silent_after_s: float = Field(15.0, gt=0, description="Seconds without any message after which a rank is silent.")
 
     def on_tick(self, job, now):
         if not job.ranks:

@@ -14,6 +14,8 @@ Fewer than two such ranks with a step: no data.
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from . import Check, Evaluation, Finding, register
 
 
@@ -26,6 +28,13 @@ class StepSkew(Check):
         "skew_steps for skew_for_s (a rank restarted from an older checkpoint, skipped collectives, ranks of "
         "different job incarnations)."
     )
+    dashboard = "rank_health"
+    uses = ("silent_after_s",)
+
+    class Thresholds(Check.Thresholds):
+        skew_steps: int = Field(5, ge=1, description="Steps between the most and least advanced rank beyond which ranks are skewed.")
+        skew_for_s: float = Field(10.0, ge=0, description="Seconds the step skew must last before a rank is named (reports of fast steps arrive in batches).")
+
     metrics = {
         "job_step_skew": ("Latest step of the most advanced live rank minus that of the least advanced.", (), ""),
     }

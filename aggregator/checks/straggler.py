@@ -5,25 +5,34 @@ slow rank (a throttled or faulty device, a noisy neighbour, a slow input pipelin
 slows the whole job while every rank's *step* time looks the same. This check therefore times
 what each rank does on its own: ``Report.compute_time``, from the end of its previous optimizer
 step until its first gradient bucket is handed to all-reduce — forward, most of backward and data
-loading, but no waiting for peers. Ranks whose agent cannot measure it (no DDP communication hook;
-NaN) are timed by their step time instead. Step 0 (start-up) is left out.
+loading, but no waiting for peers. At a step where some reporting rank's agent cannot measure it
+(no DDP communication hook; NaN) the ranks are compared by their step times instead. Step 0
+(start-up) is left out.
 
-Scores follow NVIDIA's resiliency extension (nvidia-resiliency-ext, straggler detection), with
-every rank's times in windows of ``straggler_window`` steps summarised by their median and no
-collective needed (the aggregator sees every rank):
+Scores follow NVIDIA's resiliency extension (nvidia-resiliency-ext, straggler detection), with no
+collective needed (the aggregator sees every rank), but every comparison is made *within a step*:
+a step is judged once every rank has reported it (see :mod:`._steps`), each rank's time against
+the fastest rank's time at that same step. Load that slows every rank together for a while (a busy
+host, a garbage collection in every process) thus cancels out, where comparing windows that close
+at different moments would not. Per rank, over windows of ``straggler_window`` of its judged steps:
 
-* relative score = the fastest rank's current window median / this rank's current window median,
-  in (0, 1], 1 for the fastest rank;
-* individual score = this rank's best (smallest) window median so far / its current one, in
+* relative score = median over the window's steps of (fastest rank's time at the step / this
+  rank's), in (0, 1], 1 for a rank that is the fastest at most steps;
+* excess = median over the window's steps of (this rank's time - the median of the other ranks'
+  times at the step), seconds: against the typical peer, not the luckiest one;
+* individual score = this rank's best (smallest) window median time so far / its current one, in
   (0, 1], below 1 when the rank got slower than it used to be.
 
-A rank straggles when its relative score is below ``straggler_score`` and its median exceeds the
-fastest rank's by at least ``straggler_min_s`` (so scheduler jitter on very short steps is not a
-straggler) for ``straggler_windows`` consecutive windows of its own: one slow window (a checkpoint,
-a garbage collection) is not enough. The finding resolves at its first window back in line. The
-individual score is exported only: when every rank slows down together the job got slower (input
-pipeline, thermal limits), which is not a straggler. Fewer than two ranks with a complete window:
-no data.
+A step is slow for a rank when both margins hold at that step: its ratio to the fastest rank is
+below ``straggler_score`` *and* it exceeds the other ranks' median by at least ``straggler_min_s``
+(so scheduler jitter on very short steps is not a straggler). A window is slow when more than half
+of its steps are: a rank descheduled for a few steps on a loaded machine does not make a slow
+window, while a rank that is slower at every step does. A rank straggles after
+``straggler_windows`` consecutive slow windows: one slow window (a checkpoint) is not enough. The finding resolves at its
+first window back in line. The individual score is exported only: when every rank slows down
+together the job got slower (input pipeline, thermal limits), which is not a straggler. Fewer than
+two ranks with a complete window: no data; fewer than two that have not said goodbye: healthy (the
+job is ending).
 """
 
 from __future__ import annotations
@@ -32,20 +41,42 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
+from ._steps import Steps
 
 
 @dataclass
-class _Times:
+class _Rank:
     boot: str
-    buf: list = field(default_factory=list)
-    current: float = math.nan  # median of the latest complete window, seconds
+    times: list = field(default_factory=list)  # this window: own times, seconds
+    ratios: list = field(default_factory=list)  # this window: fastest time at the step / own
+    excess: list = field(default_factory=list)  # this window: own time - peers' median at the step, seconds
+    slow: list = field(default_factory=list)  # this window: whether the step was slow (both margins)
+    current: float = math.nan  # median own time over the latest complete window, seconds
     best: float = math.nan  # smallest window median so far, seconds
+    relative: float = math.nan  # relative score of the latest complete window
+    excess_s: float = math.nan  # excess of the latest complete window, seconds
     windows: int = 0
-    below: int = 0  # consecutive windows straggling
+    below: int = 0  # consecutive slow windows
     source: str = "compute_time"
     step: int = -1  # last step of the latest complete window
+
+
+@dataclass
+class _Job:
+    steps: Steps
+    ranks: dict = field(default_factory=dict)  # rank -> _Rank
+
+
+def _times(reports: dict) -> tuple[str, dict[int, float]]:
+    """The step's times to compare: compute times when every reporting rank has one, else step times."""
+    for source in ("compute_time", "step_time"):
+        times = {k: getattr(r, source) for k, r in reports.items()}
+        if all(math.isfinite(x) and x >= 0 for x in times.values()):
+            return source, times
+    return "", {}
 
 
 @register
@@ -54,15 +85,24 @@ class Straggler(Check):
     severity = "warning"
     description = (
         "Times each rank's own work per step (compute time: until its first gradient bucket is ready, "
-        "without waiting for peers) in windows of straggler_window steps; scores each rank's window "
-        "median against the fastest rank's (relative) and its own best (individual), as NVIDIA's "
-        "resiliency extension does, with no collective. Names a rank whose relative score stays below "
-        "straggler_score for straggler_windows windows."
+        "without waiting for peers) against the fastest rank's at the same step, so load slowing every rank "
+        "cancels out. A step is slow when the rank's ratio to the fastest (relative score, as NVIDIA's "
+        "resiliency extension scores, with no collective) is below straggler_score and it exceeds its peers' "
+        "median by straggler_min_s; a window of straggler_window steps is slow when most of its steps are. "
+        "Names a rank after straggler_windows consecutive slow windows."
     )
+    dashboard = "rank_health"
+
+    class Thresholds(Check.Thresholds):
+        straggler_score: float = Field(0.7, gt=0, lt=1, description="Relative straggler score (0-1, 1 = as fast as the fastest rank at the same step) below which a rank's step is slow.")
+        straggler_window: int = Field(16, ge=2, description="Judged steps per window of the straggler medians.")
+        straggler_windows: int = Field(3, ge=1, description="Consecutive slow windows (most of their steps slow) before a rank is named as a straggler.")
+        straggler_min_s: float = Field(0.01, ge=0, description="Seconds by which a rank must exceed the median of its peers at the same step for the step to be slow, so scheduling jitter on very short steps is not named.")
+
     metrics = {
         "rank_straggler_relative_score": (
-            "Fastest rank's median compute time per step over the latest window divided by this rank's "
-            "(0-1, 1 = as fast as the fastest rank).", ("rank",), "",
+            "Median over the latest window's steps of the fastest rank's compute time at the step divided by "
+            "this rank's (0-1, 1 = as fast as the fastest rank).", ("rank",), "",
         ),
         "rank_straggler_individual_score": (
             "The rank's best window median compute time per step divided by its latest (0-1, 1 = as fast "
@@ -72,78 +112,103 @@ class Straggler(Check):
 
     def __init__(self, t):
         super().__init__(t)
-        self._jobs: dict[str, dict[int, _Times]] = {}
+        self._jobs: dict[str, _Job] = {}
 
     def on_report(self, job, rank, m):
         if m.step <= 0:
             return None
-        ranks = self._jobs.setdefault(job.job, {})
-        t = ranks.get(rank.rank)
-        if t is None or t.boot != rank.boot:  # a restarted rank starts over
-            t = ranks[rank.rank] = _Times(rank.boot)
-        if math.isfinite(m.compute_time) and m.compute_time >= 0:
-            x, t.source = m.compute_time, "compute_time"
-        elif math.isfinite(m.step_time) and m.step_time >= 0:
-            x, t.source = m.step_time, "step_time"
-        else:
-            return None
-        t.buf.append(x)
-        if len(t.buf) < self.t.straggler_window:
-            return None
-        t.current = float(np.median(t.buf))
-        if math.isnan(t.best) or t.current < t.best:
-            t.best = t.current
-        t.windows += 1
-        t.step = m.step
-        t.buf.clear()
-        return self._evaluate(job, done=rank.rank)
+        st = self._jobs.get(job.job)
+        if st is None or st.steps.world != job.world:
+            st = self._jobs[job.job] = _Job(Steps(job.world))
+        r = st.ranks.get(rank.rank)
+        if r is None or r.boot != rank.boot:  # a restarted rank starts over
+            st.ranks[rank.rank] = _Rank(rank.boot)
+        return self._judge(job, st, st.steps.add(rank.rank, m))
 
-    def _live(self, job) -> dict[int, _Times]:
-        ranks = self._jobs.get(job.job, {})
-        for k in [k for k in ranks if k not in job.ranks]:
-            del ranks[k]
-        return {k: t for k, t in ranks.items() if t.windows and not job.ranks[k].closing}
+    def on_tick(self, job, now):
+        st = self._jobs.get(job.job)
+        return None if st is None else self._judge(job, st, st.steps.tick(now))
 
-    def _evaluate(self, job, done: int):
-        live = self._live(job)
-        if len(live) < 2:
-            return Evaluation.no_data()
-        fastest_rank = min(live, key=lambda k: live[k].current)
-        fastest = live[fastest_rank].current
-        t = live.get(done)
-        if t is not None:
-            slow = (fastest / t.current < self.t.straggler_score if t.current > 0 else False) and (
-                t.current - fastest >= self.t.straggler_min_s
-            )
-            t.below = t.below + 1 if slow else 0
-        findings = []
-        for k, t in sorted(live.items()):
-            if t.below < self.t.straggler_windows:
+    def _judge(self, job, st: _Job, released):
+        if not released:
+            return None
+        closed = False
+        for step, reports in released:
+            reports = {k: m for k, m in reports.items() if k in st.ranks and m.header.boot == st.ranks[k].boot}
+            source, times = _times(reports)
+            if len(times) < 2:
                 continue
-            rel = fastest / t.current
+            fastest = min(times.values())
+            for k, x in times.items():
+                r = st.ranks[k]
+                ratio = fastest / x if x > 0 else 1.0
+                excess = x - float(np.median([y for q, y in times.items() if q != k]))
+                r.times.append(x)
+                r.ratios.append(ratio)
+                r.excess.append(excess)
+                r.slow.append(ratio < self.t.straggler_score and excess >= self.t.straggler_min_s)
+                if len(r.times) >= self.t.straggler_window:
+                    self._close(r, step, source)
+                    closed = True
+        if closed:
+            return self._evaluate(job, st)
+        return Evaluation.no_data() if len(self._timed(job, st)) < 2 else None
+
+    def _close(self, r: _Rank, step: int, source: str) -> None:
+        r.current = float(np.median(r.times))
+        r.relative = float(np.median(r.ratios))
+        r.excess_s = float(np.median(r.excess))
+        if math.isnan(r.best) or r.current < r.best:
+            r.best = r.current
+        r.windows += 1
+        r.step, r.source = step, source
+        r.below = r.below + 1 if 2 * sum(r.slow) > len(r.slow) else 0
+        for buf in (r.times, r.ratios, r.excess, r.slow):
+            buf.clear()
+
+    def _timed(self, job, st: _Job) -> dict[int, _Rank]:
+        """Ranks of the job with a complete window (forgotten ranks dropped)."""
+        for k in [k for k in st.ranks if k not in job.ranks]:
+            del st.ranks[k]
+        return {k: r for k, r in st.ranks.items() if r.windows}
+
+    def _evaluate(self, job, st: _Job):
+        timed = self._timed(job, st)
+        if len(timed) < 2:
+            return Evaluation.no_data()
+        live = {k: r for k, r in timed.items() if not job.ranks[k].closing}
+        if len(live) < 2:  # the job is ending: goodbyes arrive while the last reports are in flight
+            return Evaluation.healthy()
+        fastest_rank = min(live, key=lambda k: (live[k].current, k))
+        fastest = live[fastest_rank].current
+        findings = []
+        for k, r in sorted(live.items()):
+            if r.below < self.t.straggler_windows:
+                continue
             findings.append(Finding(
-                self.name, job.job, t.step,
-                f"rank {k} straggles: its median {t.source.replace('_', ' ')} per step is {t.current * 1e3:.1f} ms "
-                f"against {fastest * 1e3:.1f} ms on the fastest rank ({fastest_rank}), relative score "
-                f"{rel:.2f} for {t.below} windows of {self.t.straggler_window} steps (step {t.step})",
+                self.name, job.job, r.step,
+                f"rank {k} straggles: its {r.source.replace('_', ' ')} per step exceeds its peers' at the same step "
+                f"by {r.excess_s * 1e3:.1f} ms (median; {r.current * 1e3:.1f} ms against {fastest * 1e3:.1f} ms on the "
+                f"fastest rank, {fastest_rank}), relative score {r.relative:.2f} for {r.below} windows of "
+                f"{self.t.straggler_window} steps (step {r.step})",
                 rank=k,
                 details={
-                    "relative_score": rel, "individual_score": t.best / t.current, "median_s": t.current,
-                    "fastest_median_s": fastest, "fastest_rank": fastest_rank, "best_median_s": t.best,
-                    "windows": t.below, "source": t.source,
-                    "medians_s": {str(r): x.current for r, x in sorted(live.items())},
+                    "relative_score": r.relative, "individual_score": r.best / r.current, "median_s": r.current,
+                    "excess_s": r.excess_s, "fastest_median_s": fastest, "fastest_rank": fastest_rank,
+                    "best_median_s": r.best, "windows": r.below, "source": r.source,
+                    "medians_s": {str(q): x.current for q, x in sorted(live.items())},
                 },
             ))
         return Evaluation.found(*findings)
 
     def values(self, job_id):
-        ranks = {k: t for k, t in self._jobs.get(job_id, {}).items() if t.windows and t.current > 0}
+        st = self._jobs.get(job_id)
+        ranks = {k: r for k, r in (st.ranks.items() if st else ()) if r.windows and r.current > 0}
         if not ranks:
             return {}
-        fastest = min(t.current for t in ranks.values())
         return {
-            "rank_straggler_relative_score": {(str(k),): fastest / t.current for k, t in ranks.items()},
-            "rank_straggler_individual_score": {(str(k),): t.best / t.current for k, t in ranks.items()},
+            "rank_straggler_relative_score": {(str(k),): r.relative for k, r in ranks.items()},
+            "rank_straggler_individual_score": {(str(k),): r.best / r.current for k, r in ranks.items()},
         }
 
     def forget(self, job_id):

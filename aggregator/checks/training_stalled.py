@@ -19,6 +19,8 @@ the next completed step, or when every rank has said goodbye.
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from . import Check, Evaluation, Finding, register
 
 
@@ -35,6 +37,12 @@ class TrainingStalled(Check):
         "hears the ranks' heartbeats. Names the ranks not waiting in all-reduce (or silent) while their "
         "peers wait there, the likely hung ones; job-level when no rank can be told apart."
     )
+    dashboard = "rank_health"
+    uses = ("silent_after_s",)
+
+    class Thresholds(Check.Thresholds):
+        stall_after_s: float = Field(30.0, gt=0, description="Seconds without any rank completing a step after which training has stalled.")
+
     metrics = {
         "job_step_age_seconds": (
             "Seconds since any rank of the job (that has not said goodbye) last reported a completed step.",

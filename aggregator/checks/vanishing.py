@@ -7,6 +7,8 @@ vanishing job from an exploding one by the check's name alone.
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from . import register
 from .explosion import Explosion
 
@@ -21,6 +23,10 @@ class Vanishing(Explosion):
         "parameters, saturated activations). Names no rank. A finding lasts spike_window steps past the "
         "last step below the threshold."
     )
+
+    class Thresholds(Explosion.Thresholds):
+        vanish_below: float = Field(1e-8, ge=0, description="Global gradient norm below which gradients are vanishing.")
+
     kinds = frozenset({"vanish"})
     metrics = {}  # the rolling median is the explosion check's series
 

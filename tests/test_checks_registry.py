@@ -1,0 +1,120 @@
+"""The check registry: a check is one file, declaring its own thresholds and the dashboard that shows
+it; the aggregate thresholds model, the aggregator's ``checks`` setting, the README catalog and the
+Grafana generator all read the registry."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import Field, ValidationError
+
+from gradwatch.aggregator import checks as registry
+from gradwatch.aggregator.checks import CHECKS, DASHBOARDS, OWNERS, Check, Common, Thresholds, thresholds_model
+from gradwatch.aggregator.config import AggregatorConfig
+
+
+
+def _read(source: str) -> set[str]:
+    """Thresholds a check's code reads: ``self.t.NAME``, or ``x.NAME`` after ``x = self.t``."""
+    owners = ["self\\.t", *(re.escape(a) for a in re.findall(r"\b(\w+) = self\.t$", source, re.M))]
+    return {m for o in owners for m in re.findall(rf"(?<![\w.]){o}\.([a-z][a-z0-9_]*)\b", source)}
+
+
+def _available(cls: type[Check]) -> set[str]:
+    return set(cls.Thresholds.model_fields) | set(cls.uses) | set(Common.model_fields)
+
+
+def test_every_threshold_a_check_reads_is_its_own_a_used_one_or_common():
+    """A check file reads only thresholds its checks declare, name in ``uses``, or share (Common);
+    code in a file also runs for the checks subclassing its classes (vanishing is explosion's
+    machinery), so theirs count there too."""
+    bad = {}
+    for path in sorted(Path(registry.__file__).parent.glob("[!_]*.py")):
+        module = sys.modules[f"{registry.__name__}.{path.stem}"]
+        mine = [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == module.__name__]
+        allowed = set().union(*(_available(c) for c in CHECKS.values() if any(issubclass(c, m) for m in mine)))
+        read = _read(path.read_text())
+        if read - allowed:
+            bad[path.name] = sorted(read - allowed)
+    assert bad == {}, bad
+
+
+def test_aggregate_model_is_every_checks_thresholds_with_owner_and_unique_names():
+    declared = {n for c in CHECKS.values() for n in c.Thresholds.model_fields} | set(Common.model_fields)
+    assert set(Thresholds.model_fields) == declared
+    assert list(OWNERS) == list(Thresholds.model_fields)
+    for name, owner in OWNERS.items():
+        field = Thresholds.model_fields[name]
+        src = CHECKS[owner].Thresholds if owner else Common
+        assert field.default == src.model_fields[name].default and field.description
+    assert OWNERS["skew_steps"] == "step_skew" and OWNERS["silent_after_s"] == "rank_silent"
+    assert OWNERS["vanish_below"] == "vanishing" and OWNERS["explode_above"] == "explosion"
+    assert OWNERS["max_layers"] == ""
+    assert set(Thresholds.model_fields) >= set(CHECKS["vanishing"].Thresholds.model_fields)  # inherited once
+
+
+def test_thresholds_keep_their_names_defaults_and_bounds_everywhere(monkeypatch):
+    assert Thresholds().skew_steps == 5 and Thresholds(skew_steps=10).skew_steps == 10
+    with pytest.raises(ValidationError, match="straggler_score"):
+        Thresholds(straggler_score=1.5)
+    with pytest.raises(ValidationError, match="no_such_threshold"):
+        Thresholds(no_such_threshold=1)
+    assert AggregatorConfig(checks={"skew_steps": 7}).checks.skew_steps == 7
+    assert isinstance(AggregatorConfig().checks, Thresholds)
+    monkeypatch.setenv("GRADWATCH_AGGREGATOR_CHECKS__SKEW_STEPS", "11")
+    assert AggregatorConfig().checks.skew_steps == 11
+
+
+def test_two_checks_declaring_one_threshold_or_using_an_undeclared_one_fail_naming_them():
+    class A(Check):
+        name = "a"
+        dashboard = "rank_health"
+
+        class Thresholds(Check.Thresholds):
+            wait_s: float = Field(1.0, gt=0, description="A's wait.")
+
+    class B(Check):
+        name = "b"
+        dashboard = "rank_health"
+
+        class Thresholds(Check.Thresholds):
+            wait_s: float = Field(2.0, gt=0, description="B's wait.")
+
+    class C(Check):
+        name = "c"
+        dashboard = "rank_health"
+        uses = ("wait_s", "nowhere_s")
+
+    with pytest.raises(ValueError, match="check b declares threshold 'wait_s', already declared by a"):
+        thresholds_model({"a": A, "b": B})
+    with pytest.raises(ValueError, match="check c uses thresholds no check declares: nowhere_s"):
+        thresholds_model({"a": A, "c": C})
+    model = thresholds_model({"a": A})
+    assert list(model.model_fields) == ["wait_s", *Common.model_fields] and model().wait_s == 1.0
+    assert OWNERS["skew_steps"] == "step_skew"  # a model built from other checks leaves the registry's alone
+
+
+def test_register_names_a_check_without_a_dashboard():
+    class D(Check):
+        name = "d_without_dashboard"
+
+    with pytest.raises(ValueError, match="check d_without_dashboard: dashboard must be one of"):
+        registry.register(D)
+    assert "d_without_dashboard" not in CHECKS
+    assert {c.dashboard for c in CHECKS.values()} == set(DASHBOARDS)
+
+
+def test_grafana_status_panels_list_the_registered_checks():
+    from gradwatch.grafana import generate
+
+    boards = generate.build()
+    uid = {"gradient_flow": "gradwatch-gradient-flow", "consistency": "gradwatch-consistency",
+           "rank_health": "gradwatch-rank-health"}
+    for dashboard, names in ((d, sorted(n for n, c in CHECKS.items() if c.dashboard == d)) for d in DASHBOARDS):
+        (panel,) = [p for p in boards[uid[dashboard]]["panels"] if p["title"] == "Check status"]
+        shown = set(re.findall(r'check=~"([^"]+)"', panel["targets"][0]["expr"]))
+        assert shown == {"|".join(names)}, dashboard
