@@ -32,6 +32,7 @@ class RankSilent(Check):
         "goodbye (closed, disabled after errors) while its live peers' steps pass its own by more than skew_steps."
     )
     dashboard = "rank_health"
+    uses = ("skew_steps",)  # a stopped agent is left behind by the same margin as a skewed rank
 
     class Thresholds(Check.Thresholds):
         silent_after_s: float = Field(15.0, gt=0, description="Seconds without any message after which a rank is silent.")
