@@ -80,7 +80,8 @@ class Sender:
         self._heartbeat_s = heartbeat_s
         self._schema_every_s = schema_every_s
         self.seq = 0
-        self.sent = 0
+        self.sent = 0  # messages handed to ZeroMQ, and the reports among them
+        self.reports = 0
         self.connected = False  # the socket reached a peer at least once
         self.errors = 0
         # one counter per writing thread: a shared += from two threads can lose counts
@@ -251,7 +252,10 @@ class Sender:
                 self._queue.popleft()
             except IndexError:
                 break
-            if self._send(build) is False:  # built but refused: this report is lost, counted once
+            ok = self._send(build)
+            if ok:
+                self.reports += 1
+            elif ok is False:  # built but refused: this report is lost, counted once
                 self._send_drops += 1
                 self._blocked(now)
                 return False
