@@ -4,7 +4,7 @@ bench/outage.py (issue 9). Run as a script; gloo rendezvous on loopback.
 Stops after ``--steps`` steps, or (``--steps -1``) when the file ``--stop`` appears; the ranks
 agree on stopping with an all-reduce every step, in both modes, so a run without the agent can
 repeat exactly the steps of a run with it. With ``--baton FILE`` (bench/outage.py) it trains
-only while FILE reads ``<--name>:<phase>`` and sums steps and seconds per phase, so two jobs
+only while FILE reads ``<--name>:<phase>`` and records steps and seconds of each turn per phase, so two jobs
 take turns on the same cores. Writes the step count to ``--progress.<rank>`` after each step and
 ``--out.<rank>.pt`` (final parameters) and ``--out.<rank>.json`` (counters) at the end.
 """
@@ -39,9 +39,17 @@ def worker(rank: int, a) -> None:
         mon = agent.attach(model, opt, endpoint=a.endpoint, job=a.job, every=a.every, heartbeat_s=a.heartbeat_s)
     fd = os.open(f"{a.progress}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     baton = os.open(a.baton, os.O_RDONLY) if a.baton else None
-    phases: dict[str, list[float]] = {}
+    phases: dict[str, list[list[float]]] = {}  # phase -> [steps, seconds] of each turn
     flag = torch.zeros(2)
     step, turn, t0 = 0, None, 0.0
+    # the sender thread's CPU time per phase (rank 0, whichever job trains): load-independent
+    sender_tid = mon.sender._thread.native_id if mon is not None else None
+    sender_cpu: dict[str, list[float]] = {}  # phase -> [cpu seconds, wall seconds]
+    cur_phase, c0, w0 = None, 0.0, 0.0
+
+    def thread_cpu() -> float:
+        with open(f"/proc/self/task/{sender_tid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
     while True:
         flag.zero_()
         if rank == 0:
@@ -52,13 +60,20 @@ def worker(rank: int, a) -> None:
                 flag[1] = float(owner == a.name)
                 # a turn starts or ends: the phase's clock runs only while this job trains
                 now = time.perf_counter()
+                if sender_tid is not None and phase != cur_phase:
+                    c = thread_cpu()
+                    if cur_phase is not None:
+                        acc = sender_cpu.setdefault(cur_phase, [0.0, 0.0])
+                        acc[0] += c - c0
+                        acc[1] += now - w0
+                    cur_phase, c0, w0 = phase, c, now
                 mine = phase if owner == a.name else None
                 if mine != turn:
                     if turn is not None:
-                        phases[turn][1] += now - t0
+                        phases[turn][-1][1] = now - t0
                     turn, t0 = mine, now
                     if turn is not None:
-                        phases.setdefault(turn, [0, 0.0])
+                        phases.setdefault(turn, []).append([0, 0.0])
         else:
             flag[1] = 1.0 if baton is None else 0.0
         dist.all_reduce(flag)
@@ -67,19 +82,19 @@ def worker(rank: int, a) -> None:
         if baton is not None and flag[1] < 1:  # not this job's turn
             time.sleep(0.002)
             continue
-        x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)
+        x, y = torch.randn(a.batch, 64, generator=gen), torch.randn(a.batch, 8, generator=gen)
         F.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
         step += 1
         if turn is not None:
-            phases[turn][0] += 1
+            phases[turn][-1][0] += 1
         os.pwrite(fd, f"{step:12d}".encode(), 0)
         if a.sleep_s:
             time.sleep(a.sleep_s)
     if turn is not None:
-        phases[turn][1] += time.perf_counter() - t0
-    info = {"steps": step, "phases": phases, "agent": mon is not None}
+        phases[turn][-1][1] = time.perf_counter() - t0
+    info = {"steps": step, "phases": phases, "agent": mon is not None, "sender_cpu": sender_cpu}
     if mon is not None:
         s = mon.sender
         info.update(alive=s.alive, errors=mon.errors + s.errors, sent=s.sent, reports=s.reports, drops=s.drops,
@@ -105,6 +120,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--heartbeat-s", type=float, default=0.5)
     p.add_argument("--width", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--sleep-s", type=float, default=0.0, help="pause after each step (pacing on a shared machine)")
     a = p.parse_args()
     import torch.multiprocessing as mp
