@@ -65,9 +65,10 @@ class Trainer:
         self.opt.zero_grad()
         self.steps += 1
 
-    def run_for(self, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
+    def run_for(self, seconds: float, min_steps: int = 0, max_s: float = 60.0) -> None:
+        """Train for ``seconds``, and on until ``min_steps`` steps (at most ``max_s`` seconds)."""
+        start = time.monotonic()
+        while (time.monotonic() - start < seconds or self.steps < min_steps) and time.monotonic() - start < max_s:
             self.step()
 
     def start(self) -> "Trainer":
@@ -86,6 +87,7 @@ class Trainer:
         self.monitor.close()
 
 
+@pytest.mark.filterwarnings("ignore:gradwatch. never connected:RuntimeWarning")  # expected: nothing listens
 def test_no_aggregator_the_sender_thread_stays_idle_and_counts_each_lost_report_once():
     """Nothing listens for 3 s of back-to-back training steps. The sender thread builds nothing,
     hands nothing to ZeroMQ, uses under 5% of one core (it once spun at 100% holding the GIL),
@@ -97,14 +99,15 @@ def test_no_aggregator_the_sender_thread_stays_idle_and_counts_each_lost_report_
         t.step()  # the probe at step 0: the schema becomes known (request_schema wakes the thread)
         tid = sender._thread.native_id
         cpu0, turns0, t0 = thread_cpu_s(tid), sender.turns, time.monotonic()
-        t.run_for(3.0)
+        t.run_for(3.0, min_steps=3 * sender._queue_size)  # fills the queue, also on a loaded machine
         elapsed = time.monotonic() - t0
         cpu, turns = thread_cpu_s(tid) - cpu0, sender.turns - turns0
         assert sender.alive
         assert sender.seq == 0 and sender.sent == 0 and sender.reports == 0
         assert sender._send_drops == 0, "a report was built for a peer that is not there"
         assert sender.drops == t.steps - len(sender._queue), "each report dropped is counted once"
-        assert len(sender._queue) == sender._queue_size
+        assert len(sender._queue) == min(sender._queue_size, t.steps)
+        assert sender.drops > 0
         # wake-ups: its own backoff timer, plus the queue crossing its wake mark once
         assert turns <= retry_turns_bound(elapsed, sender) + 1, (turns, elapsed)
         assert cpu < 0.05 * elapsed, f"sender thread used {cpu:.3f} s of CPU in {elapsed:.1f} s"
