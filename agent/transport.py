@@ -93,8 +93,8 @@ class Sender:
         self._backoff = self.backoff_min_s
         self.retry_at = 0.0  # monotonic time of the next attempt after a refusal
         self._next_beat = self._next_schema = 0.0
-        self.turns = 0  # sender loop turns, and turns that found ZeroMQ refusing (tests bound them)
-        self.blocked = 0
+        self.turns = 0  # sender loop turns (tests bound them)
+        self.blocked = 0  # attempts that found ZeroMQ refusing
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -237,13 +237,15 @@ class Sender:
                 return False
             # sent, or no schema yet (no probe ran): request_schema() makes it due again
             self._next_schema = now + self._schema_every_s
+        waiting = False
         while self._queue:
             try:
                 build, ready = self._queue[0]
             except IndexError:
                 break
-            if ready is not None and not ready():
-                return True
+            if ready is not None and not ready():  # holds back later reports, not heartbeats
+                waiting = True
+                break
             # a report never overtakes the schema it names (request_schema() may come any time)
             if self._schema_due and self._schema_first() is False:
                 self._blocked(now)
@@ -265,7 +267,7 @@ class Sender:
                 return False
             self._next_beat = now + self._heartbeat_s
         self._backoff = self.backoff_min_s
-        return False
+        return waiting
 
     def _run(self) -> None:
         self._next_beat = self._next_schema = self._clock()

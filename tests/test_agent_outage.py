@@ -167,3 +167,34 @@ def test_late_killed_and_stopped_aggregator_metrics_come_back_and_sender_stays_i
     assert sender.reports + sender.drops + len(sender._queue) == t.steps
     assert sender.reports > 0 and not sender.alive
     assert t.monitor.errors == 0 and sender.errors == 0
+
+
+def test_an_unready_report_holds_back_later_reports_not_heartbeats(collector):
+    """A report whose data has not arrived (a CUDA event not yet reached: ``ready`` False) holds
+    back the reports after it, in order, but never the heartbeats; once ready, all go out."""
+    from gradwatch import wire
+    from agent.transport import Sender
+
+    def header(seq):
+        return wire.Header("unready", 0, 1, "boot", seq, time.time())
+
+    def beat(h):
+        return wire.Heartbeat(h, step=0, sent=0, drops=0, errors=0)
+
+    def report(step):
+        return lambda h: wire.Heartbeat(h, step=step, sent=0, drops=0, errors=0)  # any message: its step marks it
+
+    arrived = threading.Event()
+    s = Sender(collector.endpoint, header, lambda h: None, beat, heartbeat_s=0.05).start()
+    try:
+        collector.wait(lambda: s.connected and s.sent, what="the sender connected")
+        s.submit(report(7), ready=arrived.is_set, urgent=True)
+        s.submit(report(8), urgent=True)
+        n = len(collector.msgs)
+        collector.wait(lambda: len(collector.msgs) >= n + 5, what="heartbeats while a report is unready")
+        assert all(m.step == 0 for m in collector.msgs), "a report overtook or skipped the unready one"
+        arrived.set()
+        collector.wait(lambda: [m.step for m in collector.msgs if m.step] == [7, 8], what="both reports, in order")
+    finally:
+        s.close()
+    assert s.reports == 2 and s.drops == 0 and s.errors == 0
