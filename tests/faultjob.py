@@ -97,8 +97,8 @@ def worker(rank: int, a) -> None:
     info = {"steps": step, "phases": phases, "agent": mon is not None, "sender_cpu": sender_cpu}
     if mon is not None:
         s = mon.sender
-        info.update(alive=s.alive, errors=mon.errors + s.errors, sent=s.sent, reports=s.reports, drops=s.drops,
-                    turns=s.turns, blocked=s.blocked, connected=s.connected)
+        info.update(alive=s.alive, errors=mon.errors + s.errors, sent=s.sent, drops=s.drops, connected=s.connected,
+                    **{k: getattr(s, k, None) for k in ("reports", "turns", "blocked")})  # None: an older agent
         mon.close()
     torch.save({n: p.detach().clone() for n, p in model.module.named_parameters()}, f"{a.out}.{rank}.pt")
     with open(f"{a.out}.{rank}.json", "w") as f:
