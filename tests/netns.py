@@ -10,6 +10,7 @@ Needs root and iproute2: without them the tests that use this skip with the reas
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,6 +51,15 @@ def require() -> None:
     pytest.skip(reason)
 
 
+def _remove_stale() -> None:
+    """Delete namespaces left by runs whose process is gone (killed before its finalizer ran)."""
+    listed = _ip("netns", "list", check=False).stdout.split()
+    for name in listed:
+        m = re.fullmatch(r"gw-[a-z]*(\d+)-(train|agg)", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            _ip("netns", "del", name, check=False)
+
+
 class NetnsPair:
     """Namespaces ``train`` and ``agg`` with a veth pair ``TRAIN_ADDR/30 <-> AGG_ADDR/30``.
 
@@ -63,6 +73,7 @@ class NetnsPair:
         self.veth_train, self.veth_agg = f"gwt{n}"[:15], f"gwa{n}"[:15]  # interface names: 15 chars
 
     def up(self) -> "NetnsPair":
+        _remove_stale()
         try:
             _ip("netns", "add", self.train)
             _ip("netns", "add", self.agg)

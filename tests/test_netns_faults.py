@@ -182,6 +182,8 @@ def test_partition_kill_and_stop_leave_training_unchanged_and_metrics_return(pai
         seen.update(r["findings"] or ())
     assert seen == {"rank_silent"}, f"findings raised during the faults: {seen}"
 
+    out = (tmp_path / "agent.log").read_text()
+    assert "Traceback" not in out and "gradwatch:" not in out, f"the agent raised or warned: {out}"
     infos = [json.loads((tmp_path / f"agent.{r}.json").read_text()) for r in (0, 1)]
     steps = infos[0]["steps"]
     for info in infos:
