@@ -8,7 +8,7 @@ never touches the socket, never waits and never sees an exception from here. The
   queued to an aggregator that is not connected, and sends with ``NOBLOCK`` (case C25);
 * never spins, whatever the aggregator does (issue 9): it builds a message only when ZeroMQ can
   take it (``POLLOUT``); when it cannot, reports wait in the bounded queue (the oldest dropped and
-  counted once) and the next attempt comes after a backoff doubling from 0.1 s to
+  counted once) and the next attempt comes after a backoff doubling from 10 ms to
   ``max(1 s, heartbeat_s)`` (10 s at most), reset by a (re)connection or a send. A report that was
   built and refused is counted as dropped once; schemas and heartbeats are retried, not counted.
   ZMTP heartbeats drop a silent peer after 3 s (partition, stopped aggregator) and reconnection
@@ -88,7 +88,9 @@ class Sender:
         self._queue_drops = 0
         self._send_drops = 0
         # backoff while ZeroMQ takes nothing (no aggregator, partition, high-water mark)
-        self.backoff_min_s = 0.1
+        # short first retries: a fresh socket is refused until its connection completes (~1 ms
+        # on a LAN), and reports of fast steps wait in the bounded queue meanwhile
+        self.backoff_min_s = 0.01
         self.backoff_max_s = min(10.0, max(1.0, heartbeat_s))
         self._backoff = self.backoff_min_s
         self.retry_at = 0.0  # monotonic time of the next attempt after a refusal
