@@ -4,8 +4,15 @@ The training thread only appends to a bounded deque (drop-oldest, counted) and s
 never touches the socket, never waits and never sees an exception from here. The thread:
 
 * connects a PUSH socket (never binds: a bound PUSH blocks without peers, case C24) with
-  ``LINGER 0`` so process exit never waits on unsent data (case C26), and sends with ``NOBLOCK``:
-  a full ZeroMQ queue drops the message and counts it (case C25);
+  ``LINGER 0`` so process exit never waits on unsent data (case C26), ``IMMEDIATE`` so nothing is
+  queued to an aggregator that is not connected, and sends with ``NOBLOCK`` (case C25);
+* never spins, whatever the aggregator does (issue 9): it builds a message only when ZeroMQ can
+  take it (``POLLOUT``); when it cannot, reports wait in the bounded queue (the oldest dropped and
+  counted once) and the next attempt comes after a backoff doubling from 10 ms to
+  ``max(1 s, heartbeat_s)`` (10 s at most), reset by a (re)connection or a send. A report that was
+  built and refused is counted as dropped once; schemas and heartbeats are retried, not counted.
+  ZMTP heartbeats drop a silent peer after 3 s (partition, stopped aggregator) and reconnection
+  backs off from 0.1 s to 1 s, so reports flow again within ~2 s of the aggregator's return;
 * stamps a per-rank sequence number on each message actually handed to ZeroMQ, so the
   aggregator can count messages lost in flight (case C28);
 * sends a heartbeat every ``heartbeat_s`` and the schema every ``schema_every_s``, on demand,
@@ -76,18 +83,39 @@ class Sender:
         self._heartbeat_s = heartbeat_s
         self._schema_every_s = schema_every_s
         self.seq = 0
-        self.sent = 0
+        self.sent = 0  # messages handed to ZeroMQ, and the reports among them
+        self.reports = 0
         self.connected = False  # the socket reached a peer at least once
         self.errors = 0
         # one counter per writing thread: a shared += from two threads can lose counts
         self._queue_drops = 0
         self._send_drops = 0
+        # backoff while ZeroMQ takes nothing (no aggregator, partition, high-water mark)
+        # short first retries: a fresh socket is refused until its connection completes (~1 ms
+        # on a LAN), and reports of fast steps wait in the bounded queue meanwhile
+        self.backoff_min_s = 0.01
+        self.backoff_max_s = min(10.0, max(1.0, heartbeat_s))
+        self._backoff = self.backoff_min_s
+        self.retry_at = 0.0  # monotonic time of the next attempt after a refusal
+        self._next_beat = self._next_schema = 0.0
+        self.turns = 0  # sender loop turns (tests bound them)
+        self.blocked = 0  # attempts that found ZeroMQ refusing
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, send_hwm)
         if keys is not None:
             keys.apply(self._sock)  # CURVE client: before connect
+        # queue only to a connected aggregator: a restarted one must not first get stale reports
+        # queued during the outage, ahead of the schema resent on connect
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # ms, exponential in between
+        self._sock.setsockopt(zmq.CONNECT_TIMEOUT, 2000)  # a SYN into a partition is given up
+        # ZMTP heartbeats: a peer silent for 3 s (partition, SIGSTOP) is dropped and reconnected,
+        # instead of waiting out TCP's retransmission backoff after the network heals
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         self._sock.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name="gradwatch-sender", daemon=True)
@@ -115,7 +143,10 @@ class Sender:
             except IndexError:
                 pass
         self._queue.append((build, ready))
-        if urgent or len(self._queue) >= self._wake_at:
+        # wake on crossing the mark, not on every report above it: a sender that cannot send
+        # (aggregator away, queue full) must not be woken at every step
+        # and not for a probe while backing off: nothing could go out before ``retry_at`` anyway
+        if len(self._queue) == self._wake_at or (urgent and self._clock() >= self.retry_at):
             self._wake.set()
 
     def request_schema(self) -> None:
@@ -124,7 +155,9 @@ class Sender:
 
     @property
     def drops(self) -> int:
-        """Messages dropped so far: queue overflow plus ZeroMQ high-water mark."""
+        """Reports dropped so far, each counted once: pushed out of the full queue (the sender could
+        not hand them to ZeroMQ in time) or built and refused by ZeroMQ. Heartbeats and schemas
+        that could not go out are retried, not counted."""
         return self._queue_drops + self._send_drops
 
     @property
@@ -144,25 +177,35 @@ class Sender:
 
     # --- sender thread -------------------------------------------------------------------------
 
-    def _send(self, make: Build) -> bool:
+    def _writable(self) -> bool:
+        """Whether ZeroMQ takes a message now: a connected peer (``IMMEDIATE``) and room below the
+        high-water mark. One getsockopt: nothing is built to find out."""
+        try:
+            return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
+        except zmq.ZMQError:
+            return False
+
+    def _send(self, make: Build) -> Optional[bool]:
+        """Build, encode and hand one message to ZeroMQ without blocking: True when handed over,
+        False when ZeroMQ refused it (no peer, high-water mark), None when there was nothing to
+        send or it failed to build (counted in ``errors``)."""
         try:
             msg = make(self._header(self.seq))
             if msg is None:
-                return False
+                return None
             frame = wire.encode(msg)
         except Exception as e:
             self.errors += 1
             log.debug("gradwatch: dropped a message that failed to build: %r", e)
-            return False
+            return None
         try:
             self._sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
-            self._send_drops += 1
             return False
         except zmq.ZMQError as e:
             self.errors += 1
             log.debug("gradwatch: send failed: %r", e)
-            return False
+            return None
         self.seq += 1
         self.sent += 1
         return True
@@ -177,47 +220,85 @@ class Sender:
                 break
         return seen
 
+    def _blocked(self, now: float) -> None:
+        """ZeroMQ takes nothing now: no attempt before ``now + backoff``; the backoff doubles from
+        ``backoff_min_s`` up to ``backoff_max_s``. Reports wait in the queue meanwhile."""
+        self.retry_at = now + self._backoff
+        self._backoff = min(self._backoff * 2, self.backoff_max_s)
+        self.blocked += 1
+
+    def _schema_first(self) -> Optional[bool]:
+        """Send a due schema; False when ZeroMQ refused it (it stays due)."""
+        ok = self._send(self._schema)
+        if ok:
+            self._schema_due = False
+        return ok
+
+    def _work(self, now: float, stopping: bool) -> bool:
+        """One turn's sending; returns whether an unready report holds back the queue."""
+        if not self._writable():
+            self._blocked(now)
+            return False
+        if self._schema_due or now >= self._next_schema:
+            if self._schema_first() is False:
+                self._blocked(now)
+                return False
+            # sent, or no schema yet (no probe ran): request_schema() makes it due again
+            self._next_schema = now + self._schema_every_s
+        waiting = False
+        while self._queue:
+            try:
+                build, ready = self._queue[0]
+            except IndexError:
+                break
+            if ready is not None and not ready():  # holds back later reports, not heartbeats
+                waiting = True
+                break
+            # a report never overtakes the schema it names (request_schema() may come any time)
+            if self._schema_due and self._schema_first() is False:
+                self._blocked(now)
+                return False
+            try:
+                self._queue.popleft()
+            except IndexError:
+                break
+            ok = self._send(build)
+            if ok:
+                self.reports += 1
+            elif ok is False:  # built but refused: this report is lost, counted once
+                self._send_drops += 1
+                self._blocked(now)
+                return False
+        if now >= self._next_beat or stopping:
+            if self._send(self._heartbeat) is False:
+                self._blocked(now)
+                return False
+            self._next_beat = now + self._heartbeat_s
+        self._backoff = self.backoff_min_s
+        return waiting
+
     def _run(self) -> None:
-        now = self._clock()
-        next_beat = now
-        next_schema = now
+        self._next_beat = self._next_schema = self._clock()
         try:
             while True:
+                self.turns += 1
                 stopping = self._stop.is_set()
                 now = self._clock()
-                if self._reconnected():
+                if self._reconnected():  # a (new) aggregator: schema and heartbeat at once
                     self._schema_due = True
-                if self._schema_due or now >= next_schema:
-                    if self._send(self._schema):
-                        self._schema_due = False
-                        next_schema = now + self._schema_every_s
-                    elif self._schema(self._header(self.seq)) is None:
-                        next_schema = now + self._schema_every_s  # nothing to say yet
-                waiting = False
-                while self._queue:
-                    try:
-                        build, ready = self._queue[0]
-                    except IndexError:
-                        break
-                    if ready is not None and not ready():
-                        waiting = True
-                        break
-                    if self._schema_due and self._send(self._schema):
-                        self._schema_due = False  # a report never overtakes the schema it names
-                        next_schema = now + self._schema_every_s
-                    try:
-                        self._queue.popleft()
-                    except IndexError:
-                        break
-                    self._send(build)
-                if now >= next_beat or stopping:
-                    self._send(self._heartbeat)
-                    next_beat = now + self._heartbeat_s
+                    self._next_beat = now
+                    self._backoff = self.backoff_min_s
+                    self.retry_at = now
+                waiting = self._work(now, stopping) if stopping or now >= self.retry_at else False
                 if stopping:
                     return
-                timeout = max(0.0, min(next_beat, next_schema) - self._clock())
-                # a turn every flush_s at least: reports that did not wake the thread wait no longer
-                self._wake.wait(min(timeout, 0.002 if waiting else self.flush_s))
+                now = self._clock()
+                if now < self.retry_at:  # blocked: nothing can go out before then
+                    timeout = self.retry_at - now
+                else:  # a turn every flush_s at least: reports that did not wake the thread wait no longer
+                    timeout = min(self._next_beat - now, self._next_schema - now, 0.002 if waiting else self.flush_s)
+                # never a zero wait: a turn that could not send does not come round at once
+                self._wake.wait(max(timeout, 0.001))
                 self._wake.clear()
         except Exception as e:  # never expected; keep the process healthy regardless
             self.errors += 1

@@ -358,10 +358,12 @@ def test_c24_late_aggregator_gets_schema_resent_and_reports(tmp_path):
         for _ in range(6):
             step()
         deadline = time.monotonic() + 10
-        while monitor.sender.seq == 0 or monitor.sender._queue:  # let the agent hand over what it has
+        while monitor.sender.blocked < 2:  # let the agent try (and be refused) more than once
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        # IMMEDIATE: nothing is handed to ZeroMQ (nor queued there) while no aggregator is connected
         seq_before = monitor.sender.seq
+        assert seq_before == 0
         late = Collector(port)
         late.wait(lambda: any(isinstance(m, wire.Schema) and m.header.seq >= seq_before for m in late.msgs),
                   timeout_s=20, what="a schema sent after the aggregator came up")
@@ -521,16 +523,17 @@ def test_c32_sender_survives_failing_builders_and_keeps_sending(collector):
     assert not monitor.sender.alive
 
 
-def test_c32_fresh_agent_counts_no_errors():
+def test_c32_fresh_agent_counts_no_errors(collector):
     """A fresh agent's first heartbeat builds cleanly: no failure counted (the heartbeat once ran
-    before the monitor had its sender and failed on most attaches). Repeated because it was a race."""
+    before the monitor had its sender and failed on most attaches). Repeated because it was a race.
+    A peer listens: with IMMEDIATE nothing is built or handed over without one."""
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     for _ in range(10):
-        monitor = agent.attach(model, opt, endpoint=f"tcp://127.0.0.1:{free_port()}", heartbeat_s=0.01)
+        monitor = agent.attach(model, opt, endpoint=collector.endpoint, heartbeat_s=0.01)
         try:
             deadline = time.monotonic() + 10
-            while monitor.sender.sent < 2:  # queued for the absent peer: sent counts them
+            while monitor.sender.sent < 2:  # handed to ZeroMQ: sent counts them
                 assert time.monotonic() < deadline, "no heartbeat handed to ZeroMQ"
                 time.sleep(0.005)
             assert monitor.sender.errors == 0 and monitor.errors == 0
