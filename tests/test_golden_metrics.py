@@ -32,7 +32,7 @@ CASES = ((0, "metrics.txt"), (2, "metrics_layer_depth_2.txt"))
 #: sample names whose values depend on the wall clock or on the machine's speed
 VOLATILE = ("gradwatch_rank_last_seen_timestamp_seconds", "gradwatch_check_seconds_total", "gradwatch_decode_seconds_sum")
 
-JOB, WORLD, EVERY, STEPS = "golden", 3, 5, 36  # the last step is probed
+JOB, WORLD, EVERY, STEPS = "golden", 3, 5, 51  # the last step is probed
 T0 = 1_700_000_000.0  # senders' wall clock at the first message
 MODULES = ("emb", "blocks.0.fc", "blocks.1.fc", "head")
 PARAMS = (("emb.weight", (16, 8), "float32"),) + tuple(
