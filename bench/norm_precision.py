@@ -6,6 +6,8 @@ squares is large) this measures, on the current device:
 
   f32      ``torch._foreach_norm(ts, 2, dtype=torch.float32)``   (the agent's former choice)
   f64      ``torch._foreach_norm(ts, 2, dtype=torch.float64)``   (float64 accumulation)
+  chunked  ``gradwatch.agent.stats.l2_norms``: float32 over 8192-element chunks, float64 across
+           (the agent's choice)
 
 the relative error of each against a float64 reference (``x.double().norm()``) and the median wall
 time of one call over ``--repeat`` calls. See bench/README.md for the figures and the choice.
@@ -22,6 +24,8 @@ import statistics
 import time
 
 import torch
+
+from gradwatch.agent.stats import l2_norms
 
 
 def timed(fn, repeat: int, device: torch.device) -> float:
@@ -49,18 +53,17 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     print(f"device {dev}, threads {torch.get_num_threads()}")
-    print(f"{'numel':>10} {'rel err f32':>12} {'rel err f64':>12} {'ms f32':>9} {'ms f64':>9} {'f64/f32':>8}")
+    print(f"{'numel':>10} {'err f32':>9} {'err f64':>9} {'err chunk':>9} {'ms f32':>8} {'ms f64':>8} {'ms chunk':>8}")
     for k in [20, 24] + list(range(26, a.max_log2 + 1)):
         n = 1 << k
         x = (torch.randn(n, generator=g) + 0.5).to(dev)
         ref = x.double().norm().item()
-        row = [n]
-        for dt in (torch.float32, torch.float64):
-            got = torch._foreach_norm([x], 2, dtype=dt)[0].item()
-            row.append(abs(got - ref) / ref)
-        for dt in (torch.float32, torch.float64):
-            row.append(1e3 * timed(lambda: torch._foreach_norm([x], 2, dtype=dt), a.repeat, dev))
-        print(f"{row[0]:>10} {row[1]:>12.2e} {row[2]:>12.2e} {row[3]:>9.2f} {row[4]:>9.2f} {row[4] / row[3]:>8.2f}")
+        fns = [lambda: torch._foreach_norm([x], 2, dtype=torch.float32)[0],
+               lambda: torch._foreach_norm([x], 2, dtype=torch.float64)[0],
+               lambda: l2_norms([x])[0]]
+        errs = [abs(f().item() - ref) / ref for f in fns]
+        ms = [1e3 * timed(f, a.repeat, dev) for f in fns]
+        print(f"{n:>10} " + " ".join(f"{e:>9.1e}" for e in errs) + " " + " ".join(f"{t:>8.2f}" for t in ms))
         del x
 
 
