@@ -155,13 +155,18 @@ class Reducer:
         threading.Thread(target=build, name="gradwatch-compile", daemon=True).start()
 
     def moments(self, t: torch.Tensor) -> torch.Tensor:
-        """Moments record of ``t`` (any shape, floating dtype) as a float32 tensor of shape [6]."""
+        """Moments record of ``t`` (any shape, floating or complex dtype; complex by magnitude
+        ``|z|``) as a float32 tensor of shape [6]. An empty ``t`` gives NaN mean, min and max and
+        zero counts (the recorder sends no record for one: it only counts the call)."""
         x = t.detach().reshape(-1)
+        if x.is_complex():
+            x = x.abs()
         if x.dtype != torch.float32:
             x = x.float()
         if x.numel() == 0:  # no host-to-device copy: new_full and slicing fill on the device
             out = x.new_full((6,), float("nan"))
-            out[[1, 4, 5]] = 0.0
+            out[1:2].zero_()
+            out[4:].zero_()
             return out
         fused = self._fused
         if fused is None:
