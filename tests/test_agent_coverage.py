@@ -148,3 +148,242 @@ def test_norms_of_a_2_26_element_parameter_against_float64(collector):
     assert float(row[0]) == pytest.approx(ref64(model.w.grad), rel=1e-6)
     assert float(row[1]) == pytest.approx(ref64(model.w), rel=1e-6)
     assert probes[0].report.grad_norm == pytest.approx(ref64(model.w.grad), rel=1e-6)
+
+
+# --- outputs: complex, empty, integer and bool; calls ---------------------------------------------
+
+
+class Outputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.relu = nn.ReLU()  # called three times per forward
+        self.spec = Spectrum()
+        self.pick = Pick()
+        self.skip = nn.Linear(4, 4)  # never called
+
+    def forward(self, x, empty):
+        h = self.relu(self.lin(x))
+        h = self.relu(h - 0.1) + self.relu(h - 0.2)
+        z = self.spec(h)
+        e = self.lin(empty)  # a zero-size batch: lin's call counts, its elements do not
+        idx = self.pick(h)
+        return h.sum() + z.abs().sum() + e.sum() + idx.float().sum() * 0
+
+
+class Spectrum(nn.Module):
+    def forward(self, h):
+        return torch.fft.rfft(h, dim=-1)  # complex64
+
+
+class Pick(nn.Module):
+    def forward(self, h):
+        return h.argmax(dim=-1)  # int64: no statistics, but the call counts
+
+
+_outputs = seeded(5, Outputs)
+
+
+def test_complex_empty_integer_outputs_and_call_counts(collector):
+    model = _outputs()
+    x, empty = torch.randn(5, 4), torch.randn(0, 4)
+    _, probes = train(collector, model, lambda s: model(x, empty).backward(), steps=2)
+    ref = twin(model, _outputs)
+    h1 = ref.relu(ref.lin(x))
+    h2, h3 = ref.relu(h1 - 0.1), ref.relu(h1 - 0.2)
+    z = ref.spec(h2 + h3)
+    for step in (0, 1):
+        p = probes[step]
+        counts = {s[0] + s[1]: p.report.act_count[i].tolist() for i, s in enumerate(p.schema.slots)}
+        assert counts["relu"] == [3, 3 * 30] and counts["lin"] == [2, 30] and counts["spec"] == [1, 5 * 4]
+        assert counts["pick"] == [1, 0] and "skip" not in counts  # never ran: no slot at all
+        assert p.schema.slots[p.slot("spec")][3] == "complex64" and p.schema.slots[p.slot("pick")][3] == "int64"
+        assert_act(p.act("relu"), [h1, h2, h3], "relu, three calls pooled")
+        assert_act(p.act("lin"), [ref.lin(x)], "lin: the empty call adds nothing")
+        assert_act(p.act("spec"), [z.abs()], "complex by magnitude")
+        assert np.isnan(p.act("pick")).all()  # no statistics: not observed, nothing exported
+
+
+def test_empty_output_counts_zero_and_exports_no_min_max(collector):
+    """An empty last batch: calls 1, elements 0, and its act row is "not observed" (the
+    aggregator exports no NaN mean/std/min/max gauges for it)."""
+    from gradwatch import statistics
+
+    model = nn.Sequential(nn.Linear(3, 2))
+    x = torch.randn(0, 3)
+    _, probes = train(collector, model, lambda s: (model(x).sum() + sum(p.sum() for p in model.parameters()) * 0).backward())
+    p = probes[0]
+    assert p.report.act_count[p.slot("0")].tolist() == [1, 0]
+    row = p.act("0")
+    assert np.isnan(row).all()
+    for s in statistics.of("act"):
+        assert not statistics.observed(s, row[None])[0]
+
+
+# --- keyword-only roots --------------------------------------------------------------------------
+
+
+class KwModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 4)
+        self.head = nn.Linear(4, 20)
+
+    def forward(self, *, input_ids, labels=None):
+        logits = self.head(self.emb(input_ids))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_keyword_only_root_counts_its_batch(collector):
+    torch.manual_seed(0)
+    model = KwModel()
+    ids = torch.randint(0, 20, (6, 5))
+    _, probes = train(collector, model, lambda s: model(input_ids=ids, labels=ids).backward(), steps=2)
+    assert probes[0].report.batch == 6 and probes[0].report.micro == 1
+
+
+# --- activation checkpointing ----------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool | None):
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.out = nn.Linear(6, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            if self.reentrant is None:
+                h = b(h)
+            else:
+                h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_records_each_call_once_in_forward_order(collector, reentrant):
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    ref = Checkpointed(None)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(8, 4)
+    x[0, 0] = float("nan")  # a non-finite count that must not double
+    bad = torch.randn(8, 4)
+
+    def step(s):
+        model(x if s == 0 else bad).square().mean().backward()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, probes = train(collector, model, step, steps=2, opt=opt)
+    order = ["inp", "blocks.0.fc", "blocks.0.act", "blocks.1.fc", "blocks.1.act", "out"]
+    for s, inp in ((0, x), (1, bad)):
+        p = probes[s]
+        assert [m for m, _, _, _ in p.schema.slots] == order
+        outs = {}
+        h = ref.inp(inp)
+        outs["inp"] = h
+        for i, b in enumerate(ref.blocks):
+            outs[f"blocks.{i}.fc"] = b.fc(h)
+            h = outs[f"blocks.{i}.act"] = b.act(outs[f"blocks.{i}.fc"])
+        outs["out"] = ref.out(h)
+        for t in outs.values():
+            t.retain_grad()
+        ref.zero_grad()
+        outs["out"].square().mean().backward()
+        for name, t in outs.items():
+            assert p.report.act_count[p.slot(name)].tolist() == [1, t.numel()], name
+            assert_act(p.act(name), t, name)
+            assert_norm(p.act_grad(name), t.grad, name)
+        with torch.no_grad():
+            for q in ref.parameters():
+                q -= 0.1 * q.grad
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        # same values bit for bit where the gradients are finite (step 0 poisons every weight
+        # with NaN alike in both)
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), n
+
+
+def test_training_with_checkpointing_is_bit_identical_with_and_without_the_agent(collector):
+    torch.manual_seed(1)
+    model = Checkpointed(False)
+    plain = Checkpointed(False)
+    plain.load_state_dict(model.state_dict())
+    xs = [torch.randn(8, 4) for _ in range(3)]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(collector, model, lambda s: model(xs[s]).square().mean().backward(), steps=3, opt=opt)
+    popt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    for s in range(3):
+        plain(xs[s]).square().mean().backward()
+        popt.step()
+        popt.zero_grad(set_to_none=True)
+    for (n, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), n
+
+
+# --- fused fast paths ------------------------------------------------------------------------------
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.layer(x))
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_fused_encoder_fast_path_runs_in_evaluation_with_the_agent(collector, monkeypatch, every):
+    """Evaluation under no_grad between probed training steps takes PyTorch's fused
+    ``_transformer_encoder_layer_fwd`` as it does without the agent, returning the same bits; the
+    training step records ``self_attn`` (a MultiheadAttention, not a leaf) as one layer."""
+    calls = []
+    fused = torch._transformer_encoder_layer_fwd
+
+    def counting(*a, **k):
+        calls.append(1)
+        return fused(*a, **k)
+
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", counting)
+    torch.manual_seed(0)
+    model = Encoder()
+    plain = Encoder()
+    plain.load_state_dict(model.state_dict())
+    x, xe = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
+    plain.eval()
+    with torch.no_grad():
+        want = plain(xe)
+    assert len(calls) == 1, "the fused path should run without the agent"
+    evals = []
+
+    def evaluate(step):
+        model.eval()
+        before = len(calls)
+        with torch.no_grad():
+            evals.append((len(calls), torch.equal(model(xe), want)))
+        evals[-1] = (evals[-1][1], len(calls) - before)
+        model.train()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    _, probes = train(collector, model, lambda s: model(x).sum().backward(), steps=4, every=every, opt=opt, between=evaluate)
+    assert evals == [(True, 1)] * 4  # every evaluation, in and out of probe windows, was fused
+    p = probes[0]
+    assert "layer.self_attn" in [s[0] for s in p.schema.slots]
+    assert "layer.self_attn.out_proj" not in [s[0] for s in p.schema.slots]
+    plain.train()
+    attn = plain.layer.self_attn(x, x, x, need_weights=False)[0]
+    assert_act(p.act("layer.self_attn", "[0]"), attn, "self_attn output")
