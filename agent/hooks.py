@@ -95,6 +95,14 @@ class ProbeRecorder:
     forward: it records nothing again and only puts gradient hooks on outputs of known slots
     (which fire in the reentrant variant, whose recomputed outputs carry the gradient, and
     never in the non-reentrant one). :meth:`remove` takes every hook off. ``model`` is held weakly.
+
+    Under ``torch.compile`` every hook returns at its first line, a test of
+    ``torch.compiler.is_compiling()`` that dynamo folds to a constant while tracing: the compiled
+    graphs are those of the model without the agent, and adding or removing hooks recompiles
+    nothing: the root's hooks record that they were traced (``compiled``), and from then on
+    :meth:`install` and :meth:`remove` leave every hook in place (dynamo guards on the number of
+    hooks a module has) until the monitor closes. Modules inside a compiled region therefore get
+    no per-layer statistics; see README "torch.compile".
     """
 
     def __init__(self, reducer: Reducer, on_error: Callable[[str, BaseException], None],
@@ -116,6 +124,7 @@ class ProbeRecorder:
         self._handles: list = []  # the root's
         self._leaf_handles: list = []
         self._in_forward = False  # a training forward of the root is running
+        self.compiled = False  # torch.compile traced the root: hooks stay as they are until close
 
     def reset(self) -> None:
         self.act = []
@@ -131,24 +140,28 @@ class ProbeRecorder:
         self.reset()
         self._leaves_on()
         root = self._model()
-        if root is not None:
+        if root is not None and not self._handles:  # kept in place for a compiled model
             try:
                 self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
                 self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
             except Exception:
                 pass
 
-    def remove(self) -> None:
-        """Hooks off; records are kept until :meth:`reset`."""
+    def remove(self, final: bool = False) -> None:
+        """Hooks off (with a compiled model only at ``final``, see the class doc); records are
+        kept until :meth:`reset`."""
         self.probing = False
         self._in_forward = False
+        if self.compiled and not final:
+            return
+        self.compiled = False
         self._leaves_off()
         for h in self._handles:
             h.remove()
         self._handles = []
 
     def _leaves_on(self) -> None:
-        if self._leaf_handles:
+        if self._leaf_handles or self.compiled:
             return
         for path, ref in self._leaves:
             m = ref()
@@ -161,11 +174,16 @@ class ProbeRecorder:
                     self.not_instrumented.append(path)
 
     def _leaves_off(self) -> None:
+        if self.compiled:
+            return
         for h in self._leaf_handles:
             h.remove()
         self._leaf_handles = []
 
     def _root_pre(self, module, args, kwargs) -> None:
+        if torch.compiler.is_compiling():  # traced by torch.compile: step aside (see class doc)
+            self.compiled = True  # an attribute store: dynamo replays it, no graph break
+            return None
         try:
             # grad enabled, as the micro-step count always meant (case C16, C19); a fused fast path
             # needs grad off too (or every parameter frozen: then this hook does block it)
@@ -182,6 +200,9 @@ class ProbeRecorder:
         return None
 
     def _root_post(self, module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            self.compiled = True
+            return None
         self._in_forward = False
         return None
 
@@ -206,6 +227,8 @@ class ProbeRecorder:
         recorder_ref = weakref.ref(self)  # a hook must not keep the agent alive (case C16)
 
         def hook(module, args, output):
+            if torch.compiler.is_compiling():
+                return None
             rec = recorder_ref()
             if rec is None or "forward" in rec.disabled:
                 return None

@@ -123,7 +123,7 @@ class Monitor:
             return
         self._closed = self.failures.stopped = True
         self._stop_parts()
-        self.recorder.remove()
+        self.recorder.remove(final=True)
         for h in self._step_handles:
             h.remove()
         self._step_handles = []

@@ -387,3 +387,61 @@ def test_fused_encoder_fast_path_runs_in_evaluation_with_the_agent(collector, mo
     plain.train()
     attn = plain.layer.self_attn(x, x, x, need_weights=False)[0]
     assert_act(p.act("layer.self_attn", "[0]"), attn, "self_attn output")
+
+
+# --- torch.compile ---------------------------------------------------------------------------------
+
+
+def _compiled_run(collector, with_agent: bool, compile_first: bool):
+    """Six steps of a compiled MLP (probing starts at 0, stops at 1, starts at 3, ...): the
+    FX graphs dynamo produced, its graph-break count, and the trained parameters."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        # the graph's operations in order and its inputs as a set (the agent's pre-hook, which
+        # sees the root's arguments, may make dynamo list the input before the parameters)
+        nodes = gm.graph.nodes
+        graphs.append((sorted(n.name for n in nodes if n.op == "placeholder"),
+                       [(n.op, str(n.target), str(n.args)) for n in nodes if n.op != "placeholder"]))
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = [torch.randn(4, 8) for _ in range(6)]
+    cm = torch.compile(model, backend=backend)
+    mon = None
+    if with_agent:
+        mon = agent.attach(cm if compile_first else model, opt, endpoint=collector.endpoint, every=3)
+    try:
+        for s in range(6):
+            cm(xs[s]).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if mon is not None:
+            reports = collector.wait_steps(6)
+            assert [s for s, r in sorted(reports.items()) if r.probe] == [0, 3]
+            assert all(math.isfinite(r.grad_norm) for r in reports.values())  # the sentinel still measures
+    finally:
+        if mon is not None:
+            mon.close()
+    breaks = sum(counters["graph_break"].values())
+    return graphs, breaks, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("compile_first", [False, True])
+def test_compiled_model_has_the_same_graphs_and_never_recompiles(collector, compile_first):
+    """torch.compile with the agent attached (before or after compiling): the graphs dynamo builds
+    are those without it, no graph break, no recompile when probing starts and stops (any
+    recompile raises), the same trained bits; the hooks step aside while dynamo traces."""
+    with torch._dynamo.config.patch(error_on_recompile=True):  # any recompile raises
+        want_graphs, want_breaks, want_params = _compiled_run(collector, False, compile_first)
+        graphs, breaks, params = _compiled_run(collector, True, compile_first)
+    assert len(want_graphs) == 1 and want_breaks == 0
+    assert graphs == want_graphs and breaks == want_breaks
+    for a, b in zip(params, want_params):
+        assert torch.equal(a, b)
