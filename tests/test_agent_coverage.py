@@ -445,3 +445,41 @@ def test_compiled_model_has_the_same_graphs_and_never_recompiles(collector, comp
     assert graphs == want_graphs and breaks == want_breaks
     for a, b in zip(params, want_params):
         assert torch.equal(a, b)
+
+
+# --- training stays bit-identical ------------------------------------------------------------------
+
+
+def _kw_step(m, s):
+    g = torch.Generator().manual_seed(s)
+    ids = torch.randint(0, 20, (6, 5), generator=g)
+    return m(input_ids=ids, labels=ids)
+
+
+def _outputs_step(m, s):
+    g = torch.Generator().manual_seed(s)
+    return m(torch.randn(5, 4, generator=g), torch.randn(0, 4))
+
+
+def _encoder_step(m, s):
+    g = torch.Generator().manual_seed(s)
+    return m(torch.randn(3, 5, 8, generator=g)).square().mean()
+
+
+@pytest.mark.parametrize("factory,step", [
+    (seeded(7, KwModel), _kw_step), (_outputs, _outputs_step), (seeded(8, Encoder), _encoder_step),
+    (seeded(9, Checkpointed, True), lambda m, s: m(torch.randn(8, 4, generator=torch.Generator().manual_seed(s))).sum()),
+], ids=["keyword-root", "complex-empty-int-outputs", "transformer-layer", "reentrant-checkpoint"])
+def test_training_is_bit_identical_with_the_agent(collector, factory, step):
+    """Adam, lr 1e-2, four steps (probed every second): the parameters with the agent equal those
+    without it bit for bit."""
+    model, plain = factory(), factory()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(collector, model, lambda s: step(model, s).backward(), steps=4, every=2, opt=opt)
+    popt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    for s in range(4):
+        step(plain, s).backward()
+        popt.step()
+        popt.zero_grad(set_to_none=True)
+    for (n, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), n
