@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .stats import l2_norms
+
 log = logging.getLogger("gradwatch.agent")
 
 PART = "comm-hook"  # the name its failures are counted, warned about and switched off under
@@ -116,7 +118,7 @@ class CommHook:
         try:
             if self.first_bucket is None:
                 self.first_bucket = self.clock()
-            self.local_sq.append(torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float32))
+            self.local_sq.append(l2_norms([bucket.buffer()])[0])
         except Exception as e:
             self.on_error(PART, e)
 

@@ -1,8 +1,9 @@
 """Module and tensor hooks of a probed step.
 
-During a probed step every leaf module gets one forward hook. The hook walks the module's output
+During a probed step's training forward every leaf module gets one forward hook (see
+:class:`ProbeRecorder` for when hooks come and go). The hook walks the module's output
 (tensors, tuples, lists, dicts, named tuples, dataclasses, None; case C04), records a moments
-record per floating tensor, and puts a tensor hook on each tensor that requires grad to record the
+record per floating or complex tensor, and puts a tensor hook on each tensor that requires grad to record the
 norm of its gradient. No module full backward hooks (cases C01, C06, C15): tensor hooks fire for
 any container, keep no ``grad_output`` alive, and do not change the identity of inputs or outputs.
 Hooks return ``None`` and never rebuild the user's objects.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -27,30 +28,46 @@ log = logging.getLogger("gradwatch.agent")
 _MAX_DEPTH = 6
 
 
-def iter_tensors(obj: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(obj: Any, path: str = "", depth: int = 0, *, every_dtype: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(path suffix, tensor)`` for every floating tensor inside a module output.
 
     Paths: ``""`` for a bare tensor, ``[i]`` for sequence items, ``.key`` for dict keys, named
-    tuple fields and dataclass fields (``.logits``, ``[1][0]``). Non-tensors are skipped.
+    tuple fields and dataclass fields (``.logits``, ``[1][0]``). Non-tensors are skipped; with
+    ``every_dtype`` tensors of any dtype (complex, integer, bool) are yielded too.
     """
     if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point():
+        if every_dtype or obj.is_floating_point():
             yield path, obj
         return
     if depth >= _MAX_DEPTH or obj is None:
         return
     if isinstance(obj, dict):
         for k, v in obj.items():
-            yield from iter_tensors(v, f"{path}.{k}", depth + 1)
+            yield from iter_tensors(v, f"{path}.{k}", depth + 1, every_dtype=every_dtype)
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple, e.g. PackedSequence
         for k in obj._fields:
-            yield from iter_tensors(getattr(obj, k), f"{path}.{k}", depth + 1)
+            yield from iter_tensors(getattr(obj, k), f"{path}.{k}", depth + 1, every_dtype=every_dtype)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from iter_tensors(v, f"{path}[{i}]", depth + 1)
+            yield from iter_tensors(v, f"{path}[{i}]", depth + 1, every_dtype=every_dtype)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name, None), f"{path}.{f.name}", depth + 1)
+            yield from iter_tensors(getattr(obj, f.name, None), f"{path}.{f.name}", depth + 1, every_dtype=every_dtype)
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread: a forward hook firing
+    then is activation checkpointing recomputing a forward (``torch.utils.checkpoint``)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def first_batch(args: tuple, kwargs: dict) -> int:
+    """Samples in a root call: the first dimension of its first tensor argument of at least one
+    dimension, positional first, then keyword (``model(input_ids=..., labels=...)``); 0 if none."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            return a.shape[0]
+    return 0
 
 
 class ProbeRecorder:
@@ -58,14 +75,34 @@ class ProbeRecorder:
 
     Slots are (module path, output path) pairs, numbered in the order first seen in a forward
     pass; ``slots`` grows when a new one appears (the monitor then resends the schema).
-    ``act`` holds ``(slot, numel, record[6])`` per call and ``grad`` holds ``(slot, record[2])``
-    per gradient; both lists only ever receive tensors that are already reduced. ``micro`` counts
-    forward passes with gradients and ``batch`` the samples they saw (first dimension of the
-    model's first input).
+    ``act`` holds ``(slot, numel, record[6])`` per call and non-empty floating or complex output
+    (complex by magnitude), ``grad`` holds ``(slot, record[2])`` per gradient; both lists only
+    ever receive tensors that are already reduced. ``counts`` maps a slot to ``[calls, elements]``
+    (host integers): every call counts on each of its module's slots, including an empty output
+    (no ``act`` record: nothing to summarise) and a module whose output holds no floating tensor
+    (one slot ``(module, "")`` typed by its first tensor's dtype, or ``"none"``). ``micro`` counts
+    forward passes with gradients and ``batch`` the samples they saw (:func:`first_batch`).
 
-    :meth:`install` puts a forward hook on every leaf module of ``model`` (one that refuses is
-    listed in ``not_instrumented``, case C17) and a pre-hook on the model counting micro-steps;
-    :meth:`remove` takes them off. ``model`` is held weakly.
+    Hooks (issue 11): :meth:`install` puts a forward pre-hook and an always-called forward hook
+    on the model and a forward hook on every instrumented module (leaves, and atomic modules such
+    as ``nn.MultiheadAttention`` whose children are not called as modules; one that refuses is
+    listed in ``not_instrumented``, case C17). The root's pre-hook takes the module hooks off
+    whenever the model runs outside a training forward (a root call with grad enabled), so
+    evaluation inside a probe window keeps PyTorch's fused fast paths (they refuse modules with
+    hooks), and puts them back for the next training forward. Inside a training forward every
+    output is recorded, also under ``no_grad`` (``checkpoint(use_reentrant=True)`` runs the first
+    forward so); a forward hook that fires while backward runs is a checkpoint recomputing that
+    forward: it records nothing again and only puts gradient hooks on outputs of known slots
+    (which fire in the reentrant variant, whose recomputed outputs carry the gradient, and
+    never in the non-reentrant one). :meth:`remove` takes every hook off. ``model`` is held weakly.
+
+    Under ``torch.compile`` every hook returns at its first line, a test of
+    ``torch.compiler.is_compiling()`` that dynamo folds to a constant while tracing: the compiled
+    graphs are those of the model without the agent, and adding or removing hooks recompiles
+    nothing: the root's hooks record that they were traced (``compiled``), and from then on
+    :meth:`install` and :meth:`remove` leave every hook in place (dynamo guards on the number of
+    hooks a module has) until the monitor closes. Modules inside a compiled region therefore get
+    no per-layer statistics; see README "torch.compile".
     """
 
     def __init__(self, reducer: Reducer, on_error: Callable[[str, BaseException], None],
@@ -77,79 +114,159 @@ class ProbeRecorder:
         self._slot_index: dict[tuple[str, str], int] = {}
         self.act: list[tuple[int, int, torch.Tensor]] = []
         self.grad: list[tuple[int, torch.Tensor]] = []
+        self.counts: dict[int, list[int]] = {}
         self.micro = 0
         self.batch = 0
         self.probing = False
         self.not_instrumented: list[str] = []
         self._model = weakref.ref(model) if model is not None else lambda: None
         self._leaves = [(path, weakref.ref(m)) for path, m in leaf_modules(model)] if model is not None else []
-        self._handles: list = []
+        self._handles: list = []  # the root's
+        self._leaf_handles: list = []
+        self._in_forward = False  # a training forward of the root is running
+        self.compiled = False  # torch.compile traced the root: hooks stay as they are until close
 
     def reset(self) -> None:
         self.act = []
         self.grad = []
+        self.counts = {}
         self.micro = 0
         self.batch = 0
+        self._in_forward = False
 
     def install(self) -> None:
         """Hooks on for a probed step (records reset)."""
         self.probing = True
         self.reset()
+        self._leaves_on()
+        root = self._model()
+        if root is not None and not self._handles:  # kept in place for a compiled model
+            try:
+                self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+                self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
+            except Exception:
+                pass
+
+    def remove(self, final: bool = False) -> None:
+        """Hooks off (with a compiled model only at ``final``, see the class doc); records are
+        kept until :meth:`reset`."""
+        self.probing = False
+        self._in_forward = False
+        if self.compiled and not final:
+            return
+        self.compiled = False
+        self._leaves_off()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _leaves_on(self) -> None:
+        if self._leaf_handles or self.compiled:
+            return
         for path, ref in self._leaves:
             m = ref()
             if m is None:
                 continue
             try:
-                self._handles.append(m.register_forward_hook(self.forward_hook(path)))
+                self._leaf_handles.append(m.register_forward_hook(self.forward_hook(path)))
             except Exception:  # e.g. a TorchScript submodule (case C17)
                 if path not in self.not_instrumented:
                     self.not_instrumented.append(path)
-        root = self._model()
-        if root is not None:
-            try:
-                self._handles.append(root.register_forward_pre_hook(self._count_micro_step))
-            except Exception:
-                pass
 
-    def remove(self) -> None:
-        """Hooks off; records are kept until :meth:`reset`."""
-        self.probing = False
-        for h in self._handles:
+    def _leaves_off(self) -> None:
+        if self.compiled:
+            return
+        for h in self._leaf_handles:
             h.remove()
-        self._handles = []
+        self._leaf_handles = []
 
-    def _count_micro_step(self, module, args) -> None:
-        if torch.is_grad_enabled():
-            self.micro += 1
-            if args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
-                self.batch += args[0].shape[0]
+    def _root_pre(self, module, args, kwargs) -> None:
+        if torch.compiler.is_compiling():  # traced by torch.compile: step aside (see class doc)
+            self.compiled = True  # an attribute store: dynamo replays it, no graph break
+            return None
+        try:
+            # grad enabled, as the micro-step count always meant (case C16, C19); a fused fast path
+            # needs grad off too (or every parameter frozen: then this hook does block it)
+            training = torch.is_grad_enabled() and not _in_backward()
+            self._in_forward = training
+            if training:
+                self._leaves_on()
+                self.micro += 1
+                self.batch += first_batch(args, kwargs)
+            else:  # evaluation: no hook may change which kernels run (fused fast paths)
+                self._leaves_off()
+        except Exception as e:
+            self.on_error("forward", e)
+        return None
 
-    def slot(self, module_path: str, out_path: str, module: torch.nn.Module, t: torch.Tensor) -> int:
+    def _root_post(self, module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            self.compiled = True
+            return None
+        self._in_forward = False
+        return None
+
+    def slot(self, module_path: str, out_path: str, module: torch.nn.Module, t: Optional[torch.Tensor]) -> int:
         key = (module_path, out_path)
         i = self._slot_index.get(key)
         if i is None:
             i = self._slot_index[key] = len(self.slots)
-            self.slots.append((module_path, out_path, type(module).__name__, str(t.dtype).replace("torch.", "")))
+            dtype = "none" if t is None else str(t.dtype).replace("torch.", "")
+            self.slots.append((module_path, out_path, type(module).__name__, dtype))
         return i
+
+    def _count(self, i: int, numel: int) -> None:
+        c = self.counts.get(i)
+        if c is None:
+            self.counts[i] = [1, numel]
+        else:
+            c[0] += 1
+            c[1] += numel
 
     def forward_hook(self, module_path: str) -> Callable:
         recorder_ref = weakref.ref(self)  # a hook must not keep the agent alive (case C16)
 
         def hook(module, args, output):
+            if torch.compiler.is_compiling():
+                return None
             rec = recorder_ref()
-            if rec is None or not torch.is_grad_enabled() or "forward" in rec.disabled:
-                return None  # evaluation under no_grad is not training data (case C16, C19)
+            if rec is None or "forward" in rec.disabled:
+                return None
             try:
-                for out_path, t in iter_tensors(output):
+                if _in_backward():  # checkpoint recomputation: recorded in forward already
+                    rec._recomputed(module_path, output)
+                    return None
+                if not (rec._in_forward or torch.is_grad_enabled()):
+                    return None  # evaluation under no_grad is not training data (case C16, C19)
+                other = None
+                found = False
+                for out_path, t in iter_tensors(output, every_dtype=True):
+                    if not (t.is_floating_point() or t.is_complex()):
+                        other = t if other is None else other
+                        continue
+                    found = True
                     i = rec.slot(module_path, out_path, module, t)
-                    rec.act.append((i, t.numel(), rec.reducer.moments(t)))
+                    n = t.numel()
+                    rec._count(i, n)
+                    if n:
+                        rec.act.append((i, n, rec.reducer.moments(t)))
                     if t.requires_grad and "output-grad" not in rec.disabled:
                         t.register_hook(rec._grad_hook(i))
+                if not found:  # the module ran: its call counts even without a floating output
+                    rec._count(rec.slot(module_path, "", module, other), 0)
             except Exception as e:
                 rec.on_error(f"forward:{module_path}", e)
             return None
 
         return hook
+
+    def _recomputed(self, module_path: str, output: Any) -> None:
+        if "output-grad" in self.disabled:
+            return
+        for out_path, t in iter_tensors(output, every_dtype=True):
+            i = self._slot_index.get((module_path, out_path))
+            if i is not None and t.requires_grad:
+                t.register_hook(self._grad_hook(i))
 
     def _grad_hook(self, i: int) -> Callable:
         recorder_ref = weakref.ref(self)
@@ -166,11 +283,23 @@ class ProbeRecorder:
         return hook
 
 
+#: modules recorded as one unit although they have children: their children are not called as
+#: modules (``nn.MultiheadAttention`` uses ``out_proj``'s weights through a functional call)
+ATOMIC = (torch.nn.MultiheadAttention,)
+
+
 def leaf_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``(normalised path, module)`` of every module without children, in registration order."""
+    """``(normalised path, module)`` of every module without children and every :data:`ATOMIC`
+    module (not its descendants), in registration order."""
     out = []
+    atomic: list[str] = []
     for name, m in model.named_modules():
-        if next(m.children(), None) is None and name:
+        if not name or any(name.startswith(a + ".") for a in atomic):
+            continue
+        if isinstance(m, ATOMIC):
+            atomic.append(name)
+            out.append((normalise(name), m))
+        elif next(m.children(), None) is None:
             out.append((normalise(name), m))
     return out
 

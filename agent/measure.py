@@ -1,8 +1,9 @@
 """What a step measures on the device, as sections of the step frame (:mod:`.frame`).
 
 Two plain functions, one per moment of the step. :func:`sentinel` runs in the optimizer's step
-pre-hook, every step, while the gradients are there: per-parameter gradient norms with one
-``torch._foreach_norm`` (float32 accumulation, case C10) and what travels with them; on a probed
+pre-hook, every step, while the gradients are there: per-parameter gradient norms
+(:func:`.stats.l2_norms`: float32 within chunks, float64 across, case C10 and issue 11) and what
+travels with them; on a probed
 step also per-parameter non-finite counts and gradient fingerprints. :func:`probe` runs in the
 post-hook of a probed step: weight norms and fingerprints after the update, and the recorder's
 activation and output-gradient records. Raw values go to the host as they are; sums, square roots
@@ -18,7 +19,41 @@ import torch
 
 from .fingerprint import Fingerprints
 from .hooks import ProbeRecorder
-from .stats import nonfinite_count
+from .stats import l2_norms, nonfinite_count
+
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def dense_values(g: torch.Tensor) -> torch.Tensor:
+    """The values a gradient's statistics are taken over, never densified, no host sync.
+
+    A strided tensor is returned as it is. A sparse COO tensor (``nn.Embedding(sparse=True)``)
+    gives its coalesced values: duplicate indices summed, as ``g.coalesce().values()`` would, but
+    without ``coalesce`` (whose output size depends on the data and costs a host sync on CUDA):
+    indices are linearised and sorted, each run of equal indices gets a segment number by a
+    cumulative sum, and ``index_add_`` sums each run into row ``segment`` of a zero tensor shaped
+    like ``g.values()``; rows past the last segment stay zero, which changes neither a norm, a
+    non-finite count nor a fingerprint. An already coalesced tensor gives ``g.values()``.
+    Compressed layouts (CSR, CSC, BSR, BSC) hold no duplicates and give ``g.values()``.
+
+    Returns:
+        A strided tensor of ``g``'s dtype: ``g`` itself, or [nnz, *dense dims] values.
+    """
+    if g.layout == torch.strided:
+        return g
+    if g.layout in _COMPRESSED:
+        return g.values()
+    if g.is_coalesced():
+        return g._values()
+    idx, vals = g._indices(), g._values()
+    lin = idx[0]
+    for d in range(1, idx.shape[0]):  # row-major linear index over the sparse dimensions
+        lin = lin * g.shape[d] + idx[d]
+    order, perm = torch.sort(lin, stable=True)
+    new = torch.ones_like(order, dtype=torch.bool)
+    new[1:] = order[1:] != order[:-1]
+    segment = torch.cumsum(new, 0) - 1
+    return torch.zeros_like(vals).index_add_(0, segment, vals[perm])
 
 
 def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], losses: Sequence[torch.Tensor],
@@ -39,11 +74,11 @@ def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], lo
         only travel with gradients).
     """
     present = [i for i, p in enumerate(params) if p.grad is not None]
-    grads = [params[i].grad for i in present]
+    grads = [dense_values(params[i].grad) for i in present]
     if not grads:
         return present, {}
     sections = {
-        "grad_norm": torch._foreach_norm(grads, 2, dtype=torch.float32),
+        "grad_norm": l2_norms(grads),
         "bucket_norm": list(buckets), "loss": list(losses), "loss_scale": [] if scale is None else [scale],
     }
     if probing:
@@ -53,11 +88,11 @@ def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], lo
 
 
 def probe(params: Sequence[torch.Tensor], recorder: ProbeRecorder, fingerprints: Fingerprints) -> dict:
-    """Frame sections a probed step adds after the optimizer step: weight norms (float32
-    accumulation) and fingerprints of every parameter, and the recorder's records."""
+    """Frame sections a probed step adds after the optimizer step: weight norms
+    (:func:`.stats.l2_norms`) and fingerprints of every parameter, and the recorder's records."""
     sections: dict = {"act": [r for _, _, r in recorder.act], "out_grad": [r for _, r in recorder.grad]}
     weights = [p.detach() for p in params]
     if weights:
-        sections["weight_norm"] = torch._foreach_norm(weights, 2, dtype=torch.float32)
+        sections["weight_norm"] = l2_norms(weights)
         sections["weight_fp"] = fingerprints.of(weights)
     return sections

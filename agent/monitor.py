@@ -127,7 +127,7 @@ class Monitor:
         self._close_reason = reason
         self._closed = self.failures.stopped = True
         self._stop_parts()
-        self.recorder.remove()
+        self.recorder.remove(final=True)
         for h in self._step_handles:
             h.remove()
         self._step_handles = []
@@ -252,6 +252,7 @@ class Monitor:
             probe=probe, burst=probe and not self.schedule.on_cadence(step), batch=batch if probe else 0,
             micro=rec.micro if probe else 0, n_params=len(self._params), n_slots=len(self._slots),
             act=tuple((i, n) for i, n, _ in rec.act) if probe else (), grad=tuple(i for i, _ in rec.grad) if probe else (),
+            calls=tuple((i, c, n) for i, (c, n) in rec.counts.items()) if probe else (),
         )
         # the sender polls ``ready`` rather than waiting: a collective stuck on the device must not
         # stop its heartbeats (they tell a hung rank from the peers waiting for it)

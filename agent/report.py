@@ -42,6 +42,7 @@ class StepLayout:
         n_slots: activation slots known so far.
         act: ``(slot, numel)`` of each record in the ``act`` section.
         grad: slot of each record in the ``out_grad`` section.
+        calls: ``(slot, calls, elements)`` of each slot whose module ran in the step.
     """
 
     step: int
@@ -59,6 +60,7 @@ class StepLayout:
     n_slots: int = 0
     act: tuple[tuple[int, int], ...] = ()
     grad: tuple[int, ...] = ()
+    calls: tuple[tuple[int, int, int], ...] = ()
 
 
 def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.Report:
@@ -73,8 +75,9 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
     Returns:
         A sentinel report, or with ``L.probe`` a probe report whose ``param`` is float32
         [n_params, 3] (gradient norm, weight norm, non-finite count; NaN where a parameter had no
-        gradient), ``act`` float32 [n_slots, 6], ``act_grad`` float32 [n_slots, 2] and
-        fingerprints uint64 [n_params] (0 where not measured).
+        gradient), ``act`` float32 [n_slots, 6] (NaN where no call output an element),
+        ``act_grad`` float32 [n_slots, 2], ``act_count`` float32 [n_slots, 2] (calls, elements;
+        NaN where the module did not run) and fingerprints uint64 [n_params] (0 where not measured).
 
     Raises:
         ValueError: ``host`` does not match ``L.counts``.
@@ -121,6 +124,9 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
         for s in np.unique(slot_of):
             sel = slot_of == s
             act[s] = combine_moments(numel[sel], recs[sel])
+    act_count = np.full((L.n_slots, 2), np.nan)
+    for s, calls, elements in L.calls:
+        act_count[s] = (calls, elements)
     act_grad = np.full((L.n_slots, 2), np.nan)
     if L.grad:
         slot_of = np.asarray(L.grad, np.int64)
@@ -135,5 +141,6 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
         h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite,
         micro=L.micro, probe=True, batch=L.batch, burst=L.burst,
         act=act.astype(np.float32), act_grad=act_grad.astype(np.float32), param=param.astype(np.float32),
+        act_count=act_count.astype(np.float32),
         fp_grad=fp_grad, fp_weight=fp_weight, **common,
     )

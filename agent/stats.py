@@ -46,6 +46,41 @@ def _eager_moments(x: torch.Tensor) -> torch.Tensor:
     )
 
 
+#: elements one float32 partial sum of squares covers in :func:`l2_norms` (see bench/norm_precision.py)
+NORM_CHUNK = 1 << 13
+
+
+def l2_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float32 0-d L2 norm of each tensor (any floating dtype, any device), no host sync.
+
+    Precision (issue 11): a float32 accumulator drifts as tensors grow (on CPU rel 1e-5 at 2^20
+    elements, 6e-3 at 2^26), and float64 accumulation costs ~50x on CPU. So the sum of squares is
+    taken in two levels: float32 over chunks of :data:`NORM_CHUNK` elements (rel error ~1e-7 each),
+    float64 across the chunks; the result is within rel 1e-6 of a float64 reference up to 2^27
+    elements at about the cost of the float32 norm (figures in bench/README.md). Tensors of at most
+    one chunk take a single ``torch._foreach_norm`` (float32); NaN and Inf propagate.
+    """
+    out: list = [None] * len(tensors)
+    small = [i for i, t in enumerate(tensors) if t.numel() <= NORM_CHUNK]
+    if small:
+        for i, n in zip(small, torch._foreach_norm([tensors[i] for i in small], 2, dtype=torch.float32)):
+            out[i] = n
+    for i, t in enumerate(tensors):
+        if out[i] is None:
+            out[i] = _chunked_norm(t)
+    return out
+
+
+def _chunked_norm(t: torch.Tensor) -> torch.Tensor:
+    x = t.detach().reshape(-1)
+    m = x.numel() // NORM_CHUNK * NORM_CHUNK
+    rows = torch.linalg.vector_norm(x[:m].view(-1, NORM_CHUNK), dim=1, dtype=torch.float32)
+    sq = rows.double().square().sum()
+    if m < x.numel():
+        sq = sq + torch.linalg.vector_norm(x[m:], dtype=torch.float32).double().square()
+    return sq.sqrt().float()
+
+
 def nonfinite_count(x: torch.Tensor) -> torch.Tensor:
     """float32 scalar: NaN and +-Inf elements of ``x``. ``x * 0`` is 0 exactly where ``x`` is
     finite, and count_nonzero over a tensor of zeros is ~5x faster than ``(~isfinite(x)).sum()``
@@ -120,13 +155,18 @@ class Reducer:
         threading.Thread(target=build, name="gradwatch-compile", daemon=True).start()
 
     def moments(self, t: torch.Tensor) -> torch.Tensor:
-        """Moments record of ``t`` (any shape, floating dtype) as a float32 tensor of shape [6]."""
+        """Moments record of ``t`` (any shape, floating or complex dtype; complex by magnitude
+        ``|z|``) as a float32 tensor of shape [6]. An empty ``t`` gives NaN mean, min and max and
+        zero counts (the recorder sends no record for one: it only counts the call)."""
         x = t.detach().reshape(-1)
+        if x.is_complex():
+            x = x.abs()
         if x.dtype != torch.float32:
             x = x.float()
         if x.numel() == 0:  # no host-to-device copy: new_full and slicing fill on the device
             out = x.new_full((6,), float("nan"))
-            out[[1, 4, 5]] = 0.0
+            out[1:2].zero_()
+            out[4:].zero_()
             return out
         fused = self._fused
         if fused is None:
@@ -137,9 +177,12 @@ class Reducer:
 
     @staticmethod
     def sumsq_nonfinite(t: torch.Tensor) -> torch.Tensor:
-        """``[sum of squares, non-finite count]`` of ``t`` as float32 [2]; used for gradients."""
+        """``[sum of squares, non-finite count]`` of ``t`` as float32 [2]; used for gradients.
+        The norm is :func:`l2_norms`'s (float64 across chunks). A complex ``t`` counts by magnitude."""
         x = t.detach()
-        norm = torch.linalg.vector_norm(x, dtype=torch.float32)
+        if x.is_complex():
+            x = torch.view_as_real(x)  # |z|^2 = re^2 + im^2: the same sum of squares
+        norm = l2_norms([x])[0]
         return torch.stack([norm * norm, nonfinite_count(x)])
 
 

@@ -31,6 +31,8 @@ class RoundResult:
         modules: names of modules owning parameters, ``named_parameters`` order.
         act: float64 [n_ranks, n_layers, 6] (wire ``ACT_FIELDS``), NaN where not observed.
         act_grad: float64 [n_ranks, n_layers, 2] (wire ``ACT_GRAD_FIELDS``).
+        act_count: float64 [n_ranks, n_layers, 2] (wire ``act_count``: calls, elements), NaN
+            where the layer's module did not run (or the agent predates the array).
         module: float64 [n_ranks, n_modules, 3] (wire ``PARAM_FIELDS``, merged per module): grad
             norm, weight norm, grad non-finite count.
         agg: statistic name -> (float64 [len(aggs), n] aggregated over ranks (min/median/max),
@@ -71,6 +73,7 @@ class RoundResult:
     batch: np.ndarray = None
     micro: np.ndarray = None
     burst: bool = False
+    act_count: np.ndarray = None
 
 
 def _union(names_per_rank) -> tuple[str, ...]:
@@ -108,6 +111,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
     R = len(ranks)
     act = np.full((R, len(layers), len(wire.ACT_FIELDS)), np.nan)
     act_grad = np.full((R, len(layers), len(wire.ACT_GRAD_FIELDS)), np.nan)
+    act_count = np.full((R, len(layers), len(statistics.fields("act_count"))), np.nan)
     param = np.full((R, len(params), len(wire.PARAM_FIELDS)), np.nan)
     present = np.zeros((R, len(params)), bool)
     fp_grad = np.zeros((R, len(params)), np.uint64)
@@ -119,6 +123,8 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         cols = [lidx[n] for n in slot_names[k]]
         act[k, cols] = rep.act
         act_grad[k, cols] = rep.act_grad
+        if rep.act_count is not None:
+            act_count[k, cols] = rep.act_count
         pcols = np.array([pidx[p[0]] for p in s.params], dtype=np.int64)
         param[k, pcols] = rep.param
         present[k, pcols] = True
@@ -133,7 +139,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
     for i, p in enumerate(params):
         owners[_owner(p)].append(i)
     module = statistics.merge("param", param, present, [np.array(v, np.int64) for v in owners.values()], in_order=True)
-    arrays = {"act": act, "act_grad": act_grad, "param": module}
+    arrays = {"act": act, "act_grad": act_grad, "param": module, "act_count": act_count}
     agg = statistics.aggregate_all(arrays)
     totals = _rank_totals(arrays)
     reps = [reports[r] for r in ranks]
@@ -147,7 +153,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         compute_time=np.array([x.compute_time for x in reps], np.float64),
         batch=np.array([x.batch for x in reps], np.int64),
         micro=np.array([x.micro for x in reps], np.int64),
-        burst=any(x.burst for x in reps),
+        burst=any(x.burst for x in reps), act_count=act_count,
     )
 
 
@@ -178,16 +184,18 @@ def group_layers(rr: RoundResult, depth: int) -> RoundResult:
         return rr
     layers, lgroups = _groups(rr.layers, depth)
     modules, mgroups = _groups(rr.modules, depth)
-    act, act_grad, module = (
+    act, act_grad, module, act_count = (
         statistics.merge(name, values, np.ones(values.shape[:2], bool), groups)
-        for name, values, groups in (("act", rr.act, lgroups), ("act_grad", rr.act_grad, lgroups), ("param", rr.module, mgroups))
+        for name, values, groups in (("act", rr.act, lgroups), ("act_grad", rr.act_grad, lgroups), ("param", rr.module, mgroups),
+                                     ("act_count", rr.act_count, lgroups))
     )
-    agg = statistics.aggregate_all({"act": act, "act_grad": act_grad, "param": module})
+    agg = statistics.aggregate_all({"act": act, "act_grad": act_grad, "param": module, "act_count": act_count})
     types = tuple(
         rr.layer_types[idx[0]] if rr.layer_types and len({rr.layer_types[i] for i in idx}) == 1 else ""
         for idx in lgroups
     )
-    return replace(rr, layers=layers, modules=modules, act=act, act_grad=act_grad, module=module, agg=agg, layer_types=types)
+    return replace(rr, layers=layers, modules=modules, act=act, act_grad=act_grad, module=module, agg=agg,
+                   layer_types=types, act_count=act_count)
 
 
 # --- the snapshot read at scrape time ---------------------------------------------------------

@@ -13,6 +13,7 @@ Wire arrays (float32, row-major, one row per slot or parameter; see :mod:`gradwa
 
     act        per activation slot: the output of a leaf module
     act_grad   per activation slot: the gradient reaching that output
+    act_count  per activation slot: calls of its module and elements it output in the step
     param      per parameter; the aggregator merges them into their owning module
 
 A NaN in a row's ``observed_by`` column marks "not observed" (a module that did not run, a
@@ -42,11 +43,15 @@ class WireArray:
         rows: ``"slots"`` (one row per schema slot) or ``"params"`` (one per schema parameter).
         exported_per: what one exported series is about: ``"layer"`` (the slot's name) or
             ``"module"`` (the module owning the parameters).
+        optional: added after protocol version 1 first shipped: a report without it decodes with
+            the array all NaN (not observed), and a :class:`~gradwatch.wire.Report` built without
+            it encodes so.
     """
 
     key: str
     rows: str
     exported_per: str
+    optional: bool = False
 
 
 ARRAYS: dict[str, WireArray] = {
@@ -55,6 +60,7 @@ ARRAYS: dict[str, WireArray] = {
         WireArray("act", "slots", "layer"),
         WireArray("act_grad", "slots", "layer"),
         WireArray("param", "params", "module"),
+        WireArray("act_count", "slots", "layer", optional=True),
     )
 }
 
@@ -93,6 +99,7 @@ CALL_RULES: dict[str, CallRule] = {
     "sum": CallRule("summed", lambda n, total, x, rec, done: float(x.sum()), 0.0),
     "l2": CallRule("sums of squares summed, then the square root", None),
     "once": CallRule("one value per step", None),
+    "count": CallRule("calls counted", None),
 }
 
 # Member merge: the parameters of one module, and the layers of one group under --layer-depth.
@@ -193,6 +200,7 @@ def declare(*rows: Statistic) -> tuple[Statistic, ...]:
 
 
 _ACT = dict(array="act", observed_by="nonfinite")
+_COUNT = dict(array="act_count", observed_by="calls", aggs=("min", "max"))
 _GRAD = dict(array="act_grad", observed_by="nonfinite")
 
 #: every statistic, in export order; within an array, in wire column order
@@ -216,6 +224,12 @@ STATISTICS: tuple[Statistic, ...] = declare(
     Statistic("output_grad_nonfinite", field="nonfinite", record="nonfinite", combine="sum", merge="sum",
               help="NaN/Inf elements in the gradient reaching the layer's output.", **_GRAD,
               rank_total=("rank_output_grad_nonfinite", "NaN/Inf output-gradient elements summed over the rank's layers at the latest probed step.")),
+    # a slot whose calls saw no element (an empty output; a module with no floating output) has
+    # calls and elements here and no act row at all: no mean, std, min or max to export
+    Statistic("activation_calls", field="calls", record="calls", combine="count", merge="sum",
+              help="Calls of the layer's module in the step (all micro-steps); absent when it did not run.", **_COUNT),
+    Statistic("activation_elements", field="elements", record="elements", combine="sum", merge="sum",
+              help="Elements of the layer's output summed over its calls (0: empty, or no floating tensor).", **_COUNT),
     Statistic("grad_norm", array="param", field="grad_norm", record="sumsq", combine="once", merge="l2",
               observed_by="grad_nonfinite", help="L2 norm of the gradient of the layer's own parameters after all-reduce."),
     Statistic("weight_norm", array="param", field="weight_norm", record="norm", combine="once", merge="l2",

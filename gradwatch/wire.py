@@ -39,6 +39,8 @@ arrays of raw little-endian bytes, row-major (columns declared once in :mod:`gra
     act_grad   float32 [n_slots, 2]   output-gradient L2 norm, non-finite count
     param      float32 [n_params, 3]  gradient L2 norm (after all-reduce), weight L2 norm,
                                       gradient non-finite count
+    act_count  float32 [n_slots, 2]   calls of the slot's module, output elements over the calls
+                                      (optional: absent decodes as NaN, not observed)
     fp_grad    uint64  [n_params]     fingerprint of the gradient's bits after all-reduce
     fp_weight  uint64  [n_params]     fingerprint of the weight's bits after the optimizer step
 
@@ -173,6 +175,7 @@ class Report:
     act: np.ndarray | None = field(default=None, compare=False)  # [n_slots, 6] float32
     act_grad: np.ndarray | None = field(default=None, compare=False)  # [n_slots, 2] float32
     param: np.ndarray | None = field(default=None, compare=False)  # [n_params, 3] float32
+    act_count: np.ndarray | None = field(default=None, compare=False)  # [n_slots, 2] float32, optional
     fp_grad: np.ndarray | None = field(default=None, compare=False)  # [n_params] uint64
     fp_weight: np.ndarray | None = field(default=None, compare=False)  # [n_params] uint64
     local_grad_norm: float = math.nan
@@ -270,8 +273,11 @@ def encode(msg: Message) -> bytes:
             burst=bool(msg.burst),
         )
         if msg.probe:
-            for key in statistics.ARRAYS:
-                m[key] = _array_bytes(getattr(msg, key), len(statistics.fields(key)))
+            for key, arr in statistics.ARRAYS.items():
+                a, cols = getattr(msg, key), len(statistics.fields(key))
+                if a is None and arr.optional:
+                    a = np.full((np.shape(msg.act if arr.rows == "slots" else msg.param)[0], cols), np.nan)
+                m[key] = _array_bytes(a, cols)
             n = np.shape(msg.param)[0]
             m.update(fp_grad=_u64_bytes(msg.fp_grad, n), fp_weight=_u64_bytes(msg.fp_weight, n))
     elif isinstance(msg, Heartbeat):
@@ -399,7 +405,11 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
         # without a schema, the first array of each kind sets the row count the others must match
         rows = {"params": n_params, "slots": n_slots}
         for key, a in statistics.ARRAYS.items():
-            arrays[key] = _array(m, key, rows[a.rows], len(statistics.fields(key)))
+            cols = len(statistics.fields(key))
+            if a.optional and key not in m:  # an agent from before the array: not observed
+                arrays[key] = np.full((rows[a.rows] or 0, cols), np.nan, _F32)
+                continue
+            arrays[key] = _array(m, key, rows[a.rows], cols)
             rows[a.rows] = arrays[key].shape[0]
         fp_grad = _fingerprints(m, "fp_grad", rows["params"])
         fp_weight = _fingerprints(m, "fp_weight", rows["params"])

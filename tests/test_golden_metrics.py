@@ -72,9 +72,15 @@ def _probe(rank: int, step: int) -> dict:
     if rank == 1 and step == 10:
         act[5, 5], act_grad[5, 1], param[5, 2] = 3.0, 2.0, 1.0  # non-finite elements at the head
         param[5, 0] = np.inf
+    # calls and output elements: blocks.1.act runs twice per step (reused); rank 1 skipped blocks.0.act
+    act_count = np.stack([np.ones(n_slots), np.full(n_slots, 64.0 * (1 + rank))], axis=1)
+    act_count[4] = (2, 128 * (1 + rank))
+    if rank == 1 and step == STEPS - 1:
+        act_count[2] = np.nan
     fp = (np.arange(n_params) + 1000 * step).astype(np.uint64)
     return dict(probe=True, act=act.astype(np.float32), act_grad=act_grad.astype(np.float32),
-                param=param.astype(np.float32), fp_grad=fp, fp_weight=fp + np.uint64(7))
+                param=param.astype(np.float32), act_count=act_count.astype(np.float32), fp_grad=fp,
+                fp_weight=fp + np.uint64(7))
 
 
 def recorded_input() -> list[tuple[float, bytes | None]]:
