@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -79,6 +80,7 @@ class ProbeRecorder:
         self.grad: list[tuple[int, torch.Tensor]] = []
         self.micro = 0
         self.batch = 0
+        self.host_s = 0.0  # seconds spent in this recorder's hooks since the last reset (the budget's)
         self.probing = False
         self.not_instrumented: list[str] = []
         self._model = weakref.ref(model) if model is not None else lambda: None
@@ -90,6 +92,7 @@ class ProbeRecorder:
         self.grad = []
         self.micro = 0
         self.batch = 0
+        self.host_s = 0.0
 
     def install(self) -> None:
         """Hooks on for a probed step (records reset)."""
@@ -139,6 +142,7 @@ class ProbeRecorder:
             rec = recorder_ref()
             if rec is None or not torch.is_grad_enabled() or "forward" in rec.disabled:
                 return None  # evaluation under no_grad is not training data (case C16, C19)
+            t0 = time.perf_counter()
             try:
                 for out_path, t in iter_tensors(output):
                     i = rec.slot(module_path, out_path, module, t)
@@ -147,6 +151,7 @@ class ProbeRecorder:
                         t.register_hook(rec._grad_hook(i))
             except Exception as e:
                 rec.on_error(f"forward:{module_path}", e)
+            rec.host_s += time.perf_counter() - t0
             return None
 
         return hook
@@ -157,10 +162,12 @@ class ProbeRecorder:
         def hook(grad):
             rec = recorder_ref()
             if rec is not None and grad is not None:
+                t0 = time.perf_counter()
                 try:
                     rec.grad.append((i, rec.reducer.sumsq_nonfinite(grad)))
                 except Exception as e:
                     rec.on_error("output-grad", e)
+                rec.host_s += time.perf_counter() - t0
             return None
 
         return hook

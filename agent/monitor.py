@@ -75,7 +75,8 @@ class Monitor:
         self.recorder = ProbeRecorder(self.reducer, self.failures, inner)
         self.recorder.disabled = self.disabled
         self.not_instrumented = self.recorder.not_instrumented
-        self.schedule = ProbeSchedule(cfg.every, cfg.burst, cfg.spike_factor, self.recorder, self.failures)
+        self.schedule = ProbeSchedule(cfg.every, cfg.burst, cfg.spike_factor, self.recorder, self.failures,
+                                      budget=cfg.budget, max_interval_s=cfg.max_probe_interval_s)
         self.comm = CommHook(self.failures, self.disabled)
         self.fingerprints = Fingerprints(self.world_size)
         self.scaler: Optional[ScalerWatch] = None
@@ -83,7 +84,8 @@ class Monitor:
         self._closed = self._forked = False
         self._pre: Optional[tuple[list[int], dict]] = None  # the sentinel's (present, sections)
         self._losses: list[torch.Tensor] = []
-        self._last_step_end = time.perf_counter()
+        self._last_step_end = self._acct_end = time.perf_counter()
+        self._pre_s = self._carry_s = 0.0  # the agent's own host time in this step so far (budget)
         self._slots: tuple = ()
         self._schema: Optional[wire.Schema] = None
         # the socket first: if it cannot be made, attach fails before any hook is in place
@@ -196,6 +198,7 @@ class Monitor:
     def _pre_step(self, optimizer, args, kwargs) -> None:
         if not self.active or "sentinel" in self.disabled:
             return
+        t0 = time.perf_counter()
         try:
             scale = self.scaler.scale() if self.scaler is not None else None  # get_scale() would sync
             self._pre = measure.sentinel(self._params, self.comm.local_sq, self._losses, scale,
@@ -203,6 +206,7 @@ class Monitor:
         except Exception as e:
             self._pre = None
             self.failures("sentinel", e)
+        self._pre_s += time.perf_counter() - t0
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         if not self.active:
@@ -212,6 +216,7 @@ class Monitor:
         first = self.comm.first_bucket
         compute_time = (first - self._last_step_end) if first is not None else float("nan")
         step_time, self._last_step_end = now - self._last_step_end, now
+        probed, hooks_s = self.recorder.probing, self.recorder.host_s
         try:
             self._submit(step, step_time, compute_time)
         except Exception as e:
@@ -223,7 +228,14 @@ class Monitor:
         if self.scaler is not None:
             self.scaler.stepped = True
         if self.active:  # a failed step may have switched the agent off: no hooks after close
+            # the budget: this step's agent host time (sentinel, module hooks, submit, and the
+            # previous boundary's hook switching) against its wall time, boundary to boundary
+            end = time.perf_counter()
+            agent_s = self._carry_s + self._pre_s + hooks_s + (end - now)
+            self.schedule.account(step, probed, agent_s, end - self._acct_end)
             self.schedule.advance(self.step)
+            self._acct_end, self._pre_s = end, 0.0
+            self._carry_s = time.perf_counter() - end
 
     def _submit(self, step: int, step_time: float, compute_time: float) -> None:
         pre, self._pre = self._pre, None
@@ -232,7 +244,7 @@ class Monitor:
         if probe:
             if self._schema is None or len(rec.slots) != len(self._slots):
                 self._slots = tuple(rec.slots)
-                self._schema = wire.Schema(self._header(0), self.host, self.local_rank, self.cfg.every,
+                self._schema = wire.Schema(self._header(0), self.host, self.local_rank, self.cfg.every or 0,
                                            self._param_meta, self._slots)
                 self.sender.request_schema()
             sections.update(measure.probe(self._params, rec, self.fingerprints))
@@ -247,6 +259,8 @@ class Monitor:
             probe=probe, burst=probe and not self.schedule.on_cadence(step), batch=batch if probe else 0,
             micro=rec.micro if probe else 0, n_params=len(self._params), n_slots=len(self._slots),
             act=tuple((i, n) for i, n, _ in rec.act) if probe else (), grad=tuple(i for i, _ in rec.grad) if probe else (),
+            agent_cost=self.schedule.fraction, probe_interval=self.schedule.interval,
+            over_budget=self.schedule.over_budget,
         )
         # the sender polls ``ready`` rather than waiting: a collective stuck on the device must not
         # stop its heartbeats (they tell a hung rank from the peers waiting for it)
