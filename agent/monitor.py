@@ -15,12 +15,13 @@ exception from the agent: every part reports failures to one :class:`.failures.F
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import secrets
 import time
 import warnings
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -252,22 +253,24 @@ class Monitor:
         flat, counts = frame.pack(sections)
         host, ready = frame.to_host(flat)
         batch = self.cfg.batch_size * max(rec.micro, 1) if self.cfg.batch_size else rec.batch
-        layout = report.StepLayout(
-            step=step, step_time=step_time, compute_time=compute_time,
+        # the layout is built on the sender thread: a frozen dataclass of 20-odd fields costs the
+        # training thread several microseconds a step, a partial about one
+        layout = functools.partial(
+            report.StepLayout, step=step, step_time=step_time, compute_time=compute_time,
             skipped=self.scaler.take_skipped() if self.scaler is not None else 0,
             schema=self._schema.hash if self._schema is not None else "", present=tuple(present), counts=counts,
             probe=probe, burst=probe and not self.schedule.on_cadence(step), batch=batch if probe else 0,
             micro=rec.micro if probe else 0, n_params=len(self._params), n_slots=len(self._slots),
             act=tuple((i, n) for i, n, _ in rec.act) if probe else (), grad=tuple(i for i, _ in rec.grad) if probe else (),
-            agent_cost=self.schedule.fraction, probe_interval=self.schedule.interval,
-            over_budget=self.schedule.over_budget,
+            probe_interval=self.schedule.interval, over_budget=self.schedule.over_budget,
         )
         # the sender polls ``ready`` rather than waiting: a collective stuck on the device must not
         # stop its heartbeats (they tell a hung rank from the peers waiting for it)
         self.sender.submit(lambda h: self._finalise(h, layout, host), ready, urgent=probe)
 
-    def _finalise(self, h: wire.Header, layout: report.StepLayout, host: torch.Tensor) -> wire.Report:
+    def _finalise(self, h: wire.Header, partial_layout: Callable[..., report.StepLayout], host: torch.Tensor) -> wire.Report:
         """Sender thread: the step's report, and a burst of probes if its gradient norm asks."""
+        layout = partial_layout(agent_cost=self.schedule.fraction)
         rep = report.build(h, layout, host.numpy(), self.sender.drops)
         self.schedule.watch(layout.step, rep.grad_norm, rep.grad_nonfinite, scheduled=self.step)
         return rep
