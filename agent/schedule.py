@@ -39,6 +39,8 @@ OVER_BUDGET = 3.0  # at the ceiling, a cost above this many budgets is flagged
 HYSTERESIS = 1.25  # the ideal interval must move this far past a power of two to change the interval
 ALPHA_STEP = 0.05  # EWMA weight of one unprobed step (many samples, noisy)
 ALPHA_PROBE = 0.3  # EWMA weight of one probed step (few samples)
+CLIP = 4.0  # a sample above this many times its average counts as this many: a pause (evaluation, a
+# checkpoint, the OS preempting the process on a busy machine) is not the agent's cost
 
 
 def _pow2_at_least(x: float) -> int:
@@ -50,7 +52,8 @@ def _pow2_at_most(x: float) -> int:
 
 
 class Cost:
-    """The agent's measured cost, as exponentially weighted moving averages (seconds).
+    """The agent's measured cost, as exponentially weighted moving averages (seconds), each sample
+    clipped at :data:`CLIP` times the average so far.
 
     Attributes:
         sentinel_s: agent host time on an unprobed step (sentinel, step hooks, pack, submit).
@@ -66,7 +69,9 @@ class Cost:
 
     @staticmethod
     def _ewma(old: float, new: float, alpha: float) -> float:
-        return new if math.isnan(old) else old + alpha * (new - old)
+        if math.isnan(old):
+            return new
+        return old + alpha * (min(new, CLIP * old) - old)
 
     def add(self, probed: bool, agent_s: float, step_s: float) -> None:
         if not (math.isfinite(agent_s) and math.isfinite(step_s)) or agent_s < 0 or step_s <= 0:
