@@ -3,12 +3,17 @@
 
 Variants (each trains its own copy of the model, same initial weights, same batches):
 
-  none     no agent: the plain training step
-  every10  gradwatch agent at its default cadence (probe every 10th step, sentinel every step)
-  every1   gradwatch agent probing every step
-  anchor   "tutorial hooks": a forward hook on every leaf module computing mean, std and zero
-           ratio with .item(), and a full backward hook computing the output-gradient norm with
-           .item(), every step (what a hand-written monitor typically does)
+  none         no agent: the plain training step
+  budget       gradwatch agent with its defaults: the probe interval chosen within a 1% budget
+  every10      gradwatch agent probing every 10th step (sentinel every step)
+  every1       gradwatch agent probing every step
+  anchor       "tutorial hooks": a forward hook on every leaf module computing mean, std and zero
+               ratio with .item(), and a full backward hook computing the output-gradient norm with
+               .item(), every step (what a hand-written monitor typically does)
+  tensorboard  SummaryWriter.add_histogram of every parameter and gradient every 10th step
+  wandb        wandb.watch(model, log="all", log_freq=10), offline
+  none+busy, budget+busy
+               the same while a second process keeps the other core busy (ratios to none+busy)
 
 Models:
 
@@ -24,8 +29,8 @@ of default-cadence periods (a multiple of 10 steps) so every agent block holds t
 probes. A variant's figure is the median of its block times; "ratio" is that median over the no-agent
 median, "paired" the median over rounds of (variant block / no-agent block of the same round).
 
-The agents report to a real ZeroMQ PULL socket bound on 127.0.0.1 and drained by a background
-thread, so every send is real. See bench/README.md.
+The agents report to a real aggregator process on loopback (--sink: an in-process PULL socket).
+See bench/README.md.
 
     .venv/bin/python bench/overhead.py                      # full run, ~8.5 minutes
     .venv/bin/python bench/overhead.py --quick              # smoke test, < 1 minute

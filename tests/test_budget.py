@@ -105,6 +105,17 @@ def test_bursts_stay_outside_the_budget():
     assert not s.on_cadence(303) and s.on_cadence(320)
 
 
+def test_a_pause_is_not_the_agents_cost():
+    """A step that took 100x longer (evaluation, a checkpoint, the OS preempting the process)
+    counts as at most CLIP times the average: the interval does not jump."""
+    s = schedule(budget=0.01)
+    run(s, 300, train_s=0.010, sentinel_s=20e-6, probe_s=200e-6)
+    assert s.interval == 4
+    s.account(300, True, 1.0, 1.0)  # a probed step with a one-second pause in it
+    s.account(301, False, 1.0, 1.0)
+    assert s.interval <= 16
+
+
 def test_no_decision_before_measurements():
     """Warm-up steps are not measured; until a probe and an unprobed step are, the interval is
     the starting one; NaN or negative times are ignored."""
