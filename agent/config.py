@@ -29,7 +29,9 @@ class AgentConfig(BaseSettings):
 
     enabled: bool = Field(True, description="Attach at all; GRADWATCH_ENABLED=0 turns the agent into a no-op.")
     endpoint: str = Field("tcp://127.0.0.1:5555", description="Aggregator's ZeroMQ endpoint; the agent connects, never binds.")
-    every: int = Field(10, ge=1, description="Probe cadence: per-layer statistics every N-th optimizer step.")
+    every: Optional[int] = Field(None, ge=1, description="Fixed probe cadence: per-layer statistics every N-th optimizer step. Unset (the default): the budget picks the cadence.")
+    budget: float = Field(0.01, gt=0, le=1, description="Unless every is set: the agent's average cost as a fraction of the step time (0.01: 1%); it measures its own cost and probes every 2**k-th step, k chosen to stay within it.")
+    max_probe_interval_s: float = Field(60.0, gt=0, le=86400, description="Longest time between probes under the budget, seconds of step time (bounds detection latency); when even that costs over 3 budgets, gradwatch_rank_agent_over_budget says so and one warning.")
     job: str = Field("", description="Job id; default TORCHELASTIC_RUN_ID, else 'default'.")
     job_key: str = Field("", max_length=64, description="What tells this job from another under the same id (e.g. a launch id, the same on every rank and across restarts); default derived from torchrun's run id, or MASTER_ADDR and MASTER_PORT (see job_key).")
     rank: int = Field(-1, ge=-1, description="Global rank; default RANK, else torch.distributed, else 0.")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
@@ -117,6 +118,7 @@ class ProbeRecorder:
         self.counts: dict[int, list[int]] = {}
         self.micro = 0
         self.batch = 0
+        self.host_s = 0.0  # seconds spent in this recorder's hooks since the last reset (the budget's)
         self.probing = False
         self.not_instrumented: list[str] = []
         self._model = weakref.ref(model) if model is not None else lambda: None
@@ -133,6 +135,7 @@ class ProbeRecorder:
         self.micro = 0
         self.batch = 0
         self._in_forward = False
+        self.host_s = 0.0
 
     def install(self) -> None:
         """Hooks on for a probed step (records reset)."""
@@ -232,6 +235,7 @@ class ProbeRecorder:
             rec = recorder_ref()
             if rec is None or "forward" in rec.disabled:
                 return None
+            t0 = time.perf_counter()
             try:
                 if _in_backward():  # checkpoint recomputation: recorded in forward already
                     rec._recomputed(module_path, output)
@@ -256,6 +260,7 @@ class ProbeRecorder:
                     rec._count(rec.slot(module_path, "", module, other), 0)
             except Exception as e:
                 rec.on_error(f"forward:{module_path}", e)
+            rec.host_s += time.perf_counter() - t0
             return None
 
         return hook
@@ -274,10 +279,12 @@ class ProbeRecorder:
         def hook(grad):
             rec = recorder_ref()
             if rec is not None and grad is not None:
+                t0 = time.perf_counter()
                 try:
                     rec.grad.append((i, rec.reducer.sumsq_nonfinite(grad)))
                 except Exception as e:
                     rec.on_error("output-grad", e)
+                rec.host_s += time.perf_counter() - t0
             return None
 
         return hook

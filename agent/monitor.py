@@ -15,12 +15,13 @@ exception from the agent: every part reports failures to one :class:`.failures.F
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import secrets
 import time
 import warnings
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -76,7 +77,8 @@ class Monitor:
         self.recorder = ProbeRecorder(self.reducer, self.failures, inner)
         self.recorder.disabled = self.disabled
         self.not_instrumented = self.recorder.not_instrumented
-        self.schedule = ProbeSchedule(cfg.every, cfg.burst, cfg.spike_factor, self.recorder, self.failures)
+        self.schedule = ProbeSchedule(cfg.every, cfg.burst, cfg.spike_factor, self.recorder, self.failures,
+                                      budget=cfg.budget, max_interval_s=cfg.max_probe_interval_s)
         self.comm = CommHook(self.failures, self.disabled)
         self.fingerprints = Fingerprints(self.world_size)
         self.scaler: Optional[ScalerWatch] = None
@@ -85,7 +87,8 @@ class Monitor:
         self._close_reason = ""  # wire.CLOSE_REASONS, sent in the goodbye heartbeat
         self._pre: Optional[tuple[list[int], dict]] = None  # the sentinel's (present, sections)
         self._losses: list[torch.Tensor] = []
-        self._last_step_end = time.perf_counter()
+        self._last_step_end = self._acct_end = time.perf_counter()
+        self._pre_s = self._carry_s = 0.0  # the agent's own host time in this step so far (budget)
         self._slots: tuple = ()
         self._schema: Optional[wire.Schema] = None
         # the socket first: if it cannot be made, attach fails before any hook is in place
@@ -201,6 +204,7 @@ class Monitor:
     def _pre_step(self, optimizer, args, kwargs) -> None:
         if not self.active or "sentinel" in self.disabled:
             return
+        t0 = time.perf_counter()
         try:
             scale = self.scaler.scale() if self.scaler is not None else None  # get_scale() would sync
             self._pre = measure.sentinel(self._params, self.comm.local_sq, self._losses, scale,
@@ -208,6 +212,7 @@ class Monitor:
         except Exception as e:
             self._pre = None
             self.failures("sentinel", e)
+        self._pre_s += time.perf_counter() - t0
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         if not self.active:
@@ -217,6 +222,7 @@ class Monitor:
         first = self.comm.first_bucket
         compute_time = (first - self._last_step_end) if first is not None else float("nan")
         step_time, self._last_step_end = now - self._last_step_end, now
+        probed, hooks_s = self.recorder.probing, self.recorder.host_s
         try:
             self._submit(step, step_time, compute_time)
         except Exception as e:
@@ -228,7 +234,14 @@ class Monitor:
         if self.scaler is not None:
             self.scaler.stepped = True
         if self.active:  # a failed step may have switched the agent off: no hooks after close
+            # the budget: this step's agent host time (sentinel, module hooks, submit, and the
+            # previous boundary's hook switching) against its wall time, boundary to boundary
+            end = time.perf_counter()
+            agent_s = self._carry_s + self._pre_s + hooks_s + (end - now)
+            self.schedule.account(step, probed, agent_s, end - self._acct_end)
             self.schedule.advance(self.step)
+            self._acct_end, self._pre_s = end, 0.0
+            self._carry_s = time.perf_counter() - end
 
     def _submit(self, step: int, step_time: float, compute_time: float) -> None:
         pre, self._pre = self._pre, None
@@ -237,7 +250,7 @@ class Monitor:
         if probe:
             if self._schema is None or len(rec.slots) != len(self._slots):
                 self._slots = tuple(rec.slots)
-                self._schema = wire.Schema(self._header(0), self.host, self.local_rank, self.cfg.every,
+                self._schema = wire.Schema(self._header(0), self.host, self.local_rank, self.cfg.every or 0,
                                            self._param_meta, self._slots)
                 self.sender.request_schema()
             sections.update(measure.probe(self._params, rec, self.fingerprints))
@@ -245,21 +258,25 @@ class Monitor:
         flat, counts = frame.pack(sections)
         host, ready = frame.to_host(flat)
         batch = self.cfg.batch_size * max(rec.micro, 1) if self.cfg.batch_size else rec.batch
-        layout = report.StepLayout(
-            step=step, step_time=step_time, compute_time=compute_time,
+        # the layout is built on the sender thread: a frozen dataclass of 20-odd fields costs the
+        # training thread several microseconds a step, a partial about one
+        layout = functools.partial(
+            report.StepLayout, step=step, step_time=step_time, compute_time=compute_time,
             skipped=self.scaler.take_skipped() if self.scaler is not None else 0,
             schema=self._schema.hash if self._schema is not None else "", present=tuple(present), counts=counts,
             probe=probe, burst=probe and not self.schedule.on_cadence(step), batch=batch if probe else 0,
             micro=rec.micro if probe else 0, n_params=len(self._params), n_slots=len(self._slots),
             act=tuple((i, n) for i, n, _ in rec.act) if probe else (), grad=tuple(i for i, _ in rec.grad) if probe else (),
             calls=tuple((i, c, n) for i, (c, n) in rec.counts.items()) if probe else (),
+            probe_interval=self.schedule.interval, over_budget=self.schedule.over_budget,
         )
         # the sender polls ``ready`` rather than waiting: a collective stuck on the device must not
         # stop its heartbeats (they tell a hung rank from the peers waiting for it)
         self.sender.submit(lambda h: self._finalise(h, layout, host), ready, urgent=probe)
 
-    def _finalise(self, h: wire.Header, layout: report.StepLayout, host: torch.Tensor) -> wire.Report:
+    def _finalise(self, h: wire.Header, partial_layout: Callable[..., report.StepLayout], host: torch.Tensor) -> wire.Report:
         """Sender thread: the step's report, and a burst of probes if its gradient norm asks."""
+        layout = partial_layout(agent_cost=self.schedule.fraction)
         rep = report.build(h, layout, host.numpy(), self.sender.drops)
         self.schedule.watch(layout.step, rep.grad_norm, rep.grad_nonfinite, scheduled=self.step)
         return rep

@@ -43,6 +43,9 @@ class StepLayout:
         act: ``(slot, numel)`` of each record in the ``act`` section.
         grad: slot of each record in the ``out_grad`` section.
         calls: ``(slot, calls, elements)`` of each slot whose module ran in the step.
+        agent_cost: the agent's measured average cost over the training step time (NaN until measured).
+        probe_interval: probe interval in use, steps.
+        over_budget: the budget cannot be met even at the longest interval.
     """
 
     step: int
@@ -61,6 +64,9 @@ class StepLayout:
     act: tuple[tuple[int, int], ...] = ()
     grad: tuple[int, ...] = ()
     calls: tuple[tuple[int, int, int], ...] = ()
+    agent_cost: float = math.nan
+    probe_interval: int = 0
+    over_budget: bool = False
 
 
 def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.Report:
@@ -99,6 +105,7 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
     common = dict(
         drops=drops, local_grad_norm=local_norm, compute_time=L.compute_time, loss=loss,
         loss_scale=loss_scale, skipped=L.skipped,
+        agent_cost=L.agent_cost, probe_interval=L.probe_interval, over_budget=L.over_budget,
     )
     if not L.probe:
         return wire.Report(h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite, **common)

@@ -1,10 +1,21 @@
 """The probe schedule: which steps are probed, and the bursts a suspicious gradient norm asks for.
 
-Every ``every``-th step is probed (module hooks record activations and output gradients). When the
-sender thread sees a non-finite gradient norm, or one above ``spike_factor`` times the median of
-the recent finite ones, it asks for a *burst*: the next ``burst`` steps are probed regardless of
-cadence. The request is a plain integer the training thread reads at its next step boundary, so it
-arrives a step or two after the faulty step and never costs a host synchronisation.
+Two ways to pick probed steps:
+
+* **budget** (the default, ``every`` unset): the agent measures its own cost (:meth:`ProbeSchedule.account`)
+  and probes every ``interval``-th step, the interval chosen so that its average cost stays within
+  ``budget`` (a fraction of the step time). ``interval`` is a power of two and a probed step is
+  one with ``step % interval == 0``: ranks that measure slightly different costs still probe the
+  same steps (those of the larger interval), so the aggregator's cross-rank rounds stay complete.
+  ``max_interval_s`` bounds the interval in seconds (detection latency); when even that ceiling
+  costs more than :data:`OVER_BUDGET` times the budget, ``over_budget`` is set and one warning says so.
+* **fixed** (``every=N``): every N-th step, as before.
+
+When the sender thread sees a non-finite gradient norm, or one above ``spike_factor`` times the
+median of the recent finite ones, it asks for a *burst*: the next ``burst`` steps are probed
+regardless of cadence. Bursts are outside the budget. The request is a plain integer the training
+thread reads at its next step boundary, so it arrives a step or two after the faulty step and
+never costs a host synchronisation.
 
 At each step boundary :meth:`ProbeSchedule.advance` switches the recorder's module hooks on or off,
 so hooks exist only while a probed step runs.
@@ -15,41 +26,190 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-from typing import Callable
+import warnings
+from typing import Callable, Optional
 
 from .hooks import ProbeRecorder
 
 PART = "schedule"
+
+START_INTERVAL = 8  # budget mode, until the first probe has been measured
+WARMUP_STEPS = 3  # steps whose cost is not measured (first-call allocations, lazy imports, the schema)
+OVER_BUDGET = 3.0  # at the ceiling, a cost above this many budgets is flagged
+HYSTERESIS = 1.25  # the ideal interval must move this far past a power of two to change the interval
+ALPHA_STEP = 0.05  # EWMA weight of one unprobed step (many samples, noisy)
+ALPHA_PROBE = 0.3  # EWMA weight of one probed step (few samples)
+CLIP = 4.0  # a sample above this many times its average counts as this many: a pause (evaluation, a
+# checkpoint, the OS preempting the process on a busy machine) is not the agent's cost
+
+
+def _pow2_at_least(x: float) -> int:
+    return 1 if x <= 1 else 1 << math.ceil(math.log2(x))
+
+
+def _pow2_at_most(x: float) -> int:
+    return 1 if x < 2 else 1 << math.floor(math.log2(x))
+
+
+class Cost:
+    """The agent's measured cost, as exponentially weighted moving averages (seconds), each sample
+    clipped at :data:`CLIP` times the average so far (a probed step's wall time: its excess over
+    an unprobed step, at :data:`CLIP` times the probe's average excess).
+
+    Attributes:
+        sentinel_s: agent host time on an unprobed step (sentinel, step hooks, pack, submit).
+        step_s: wall time of an unprobed step, agent included.
+        probe_host_s: agent host time on a probed step (module and tensor hooks included).
+        probe_step_s: wall time of a probed step.
+        probes, steps: samples behind the probe and the unprobed averages.
+    """
+
+    def __init__(self):
+        self.sentinel_s = self.step_s = self.probe_host_s = self.probe_step_s = math.nan
+        self.probes = self.steps = 0
+
+    @staticmethod
+    def _ewma(old: float, new: float, alpha: float) -> float:
+        if math.isnan(old):
+            return new
+        return old + alpha * (min(new, CLIP * old) - old)
+
+    def add(self, probed: bool, agent_s: float, step_s: float) -> None:
+        if not (math.isfinite(agent_s) and math.isfinite(step_s)) or agent_s < 0 or step_s <= 0:
+            return
+        if probed:
+            if self.steps and not math.isnan(self.probe_step_s):
+                # a probed step's wall time counts through its excess over an unprobed step, so a
+                # pause is clipped against what a probe adds, not against the whole step
+                excess = max(self.probe_step_s - self.step_s, self.probe_host_s - self.sentinel_s, 0.01 * self.step_s)
+                step_s = min(step_s, self.step_s + CLIP * excess)
+            self.probe_host_s = self._ewma(self.probe_host_s, agent_s, ALPHA_PROBE)
+            self.probe_step_s = self._ewma(self.probe_step_s, step_s, ALPHA_PROBE)
+            self.probes += 1
+        else:
+            self.sentinel_s = self._ewma(self.sentinel_s, agent_s, ALPHA_STEP)
+            self.step_s = self._ewma(self.step_s, step_s, ALPHA_STEP)
+            self.steps += 1
+
+    @property
+    def probe_extra_s(self) -> float:
+        """What a probe adds to a step: the larger of the extra agent host time and the extra wall
+        time of a probed step over an unprobed one (the latter also sees device time and what
+        hooks cost autograd). NaN before both kinds of step were measured."""
+        if not (self.probes and self.steps):
+            return math.nan
+        return max(self.probe_host_s - self.sentinel_s, self.probe_step_s - self.step_s, 0.0)
+
+    @property
+    def train_s(self) -> float:
+        """The training step without the agent: unprobed step time less the sentinel's cost."""
+        return max(self.step_s - self.sentinel_s, 1e-9)
+
+    def fraction(self, interval: int) -> float:
+        """Average agent cost per step over the training step alone, probing every ``interval``-th
+        step: (sentinel + probe extra / interval) / training step. NaN until measured."""
+        return (self.sentinel_s + self.probe_extra_s / interval) / self.train_s
 
 
 class ProbeSchedule:
     """Cadence and bursts of probed steps for one monitor.
 
     Args:
-        every: probe cadence in steps (>= 1).
+        every: fixed probe cadence in steps (>= 1), or None for the budget.
         burst: steps probed after a suspicious gradient norm (0: never).
         spike_factor: a gradient norm above this times the median of the recent ones is a spike.
         recorder: whose hooks :meth:`advance` installs and removes.
         on_error: called as ``on_error("schedule", exc)`` when switching hooks fails.
         history: finite gradient norms kept for the median.
+        budget: budget mode: the agent's average cost as a fraction of the training step time.
+        max_interval_s: budget mode: the longest interval between probes, seconds of step time.
+
+    Attributes:
+        interval: the probe interval in use, steps.
+        cost: the measured :class:`Cost`.
+        over_budget: at the ceiling, the agent costs more than ``OVER_BUDGET * budget``.
     """
 
-    def __init__(self, every: int, burst: int, spike_factor: float, recorder: ProbeRecorder,
-                 on_error: Callable[[str, BaseException], None], history: int = 32):
+    def __init__(self, every: Optional[int], burst: int, spike_factor: float, recorder: ProbeRecorder,
+                 on_error: Callable[[str, BaseException], None], history: int = 32, *,
+                 budget: float = 0.01, max_interval_s: float = 60.0):
         self.every = every
         self.burst = burst
         self.spike_factor = spike_factor
         self.recorder = recorder
         self.on_error = on_error
+        self.budget = budget
+        self.max_interval_s = max_interval_s
+        self.interval = every if every is not None else START_INTERVAL
+        self.cost = Cost()
+        self.over_budget = False
+        self._warned = False
         self._burst_until = 0  # written by the sender thread, read at step boundaries
         self._recent: collections.deque = collections.deque(maxlen=history)  # sender thread only
 
+    @property
+    def fixed(self) -> bool:
+        return self.every is not None
+
     def is_probe(self, step: int) -> bool:
-        return step % self.every == 0 or step < self._burst_until
+        return step % self.interval == 0 or step < self._burst_until
 
     def on_cadence(self, step: int) -> bool:
         """``step`` is probed for the cadence, not (only) for a burst."""
-        return step % self.every == 0
+        return step % self.interval == 0
+
+    @property
+    def fraction(self) -> float:
+        """Measured average agent cost over the training step time at the interval in use (NaN
+        until measured; bursts not included)."""
+        return self.cost.fraction(self.interval)
+
+    def ceiling(self) -> int:
+        """Longest interval, steps: ``max_interval_s`` over the measured step time, as a power of
+        two (>= 1)."""
+        if not self.cost.steps:
+            return max(self.interval, START_INTERVAL)
+        return _pow2_at_most(self.max_interval_s / self.cost.step_s)
+
+    def account(self, step: int, probed: bool, agent_s: float, step_s: float) -> None:
+        """Training thread, after ``step``: record its agent time and wall time (seconds) and, in
+        budget mode, choose the interval.
+
+        The ideal interval is probe extra / (budget * training step - sentinel), the interval at
+        which the average cost is the budget; the interval in use is the power of two at or above
+        it (changed only when the ideal moves :data:`HYSTERESIS` past it), at most :meth:`ceiling`.
+        Never raises.
+        """
+        try:
+            if step < WARMUP_STEPS:
+                return
+            self.cost.add(probed, agent_s, step_s)
+            if self.fixed:
+                return
+            c = self.cost
+            extra = c.probe_extra_s
+            cur = self.interval
+            if not math.isnan(extra):
+                room = self.budget * c.train_s - c.sentinel_s
+                ideal = extra / room if room > 0 else math.inf
+                if ideal > cur * HYSTERESIS:
+                    cur = _pow2_at_least(ideal) if math.isfinite(ideal) else 1 << 62
+                elif _pow2_at_least(ideal * HYSTERESIS) < cur:
+                    cur = _pow2_at_least(ideal * HYSTERESIS)
+            top = self.ceiling()
+            self.interval = max(1, min(cur, top))
+            if math.isnan(extra):
+                return
+            self.over_budget = self.interval == top and c.fraction(top) > OVER_BUDGET * self.budget
+            if self.over_budget and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"gradwatch: the agent costs {c.fraction(top):.1%} of the step time even probing only every "
+                    f"{top} steps (max_probe_interval_s={self.max_interval_s:g}), over {OVER_BUDGET:g}x the budget "
+                    f"of {self.budget:.1%} (sentinel {c.sentinel_s * 1e3:.3g} ms, probe {extra * 1e3:.3g} ms, "
+                    f"step {c.train_s * 1e3:.3g} ms)", RuntimeWarning, stacklevel=2)
+        except Exception as e:
+            self.on_error(PART, e)
 
     def advance(self, step: int) -> None:
         """Training thread, before ``step`` runs: module hooks on for a probed step, off otherwise."""

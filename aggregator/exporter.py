@@ -98,6 +98,23 @@ def _rank_total(col: int):
     return fn
 
 
+def _rank_round(attr: str, cast=float):
+    def fn(s: Snapshot):
+        for j in s.jobs:
+            rr = j.last_round
+            if rr is None or getattr(rr, attr) is None:
+                continue
+            for k, rank in enumerate(rr.ranks):
+                yield (j.job, str(rank)), cast(getattr(rr, attr)[k])
+
+    return fn
+
+
+metric("rank_agent_cost_ratio", "gauge", "The rank's agent cost (sentinel every step, probes at the interval in use, bursts excluded) over its training step time, as the agent measures it, at the latest probed step; NaN until measured.", JR)(_rank_round("agent_cost"))
+metric("rank_probe_interval_steps", "gauge", "Steps between the rank's probes at the latest probed step (fixed by every=N, else chosen within the budget; 0 from older agents).", JR)(_rank_round("probe_interval", int))
+metric("rank_agent_over_budget", "gauge", "1 when the rank's agent costs over 3 budgets even at its longest probe interval (max_probe_interval_s), else 0.", JR)(_rank_round("over_budget", int))
+
+
 for _col, _stat in enumerate(s for s in statistics.STATISTICS if s.rank_total):
     metric(_stat.rank_total[0], "gauge", _stat.rank_total[1], JR)(_rank_total(_col))
 

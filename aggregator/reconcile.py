@@ -48,6 +48,9 @@ class RoundResult:
         grad_norm, local_grad_norm, compute_time: float64 [n_ranks] from each rank's report
             (global gradient norm after and before all-reduce; seconds of own work).
         batch, micro: int64 [n_ranks]: samples and forward passes of each rank this step.
+        agent_cost: float64 [n_ranks]: each rank's agent cost over its training step time (NaN unknown).
+        probe_interval: int64 [n_ranks]: each rank's probe interval in use, steps (0 unknown).
+        over_budget: bool [n_ranks]: the rank's agent cannot meet its budget.
         burst: any rank probed this step out of cadence.
     """
 
@@ -74,6 +77,9 @@ class RoundResult:
     micro: np.ndarray = None
     burst: bool = False
     act_count: np.ndarray = None
+    agent_cost: np.ndarray = None
+    probe_interval: np.ndarray = None
+    over_budget: np.ndarray = None
 
 
 def _union(names_per_rank) -> tuple[str, ...]:
@@ -154,6 +160,9 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         batch=np.array([x.batch for x in reps], np.int64),
         micro=np.array([x.micro for x in reps], np.int64),
         burst=any(x.burst for x in reps), act_count=act_count,
+        agent_cost=np.array([x.agent_cost for x in reps], np.float64),
+        probe_interval=np.array([x.probe_interval for x in reps], np.int64),
+        over_budget=np.array([x.over_budget for x in reps], bool),
     )
 
 

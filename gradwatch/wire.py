@@ -14,8 +14,8 @@ https://github.com/msgpack/msgpack/blob/master/spec.md) with these common keys:
     key    str    optional, at most 64 chars: what the job's ranks share, hashed (see
                   ``agent.config.job_key``), so two jobs under one id stay two jobs ("" if absent)
 
-``schema`` adds ``hash`` (16 hex chars), ``host``, ``local_rank``, ``every`` (probe cadence,
-steps), ``params`` (list of ``[name, shape, dtype]`` in ``model.named_parameters()`` order) and
+``schema`` adds ``hash`` (16 hex chars), ``host``, ``local_rank``, ``every`` (fixed probe cadence,
+steps; 0 when the agent's budget picks it, see the reports' ``probe_interval``), ``params`` (list of ``[name, shape, dtype]`` in ``model.named_parameters()`` order) and
 ``slots`` (list of ``[module, output, type, dtype]``: one per floating output tensor of a leaf
 module, in forward order; ``output`` is a path suffix such as ``""``, ``[0]`` or ``.logits``).
 
@@ -32,7 +32,10 @@ are normal, so they send no report of their own),
 unknown), ``grad_nonfinite`` (number of parameters whose gradient holds a NaN or Inf), ``micro``
 (forward passes of the root module during this step, 0 when not counted), ``batch`` (samples the
 rank processed this step, summed over micro-steps; 0 when unknown), ``drops`` (reports this agent
-dropped so far), ``burst`` (probed out of cadence after an anomaly) and, when ``probe`` is true,
+dropped so far), ``burst`` (probed out of cadence after an anomaly), ``agent_cost`` (the agent's
+measured average cost as a fraction of the training step time, NaN until measured; optional),
+``probe_interval`` (the probe interval in use, steps; optional, 0 when unknown), ``over_budget``
+(even the longest probe interval costs over 3 budgets; optional) and, when ``probe`` is true,
 arrays of raw little-endian bytes, row-major (columns declared once in :mod:`gradwatch.statistics`):
 
     act        float32 [n_slots, 6]   activation mean, std, min, max, zero ratio, non-finite count
@@ -185,6 +188,9 @@ class Report:
     skipped: int = 0
     batch: int = 0
     burst: bool = False
+    agent_cost: float = math.nan
+    probe_interval: int = 0
+    over_budget: bool = False
 
 
 @dataclass(frozen=True)
@@ -271,6 +277,9 @@ def encode(msg: Message) -> bytes:
             skipped=int(msg.skipped),
             batch=int(msg.batch),
             burst=bool(msg.burst),
+            agent_cost=float(msg.agent_cost),
+            probe_interval=int(msg.probe_interval),
+            over_budget=bool(msg.over_budget),
         )
         if msg.probe:
             for key, arr in statistics.ARRAYS.items():
@@ -433,6 +442,10 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
         skipped=_get(m, "skipped", int, nonneg=True),
         batch=_get(m, "batch", int, nonneg=True),
         burst=_get(m, "burst", bool),
+        # optional: agents before the budget did not send them
+        agent_cost=float(_get(m, "agent_cost", _NUM)) if "agent_cost" in m else math.nan,
+        probe_interval=_get(m, "probe_interval", int, nonneg=True) if "probe_interval" in m else 0,
+        over_budget=_get(m, "over_budget", bool) if "over_budget" in m else False,
     )
 
 

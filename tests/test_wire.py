@@ -55,6 +55,7 @@ def report(probe=True, **kw) -> wire.Report:
         header=header(), schema=schema().hash, step=20, step_time=0.125, grad_norm=3.5,
         grad_nonfinite=0, micro=4, drops=2, probe=probe, local_grad_norm=2.25, compute_time=0.0625,
         batch=32, burst=True, loss=1.75, loss_scale=65536.0, skipped=1,
+        agent_cost=0.0078125, probe_interval=64, over_budget=True,
     )
     if probe:
         base.update(probe_arrays())
@@ -453,3 +454,18 @@ def test_heartbeat_key_and_goodbye_reason_round_trip_and_stay_bounded():
     m["key"] = "k" * 65
     with pytest.raises(wire.WireError, match="bad_field"):
         wire.decode(msgpack.packb(m))
+
+
+def test_report_from_an_agent_without_the_budget_fields():
+    """Reports of agents older than the budget lack agent_cost, probe_interval and over_budget:
+    they decode with NaN, 0 and False; present ones are type-checked."""
+    import msgpack
+
+    m = msgpack.unpackb(wire.encode(report(probe=False)), raw=False)
+    for k in ("agent_cost", "probe_interval", "over_budget"):
+        del m[k]
+    got = wire.decode(msgpack.packb(m, use_bin_type=True))
+    assert math.isnan(got.agent_cost) and got.probe_interval == 0 and got.over_budget is False
+    m["probe_interval"] = -1
+    with pytest.raises(wire.WireError):
+        wire.decode(msgpack.packb(m, use_bin_type=True))
