@@ -26,13 +26,13 @@ import torch
 
 from gradwatch import wire
 
-from . import frame, measure, report
+from . import frame, measure, parallel, report
 from .amp import ScalerWatch
 from .config import AgentConfig, resolve_identity
 from .failures import Failures
 from .ddp import CommHook, allreduce_mean, unwrap  # noqa: F401  (re-exported)
 from .fingerprint import Fingerprints, fingerprint  # noqa: F401  (re-exported)
-from .hooks import ProbeRecorder, normalise
+from .hooks import ProbeRecorder
 from .null import NullMonitor  # noqa: F401  (re-exported)
 from .schedule import ProbeSchedule
 from .stats import Reducer
@@ -66,9 +66,10 @@ class Monitor:
         self.job, self.rank, self.world_size, self.local_rank, self.host = resolve_identity(cfg)
         self.boot = secrets.token_hex(8)
         inner = unwrap(model)
-        params = [(normalise(n), p) for n, p in inner.named_parameters()]
-        self._params = [p for _, p in params]
-        self._param_meta = tuple((n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in params)
+        # DDP, FSDP1, FSDP2/HSDP, tensor parallel: what this rank holds of each parameter
+        self.layout = parallel.detect(inner)
+        self._params = self.layout.params
+        self._param_meta = self.layout.meta
         self.failures = Failures(self.close)  # every part's on_error
         self.disabled = self.failures.disabled  # parts switched off after failing repeatedly
         self.reducer = Reducer(cfg.fused)
@@ -170,7 +171,7 @@ class Monitor:
         s = self._schema
         if s is None:
             return None
-        return wire.Schema(h, s.host, s.local_rank, s.every, s.params, s.slots, s.hash)
+        return wire.Schema(h, s.host, s.local_rank, s.every, s.params, s.slots, s.hash, s.mesh, s.shard)
 
     def _heartbeat_msg(self, h: wire.Header) -> wire.Heartbeat:
         return wire.Heartbeat(
@@ -233,7 +234,8 @@ class Monitor:
             if self._schema is None or len(rec.slots) != len(self._slots):
                 self._slots = tuple(rec.slots)
                 self._schema = wire.Schema(self._header(0), self.host, self.local_rank, self.cfg.every,
-                                           self._param_meta, self._slots)
+                                           self._param_meta, self._slots, mesh=self.layout.mesh,
+                                           shard=self.layout.shard)
                 self.sender.request_schema()
             sections.update(measure.probe(self._params, rec, self.fingerprints))
             self.probes += 1
@@ -247,6 +249,7 @@ class Monitor:
             probe=probe, burst=probe and not self.schedule.on_cadence(step), batch=batch if probe else 0,
             micro=rec.micro if probe else 0, n_params=len(self._params), n_slots=len(self._slots),
             act=tuple((i, n) for i, n, _ in rec.act) if probe else (), grad=tuple(i for i, _ in rec.grad) if probe else (),
+            shard_dims=self.layout.dims,
         )
         # the sender polls ``ready`` rather than waiting: a collective stuck on the device must not
         # stop its heartbeats (they tell a hung rank from the peers waiting for it)

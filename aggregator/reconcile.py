@@ -19,6 +19,8 @@ import numpy as np
 
 from gradwatch import statistics, wire
 
+from .shards import combine_params, global_norms
+
 @dataclass(frozen=True)
 class RoundResult:
     """One reconciled probed step.
@@ -47,6 +49,9 @@ class RoundResult:
             (global gradient norm after and before all-reduce; seconds of own work).
         batch, micro: int64 [n_ranks]: samples and forward passes of each rank this step.
         burst: any rank probed this step out of cadence.
+        holders: int64 [n_ranks, n_params]: ranks with equal numbers in a column hold the same
+            bytes of that parameter (all 0 under DDP; the replicas of one shard under FSDP/HSDP);
+            fingerprints are compared within those only. None: all hold the same.
     """
 
     step: int
@@ -71,6 +76,7 @@ class RoundResult:
     batch: np.ndarray = None
     micro: np.ndarray = None
     burst: bool = False
+    holders: np.ndarray = None
 
 
 def _union(names_per_rank) -> tuple[str, ...]:
@@ -114,12 +120,14 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
     fp_weight = np.zeros((R, len(params)), np.uint64)
     fp_grad_seen = np.zeros((R, len(params)), bool)
     fp_weight_seen = np.zeros((R, len(params)), bool)
+    all_pcols = []
     for k, r in enumerate(ranks):
         rep, s = reports[r], sch[k]
         cols = [lidx[n] for n in slot_names[k]]
         act[k, cols] = rep.act
         act_grad[k, cols] = rep.act_grad
         pcols = np.array([pidx[p[0]] for p in s.params], dtype=np.int64)
+        all_pcols.append(pcols)
         param[k, pcols] = rep.param
         present[k, pcols] = True
         if rep.fp_grad is not None:
@@ -128,6 +136,13 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
             fp_weight[k, pcols] = rep.fp_weight
             fp_grad_seen[k, pcols[has]] = True
             fp_weight_seen[k, pcols] = True
+    # sharded parameters: each shard group's rows become the parameter's global figures
+    param, holders = combine_params([x.mesh for x in sch], [x.shard for x in sch], all_pcols, param)
+    reps = [reports[r] for r in ranks]
+    norms = global_norms({k: (sch[k].mesh, x.grad_sq) for k, x in enumerate(reps)
+                          if x.grad_sq is not None and sch[k].mesh is not None})
+    grad_norm = np.array([norms.get(k, math.nan) if x.grad_sq is not None else x.grad_norm
+                          for k, x in enumerate(reps)], np.float64)
     # parameters merge into their module as layers merge into a group; summed in parameter order
     owners: dict[str, list[int]] = {m: [] for m in modules}
     for i, p in enumerate(params):
@@ -136,13 +151,12 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
     arrays = {"act": act, "act_grad": act_grad, "param": module}
     agg = statistics.aggregate_all(arrays)
     totals = _rank_totals(arrays)
-    reps = [reports[r] for r in ranks]
     return RoundResult(
         step, complete, ranks, layers, modules, act, act_grad, module, agg, totals,
         layer_types=tuple(types.get(n, "") for n in layers),
         params=params, fp_grad=fp_grad, fp_weight=fp_weight,
         fp_grad_seen=fp_grad_seen, fp_weight_seen=fp_weight_seen,
-        grad_norm=np.array([x.grad_norm for x in reps], np.float64),
+        grad_norm=grad_norm, holders=holders,
         local_grad_norm=np.array([x.local_grad_norm for x in reps], np.float64),
         compute_time=np.array([x.compute_time for x in reps], np.float64),
         batch=np.array([x.batch for x in reps], np.int64),

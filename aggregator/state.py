@@ -19,6 +19,7 @@ from typing import Callable, Optional
 from gradwatch import wire
 
 from .reconcile import RoundResult, reconcile
+from .shards import ShardNorms, mesh_of
 
 @dataclass
 class RankState:
@@ -77,6 +78,7 @@ class JobState:
     rounds_incomplete: int = 0
     restarts: int = 0  # times the job came back from an earlier step (a checkpoint) under its id
     retired: frozenset = frozenset()  # boot ids of the previous incarnation: late messages dropped
+    shards: ShardNorms = field(default_factory=ShardNorms)  # sharded ranks' reports awaiting their group
 
 
 class State:
@@ -201,7 +203,12 @@ class State:
                 self.runner.dispatch("on_heartbeat", job, r, msg)
         else:
             self.received["report"] += 1
-            self._report(job, r, msg, now)
+            if msg.grad_sq is None:
+                self._report(job, r, msg, now)
+            else:  # sharded: applied once the shard group's global norm is known (.shards)
+                for rank, rep in job.shards.add(h.rank, mesh_of(job, h.rank), msg):
+                    if rank in job.ranks:
+                        self._report(job, job.ranks[rank], rep, now)
 
     def _restart(self, job: JobState, h: wire.Header) -> JobState:
         new = JobState(
