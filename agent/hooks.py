@@ -142,7 +142,8 @@ class ProbeRecorder:
             try:
                 for out_path, t in iter_tensors(output):
                     i = rec.slot(module_path, out_path, module, t)
-                    rec.act.append((i, t.numel(), rec.reducer.moments(t)))
+                    lt = _local(t)
+                    rec.act.append((i, lt.numel(), rec.reducer.moments(lt)))
                     if t.requires_grad and "output-grad" not in rec.disabled:
                         t.register_hook(rec._grad_hook(i))
             except Exception as e:
@@ -158,12 +159,18 @@ class ProbeRecorder:
             rec = recorder_ref()
             if rec is not None and grad is not None:
                 try:
-                    rec.grad.append((i, rec.reducer.sumsq_nonfinite(grad)))
+                    rec.grad.append((i, rec.reducer.sumsq_nonfinite(_local(grad))))
                 except Exception as e:
                     rec.on_error("output-grad", e)
             return None
 
         return hook
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (tensor parallel outputs); any other tensor as it is."""
+    lt = getattr(t, "_local_tensor", None)
+    return lt if isinstance(lt, torch.Tensor) else t
 
 
 def leaf_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

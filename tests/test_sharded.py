@@ -101,3 +101,33 @@ def test_fsdp2_two_ranks(aggregator, tmp_path):
 @pytest.mark.parametrize("mode", ["fsdp1", "fsdp1o"])
 def test_fsdp1_two_ranks(aggregator, tmp_path, mode):
     check_job(aggregator, tmp_path, mode, 2)
+
+
+def test_tensor_parallel_mlp_with_replicated_layernorm(aggregator, tmp_path):
+    check_job(aggregator, tmp_path, "tp", 2)
+
+
+def test_hsdp_2x2(aggregator, tmp_path):
+    check_job(aggregator, tmp_path, "hsdp", 4, steps=50, every=10)
+
+
+def drift_findings(aggregator, job: str) -> list[dict]:
+    return [e for e in aggregator.findings(job) if e["check"] == "replica_drift" and e["event"] == "raised"]
+
+
+# after a flip, HSDP's all-reduce over "replicate" keeps the gradients equal: only the flipped
+# weight drifts. Tensor parallel has no reduction of replicated parameters' gradients: the flipped
+# LayerNorm changes rank 1's replicated gradients too, so every replicated parameter drifts by the
+# next probe; the column- and row-sharded weights are never compared across the TP group.
+@pytest.mark.parametrize("mode, ranks, flip, drifted", [
+    ("hsdp", 4, "12:2:0.weight", ["0.weight"]),  # rank 2 replicates rank 0's shard across "replicate"
+    ("tp", 2, "12:1:3.weight", ["2.bias", "3.weight", "3.bias"]),  # Replicate over the TP group
+])
+def test_bit_flip_in_a_replica_is_named_at_the_next_probe(aggregator, tmp_path, mode, ranks, flip, drifted):
+    job = f"flip-{mode}"
+    run_job(mode, tmp_path, ranks, steps=20, every=5, endpoint=aggregator.endpoint, job=job, flip=flip)
+    (e, *_) = wait_for(lambda: drift_findings(aggregator, job), 30, what="a replica_drift finding")
+    assert e["step"] == 15, e  # flipped after step 12's update, probed at 15
+    assert e["details"]["params"] == drifted, e
+    assert e["details"]["ranks"] == list(range(ranks))
+    assert [x["step"] for x in drift_findings(aggregator, job)] == [15], "raised once, at the next probe"
