@@ -61,13 +61,13 @@ class Monitor:
     (modules that refused hooks, case C17) are for inspection.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: AgentConfig, scaler=None):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: AgentConfig, scaler=None, mesh=None):
         self.cfg = cfg
         self.job, self.rank, self.world_size, self.local_rank, self.host = resolve_identity(cfg)
         self.boot = secrets.token_hex(8)
         inner = unwrap(model)
-        # DDP, FSDP1, FSDP2/HSDP, tensor parallel: what this rank holds of each parameter
-        self.layout = parallel.detect(inner)
+        # DDP, FSDP1, FSDP2/HSDP, tensor and pipeline parallel: what this rank holds of each parameter
+        self.layout = parallel.detect(inner, mesh)
         self._params = self.layout.params
         self._param_meta = self.layout.meta
         self.failures = Failures(self.close)  # every part's on_error

@@ -10,7 +10,9 @@ part in the shard given by ``_shard_param_infos`` (offset and length; absent par
 :func:`detect` turns any of these into one list of :class:`Local` views, one per original
 parameter in ``named_parameters`` order, each giving the rank's *local* weight and gradient as a
 plain tensor (what :mod:`.measure` reduces), plus the mesh (``wire.Mesh``) and, per parameter,
-the mesh dimensions it is sharded along. Nothing here communicates: the aggregator combines the
+the mesh dimensions it is sharded along. Under pipeline parallelism each rank holds its stage's
+parameters only; the job's mesh (the root of the parameters' sub-mesh, or ``attach(mesh=)``)
+then has a stage dimension (``pp``), along which nothing is sharded. Nothing here communicates: the aggregator combines the
 shards' sums of squares into global norms (see :mod:`gradwatch.wire`).
 """
 
@@ -162,21 +164,46 @@ def _fsdp1_params(model) -> tuple[dict, dict, Optional[wire.Mesh]]:
     return by_flat, by_orig, mesh
 
 
-def detect(model: torch.nn.Module) -> Layout:
+def _root(dm, named) -> object:
+    """The root of sub-mesh ``dm`` (``init_device_mesh(...)["dp"]`` under pipeline parallelism),
+    when every DTensor parameter's mesh dimensions are named in it; else ``dm`` itself."""
+    try:
+        root = dm._get_root_mesh()
+    except Exception:
+        return dm
+    names = set(root.mesh_dim_names or ())
+    for _, p in named:
+        if _is_dtensor(p) and not set(p.device_mesh.mesh_dim_names or ("?",)) <= names:
+            return dm  # a flattened or unnamed sub-mesh: its own dims are the best we know
+    return root
+
+
+def detect(model: torch.nn.Module, mesh=None) -> Layout:
     """The layout of ``model`` (already unwrapped from DDP and torch.compile).
+
+    Args:
+        model: the module this rank trains (under pipeline parallelism: its stage).
+        mesh: the job's whole ``DeviceMesh`` (``attach(..., mesh=)``), or None to find it from the
+            parameters (the root of their DTensors' meshes). Needed when parameters are plain
+            tensors but the rank is one of several pipeline stages (a dimension named ``pp``,
+            :func:`gradwatch.wire.stage_dims`), e.g. DDP within a stage. FSDP1 units keep the mesh
+            of their own process groups.
 
     Returns:
         A :class:`Layout`: plain parameters without a mesh under DDP or a single process; local
-        views, the mesh and shard dims under FSDP1, FSDP2, HSDP and tensor parallelism.
+        views, the mesh and shard dims under FSDP1, FSDP2, HSDP, tensor and pipeline parallelism.
     """
     named = list(model.named_parameters())
-    by_flat, by_orig, mesh = _fsdp1_params(model)
-    dmesh = None
-    if mesh is None:  # DTensors: the mesh with the most dimensions names them all
+    by_flat, by_orig, wmesh = _fsdp1_params(model)
+    if wmesh is None and mesh is not None:
+        wmesh = _mesh_of(mesh)
+    if wmesh is None:  # DTensors: the mesh with the most dimensions names them all; its root the job
+        dmesh = None
         for _, p in named:
             if _is_dtensor(p) and (dmesh is None or p.device_mesh.ndim > dmesh.ndim):
                 dmesh = p.device_mesh
-        mesh = _mesh_of(dmesh) if dmesh is not None else None
+        wmesh = _mesh_of(_root(dmesh, named)) if dmesh is not None else None
+    mesh = wmesh
     if mesh is None:
         return Layout([p for _, p in named], tuple((normalise(n), tuple(p.shape), _dtype(p)) for n, p in named))
     params, meta, shard = [], [], []
@@ -188,7 +215,8 @@ def detect(model: torch.nn.Module) -> Layout:
             params.append(local)
             meta.append((name, shape, dtype))
             shard.append(sh)
-    return Layout(params, tuple(meta), mesh, tuple(shard), "fsdp1" if by_flat else "dtensor")
+    kind = "fsdp1" if by_flat else "dtensor" if any(_is_dtensor(p) for _, p in named) else "plain"
+    return Layout(params, tuple(meta), mesh, tuple(shard), kind)
 
 
 def _dtensor_entry(name: str, p, mesh: wire.Mesh):

@@ -9,8 +9,10 @@ global norm exactly (never an average of norms): ``||g||^2 = sum over shards of 
 
 Ranks hold the same bytes of such a parameter when their coordinates agree on ``D``: the replicas
 of one shard across HSDP's replicate dimension, every rank for a parameter ``Replicate``d over a
-tensor-parallel group. :func:`holders` numbers those sets so fingerprints are compared within
-them only (:mod:`.checks._fingerprints`).
+tensor-parallel group; under pipeline parallelism also on the stage dims (ranks of different
+stages hold different parameters, even under equal names). :func:`combine_params` numbers those
+sets so fingerprints are compared within them only (:mod:`.checks._fingerprints`). The global
+norm under pipeline parallelism adds the stages' totals (:func:`global_norms`).
 
 Pure functions and one small buffer; no torch.
 """
@@ -32,8 +34,10 @@ def _off(mesh: wire.Mesh, dims) -> tuple:
 
 
 def _on(mesh: wire.Mesh, dims) -> tuple:
-    """Identity of what a rank holds of a parameter sharded along ``dims``: its coordinates there."""
-    return (mesh.names, mesh.sizes, tuple(mesh.coord[k] for k in dims if k < len(mesh.coord)))
+    """Identity of what a rank holds of a parameter sharded along ``dims``: its coordinates there,
+    and its pipeline stage (ranks of different stages never hold the same parameter)."""
+    return (mesh.names, mesh.sizes, tuple(mesh.coord[k] for k in dims if k < len(mesh.coord)),
+            tuple(mesh.coord[k] for k in wire.stage_dims(mesh) if k < len(mesh.coord)))
 
 
 def _size(mesh: wire.Mesh, dims) -> int:
@@ -49,7 +53,10 @@ def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float
     Returns:
         rank -> sqrt(sum over its ``grad_sq`` classes of the class's sums of squares summed over
         the class's shard group), for the ranks whose every group is complete (all
-        ``prod(sizes[dims])`` members present). NaN and Inf propagate.
+        ``prod(sizes[dims])`` members present). Under pipeline parallelism (a mesh with stage
+        dims, :func:`gradwatch.wire.stage_dims`) that sum is the rank's *stage total*; the rank's
+        global norm is then sqrt of the stage totals of the ranks sharing its coordinates on every
+        other dim, one per stage, once all stages' totals are complete. NaN and Inf propagate.
     """
     acc: dict[tuple, list] = {}
     for mesh, sq in entries.values():
@@ -57,7 +64,7 @@ def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float
             a = acc.setdefault((dims, _off(mesh, dims)), [0.0, 0])
             a[0] += v
             a[1] += 1
-    out = {}
+    totals = {}
     for r, (mesh, sq) in entries.items():
         total, ok = 0.0, True
         for dims, _ in sq:
@@ -67,7 +74,24 @@ def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float
                 break
             total += s
         if ok:
-            out[r] = math.sqrt(total) if total >= 0 else math.nan
+            totals[r] = total
+    # pipeline stages: each stage's total once (from the rank of the same pipeline replica)
+    stages: dict[tuple, dict[tuple, float]] = {}
+    for r, total in totals.items():
+        mesh, st = entries[r][0], wire.stage_dims(entries[r][0])
+        if st:
+            stage = tuple(mesh.coord[k] for k in st)
+            stages.setdefault(_off(mesh, st), {})[stage] = total
+    out = {}
+    for r, total in totals.items():
+        mesh = entries[r][0]
+        st = wire.stage_dims(mesh)
+        if st:
+            per = stages[_off(mesh, st)]
+            if len(per) < _size(mesh, st):
+                continue  # a stage has not reported yet
+            total = sum(per[s] for s in sorted(per))
+        out[r] = math.sqrt(total) if total >= 0 else math.nan
     return out
 
 
@@ -98,8 +122,9 @@ def combine_params(meshes: list, shards: list, pcols: list, param: np.ndarray) -
         mesh, shard = meshes[k], shards[k]
         if mesh is None or not shard:
             continue
+        staged = bool(wire.stage_dims(mesh))
         for j, (dims, _) in zip(pcols[k], shard):
-            holders[k, j] = ids.setdefault((int(j), _on(mesh, dims)), len(ids)) if dims else 0
+            holders[k, j] = ids.setdefault((int(j), _on(mesh, dims)), len(ids)) if dims or staged else 0
             if dims:
                 key = (int(j), dims, _off(mesh, dims))
                 groups.setdefault(key, []).append(k)

@@ -64,6 +64,12 @@ dimensions. The aggregator sums ``sumsq`` over the ranks that share every other 
 the same quantity ``grad_norm`` is under DDP (never an average of norms). Ranks compare
 fingerprints only with ranks holding the same bytes: equal coordinates on a parameter's ``dims``.
 
+Pipeline parallelism: a mesh dimension named ``pp`` (or ``pipeline``, or starting ``pp_`` or
+``pipeline_``; :func:`stage_dims`) numbers pipeline stages. Ranks that differ there hold different
+parameters, so no parameter is ever sharded along it: shard groups and fingerprint comparisons stay
+within one stage (equal coordinates on the stage dims too), and the global gradient norm adds the
+stage totals of the ranks that share every other coordinate (one per stage).
+
 ``heartbeat`` adds ``step`` (latest step seen, -1 before the first), ``sent`` and ``drops``
 (cumulative messages sent and dropped by this agent), ``errors`` (internal agent failures),
 ``closing`` (the agent is shutting down: the rank finished, it did not go silent), ``in_step_s``
@@ -155,6 +161,18 @@ class Mesh:
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     coord: tuple[int, ...]
+
+
+#: mesh dimension names that number pipeline stages (a prefix ``pp_`` or ``pipeline_`` counts too)
+STAGE_DIM_NAMES = ("pp", "pipeline")
+
+
+def stage_dims(mesh: Mesh | None) -> tuple[int, ...]:
+    """Indices of ``mesh``'s pipeline-stage dimensions (see the module docstring); () without a mesh."""
+    if mesh is None:
+        return ()
+    return tuple(k for k, n in enumerate(mesh.names)
+                 if n in STAGE_DIM_NAMES or n.startswith(tuple(f"{x}_" for x in STAGE_DIM_NAMES)))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Sharded layouts on real parts: FSDP2, FSDP1 (use_orig_params False and True), HSDP and tensor
-parallel jobs (gloo, CPU, tests/sharded_job.py) with agents -> a real aggregator -> /metrics.
+"""Sharded layouts on real parts: FSDP2, FSDP1 (use_orig_params False and True), HSDP, tensor
+parallel and pipeline parallel (with FSDP2 or plain replicas within a stage) jobs (gloo, CPU, tests/sharded_job.py) with agents -> a real aggregator -> /metrics.
 
 Each run checks the global gradient norm of every rank and the per-layer gradient norms at
 /metrics against an unsharded float64 replay of the same job (rel 1e-5), that clean steps raise
@@ -111,6 +111,17 @@ def test_hsdp_2x2(aggregator, tmp_path):
     check_job(aggregator, tmp_path, "hsdp", 4, steps=50, every=10)
 
 
+# pipeline parallel: 2 GPipe stages (layers 0-1, 2-3) x data-parallel ranks per stage. Each rank's
+# agent reports its stage's parameters only; the aggregator adds the stages' sums of squares into
+# the global norm every rank shows, and per layer /metrics aggregates the ranks holding that layer.
+def test_pipeline_parallel_2_stages_fsdp2_within_stage(aggregator, tmp_path):
+    check_job(aggregator, tmp_path, "pp", 4, steps=30, every=10)  # mesh found from the "dp" sub-mesh
+
+
+def test_pipeline_parallel_2_stages_3_replicas_each(aggregator, tmp_path):
+    check_job(aggregator, tmp_path, "ppdp", 6, steps=30, every=10)  # plain replicas: attach(mesh=)
+
+
 def drift_findings(aggregator, job: str) -> list[dict]:
     return [e for e in aggregator.findings(job) if e["check"] == "replica_drift" and e["event"] == "raised"]
 
@@ -131,3 +142,16 @@ def test_bit_flip_in_a_replica_is_named_at_the_next_probe(aggregator, tmp_path, 
     assert e["details"]["params"] == drifted, e
     assert e["details"]["ranks"] == list(range(ranks))
     assert [x["step"] for x in drift_findings(aggregator, job)] == [15], "raised once, at the next probe"
+
+
+def test_bit_flip_in_one_replica_of_one_pipeline_stage_names_the_rank(aggregator, tmp_path):
+    # ranks 3, 4, 5 are stage 1's replicas (dp 0, 1, 2); rank 4's 2.weight flips after step 12.
+    # Gradients are all-reduced within the stage, so only the flipped weight drifts; stage 0's
+    # ranks (which never hold 2.weight) are not compared with stage 1's.
+    job = "flip-ppdp"
+    run_job("ppdp", tmp_path, 6, steps=20, every=5, endpoint=aggregator.endpoint, job=job, flip="12:4:2.weight")
+    (e, *_) = wait_for(lambda: drift_findings(aggregator, job), 30, what="a replica_drift finding")
+    assert e["step"] == 15 and e["rank"] == 4, e
+    assert e["details"]["params"] == ["2.weight"], e
+    assert [(x["step"], x["rank"]) for x in drift_findings(aggregator, job)] == [(15, 4)], "raised once, at the next probe"
+    assert [x for x in aggregator.findings(job) if x["check"] != "replica_drift"] == []
