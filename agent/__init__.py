@@ -22,7 +22,7 @@ __all__ = ["attach", "AgentConfig", "ConfigError", "Monitor", "NullMonitor"]
 log = logging.getLogger("gradwatch.agent")
 
 
-def attach(model, optimizer, *, scaler=None, **settings):
+def attach(model, optimizer, *, scaler=None, mesh=None, **settings):
     """Attach the agent to ``model`` (plain or DistributedDataParallel) and its ``optimizer``.
 
     Args:
@@ -31,6 +31,10 @@ def attach(model, optimizer, *, scaler=None, **settings):
         scaler: the ``torch.amp.GradScaler``, if the script uses one: steps it skips (inf/NaN
             gradients) are then counted and labelled instead of reported (case C10), and reports
             carry the loss scale.
+        mesh: the job's whole ``torch.distributed.DeviceMesh``, when the model alone does not show
+            it: pipeline parallelism with plain (DDP or unsharded) stages, whose stage dimension
+            must be named ``pp``. Under FSDP2, HSDP and tensor parallelism it is found from the
+            parameters (the root of their DTensors' mesh); give it anyway to be explicit.
         **settings: any field of :class:`AgentConfig` (``endpoint``, ``every``, ``job``, ...);
             unset fields come from ``GRADWATCH_*`` variables, then torchrun's environment.
 
@@ -42,6 +46,8 @@ def attach(model, optimizer, *, scaler=None, **settings):
         ConfigError: a setting is invalid or unknown; the message names it.
     """
     cfg = load(**settings)
+    if mesh is not None and not (hasattr(mesh, "get_coordinate") and hasattr(mesh, "shape")):
+        raise ConfigError(f"agent.mesh: must be a torch.distributed.DeviceMesh, got {type(mesh).__name__}")
     from .null import NullMonitor
 
     if not cfg.enabled:
@@ -49,7 +55,7 @@ def attach(model, optimizer, *, scaler=None, **settings):
     from .monitor import Monitor
 
     try:
-        return Monitor(model, optimizer, cfg, scaler=scaler)
+        return Monitor(model, optimizer, cfg, scaler=scaler, mesh=mesh)
     except ConfigError:
         raise
     except Exception as e:  # the agent must never stop a training job from starting

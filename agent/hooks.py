@@ -250,10 +250,11 @@ class ProbeRecorder:
                         continue
                     found = True
                     i = rec.slot(module_path, out_path, module, t)
-                    n = t.numel()
+                    lt = _local(t)  # tensor parallel: this rank's part
+                    n = lt.numel()
                     rec._count(i, n)
                     if n:
-                        rec.act.append((i, n, rec.reducer.moments(t)))
+                        rec.act.append((i, n, rec.reducer.moments(lt)))
                     if t.requires_grad and "output-grad" not in rec.disabled:
                         t.register_hook(rec._grad_hook(i))
                 if not found:  # the module ran: its call counts even without a floating output
@@ -281,7 +282,7 @@ class ProbeRecorder:
             if rec is not None and grad is not None:
                 t0 = time.perf_counter()
                 try:
-                    rec.grad.append((i, rec.reducer.sumsq_nonfinite(grad)))
+                    rec.grad.append((i, rec.reducer.sumsq_nonfinite(_local(grad))))
                 except Exception as e:
                     rec.on_error("output-grad", e)
                 rec.host_s += time.perf_counter() - t0
@@ -293,6 +294,12 @@ class ProbeRecorder:
 #: modules recorded as one unit although they have children: their children are not called as
 #: modules (``nn.MultiheadAttention`` uses ``out_proj``'s weights through a functional call)
 ATOMIC = (torch.nn.MultiheadAttention,)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (tensor parallel outputs); any other tensor as it is."""
+    lt = getattr(t, "_local_tensor", None)
+    return lt if isinstance(lt, torch.Tensor) else t
 
 
 def leaf_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

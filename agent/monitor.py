@@ -27,13 +27,13 @@ import torch
 
 from gradwatch import wire
 
-from . import frame, measure, report
+from . import frame, measure, parallel, report
 from .amp import ScalerWatch
 from .config import AgentConfig, job_key, resolve_identity
 from .failures import Failures
 from .ddp import CommHook, allreduce_mean, unwrap  # noqa: F401  (re-exported)
 from .fingerprint import Fingerprints, fingerprint  # noqa: F401  (re-exported)
-from .hooks import ProbeRecorder, normalise
+from .hooks import ProbeRecorder
 from .null import NullMonitor  # noqa: F401  (re-exported)
 from .schedule import ProbeSchedule
 from .stats import Reducer
@@ -62,15 +62,16 @@ class Monitor:
     (modules that refused hooks, case C17) are for inspection.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: AgentConfig, scaler=None):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: AgentConfig, scaler=None, mesh=None):
         self.cfg = cfg
         self.job, self.rank, self.world_size, self.local_rank, self.host = resolve_identity(cfg)
         self.job_key = job_key(cfg, self.job, self.world_size)
         self.boot = secrets.token_hex(8)
         inner = unwrap(model)
-        params = [(normalise(n), p) for n, p in inner.named_parameters()]
-        self._params = [p for _, p in params]
-        self._param_meta = tuple((n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in params)
+        # DDP, FSDP1, FSDP2/HSDP, tensor and pipeline parallel: what this rank holds of each parameter
+        self.layout = parallel.detect(inner, mesh)
+        self._params = self.layout.params
+        self._param_meta = self.layout.meta
         self.failures = Failures(lambda: self.close("disabled"))  # every part's on_error
         self.disabled = self.failures.disabled  # parts switched off after failing repeatedly
         self.reducer = Reducer(cfg.fused)
@@ -177,7 +178,7 @@ class Monitor:
         s = self._schema
         if s is None:
             return None
-        return wire.Schema(h, s.host, s.local_rank, s.every, s.params, s.slots, s.hash)
+        return wire.Schema(h, s.host, s.local_rank, s.every, s.params, s.slots, s.hash, s.mesh, s.shard)
 
     def _heartbeat_msg(self, h: wire.Header) -> wire.Heartbeat:
         return wire.Heartbeat(
@@ -251,7 +252,8 @@ class Monitor:
             if self._schema is None or len(rec.slots) != len(self._slots):
                 self._slots = tuple(rec.slots)
                 self._schema = wire.Schema(self._header(0), self.host, self.local_rank, self.cfg.every or 0,
-                                           self._param_meta, self._slots)
+                                           self._param_meta, self._slots, mesh=self.layout.mesh,
+                                           shard=self.layout.shard)
                 self.sender.request_schema()
             sections.update(measure.probe(self._params, rec, self.fingerprints))
             self.probes += 1
@@ -269,6 +271,7 @@ class Monitor:
             act=tuple((i, n) for i, n, _ in rec.act) if probe else (), grad=tuple(i for i, _ in rec.grad) if probe else (),
             calls=tuple((i, c, n) for i, (c, n) in rec.counts.items()) if probe else (),
             probe_interval=self.schedule.interval, over_budget=self.schedule.over_budget,
+            shard_dims=self.layout.dims,
         )
         # the sender polls ``ready`` rather than waiting: a collective stuck on the device must not
         # stop its heartbeats (they tell a hung rank from the peers waiting for it)

@@ -46,6 +46,8 @@ class StepLayout:
         agent_cost: the agent's measured average cost over the training step time (NaN until measured).
         probe_interval: probe interval in use, steps.
         over_budget: the budget cannot be met even at the longest interval.
+        shard_dims: per parameter (all of them, schema order), the mesh dims it is sharded along;
+            empty without a mesh (DDP). With it, the report carries ``grad_sq``.
     """
 
     step: int
@@ -67,6 +69,19 @@ class StepLayout:
     agent_cost: float = math.nan
     probe_interval: int = 0
     over_budget: bool = False
+    shard_dims: tuple[tuple[int, ...], ...] = ()
+
+
+def grad_sq(sq: np.ndarray, present, shard_dims) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """Sums of squared local gradient elements per set of sharded-along mesh dims (wire
+    ``grad_sq``), from ``sq`` float64 [len(present)], each present parameter's squared norm."""
+    out: dict[tuple[int, ...], float] = {}
+    for i, v in zip(present, sq):
+        d = shard_dims[i]
+        out[d] = out.get(d, 0.0) + float(v)
+    for d in set(shard_dims):  # a class without a gradient this step still says 0
+        out.setdefault(d, 0.0)
+    return tuple(sorted(out.items()))
 
 
 def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.Report:
@@ -103,6 +118,7 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
         # optimizer pre-hook sees them unscaled (case C10)
         local_norm /= loss_scale
     common = dict(
+        grad_sq=grad_sq(sq, L.present, L.shard_dims) if L.shard_dims else None,
         drops=drops, local_grad_norm=local_norm, compute_time=L.compute_time, loss=loss,
         loss_scale=loss_scale, skipped=L.skipped,
         agent_cost=L.agent_cost, probe_interval=L.probe_interval, over_budget=L.over_budget,

@@ -19,6 +19,8 @@ import numpy as np
 
 from gradwatch import statistics, wire
 
+from .shards import combine_params, global_norms
+
 @dataclass(frozen=True)
 class RoundResult:
     """One reconciled probed step.
@@ -52,6 +54,9 @@ class RoundResult:
         probe_interval: int64 [n_ranks]: each rank's probe interval in use, steps (0 unknown).
         over_budget: bool [n_ranks]: the rank's agent cannot meet its budget.
         burst: any rank probed this step out of cadence.
+        holders: int64 [n_ranks, n_params]: ranks with equal numbers in a column hold the same
+            bytes of that parameter (all 0 under DDP; the replicas of one shard under FSDP/HSDP);
+            fingerprints are compared within those only. None: all hold the same.
     """
 
     step: int
@@ -80,6 +85,7 @@ class RoundResult:
     agent_cost: np.ndarray = None
     probe_interval: np.ndarray = None
     over_budget: np.ndarray = None
+    holders: np.ndarray = None
 
 
 def _union(names_per_rank) -> tuple[str, ...]:
@@ -124,6 +130,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
     fp_weight = np.zeros((R, len(params)), np.uint64)
     fp_grad_seen = np.zeros((R, len(params)), bool)
     fp_weight_seen = np.zeros((R, len(params)), bool)
+    all_pcols = []
     for k, r in enumerate(ranks):
         rep, s = reports[r], sch[k]
         cols = [lidx[n] for n in slot_names[k]]
@@ -132,6 +139,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         if rep.act_count is not None:
             act_count[k, cols] = rep.act_count
         pcols = np.array([pidx[p[0]] for p in s.params], dtype=np.int64)
+        all_pcols.append(pcols)
         param[k, pcols] = rep.param
         present[k, pcols] = True
         if rep.fp_grad is not None:
@@ -140,6 +148,13 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
             fp_weight[k, pcols] = rep.fp_weight
             fp_grad_seen[k, pcols[has]] = True
             fp_weight_seen[k, pcols] = True
+    # sharded parameters: each shard group's rows become the parameter's global figures
+    param, holders = combine_params([x.mesh for x in sch], [x.shard for x in sch], all_pcols, param)
+    reps = [reports[r] for r in ranks]
+    norms = global_norms({k: (sch[k].mesh, x.grad_sq) for k, x in enumerate(reps)
+                          if x.grad_sq is not None and sch[k].mesh is not None})
+    grad_norm = np.array([norms.get(k, math.nan) if x.grad_sq is not None else x.grad_norm
+                          for k, x in enumerate(reps)], np.float64)
     # parameters merge into their module as layers merge into a group; summed in parameter order
     owners: dict[str, list[int]] = {m: [] for m in modules}
     for i, p in enumerate(params):
@@ -148,13 +163,12 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
     arrays = {"act": act, "act_grad": act_grad, "param": module, "act_count": act_count}
     agg = statistics.aggregate_all(arrays)
     totals = _rank_totals(arrays)
-    reps = [reports[r] for r in ranks]
     return RoundResult(
         step, complete, ranks, layers, modules, act, act_grad, module, agg, totals,
         layer_types=tuple(types.get(n, "") for n in layers),
         params=params, fp_grad=fp_grad, fp_weight=fp_weight,
         fp_grad_seen=fp_grad_seen, fp_weight_seen=fp_weight_seen,
-        grad_norm=np.array([x.grad_norm for x in reps], np.float64),
+        grad_norm=grad_norm, holders=holders,
         local_grad_norm=np.array([x.local_grad_norm for x in reps], np.float64),
         compute_time=np.array([x.compute_time for x in reps], np.float64),
         batch=np.array([x.batch for x in reps], np.int64),

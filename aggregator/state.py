@@ -51,6 +51,7 @@ from gradwatch import wire
 from gradwatch.statistics import ARRAYS, STATISTICS
 
 from .reconcile import RoundResult, reconcile
+from .shards import ShardNorms, mesh_of
 
 
 def _per(kind: str) -> int:
@@ -135,6 +136,7 @@ class JobState:
     last_report_at: float = 0.0  # aggregator clock of its latest report
     pending_bytes: int = 0  # array bytes of the reports its open rounds hold
     exported_series: int = 0  # per-layer series its last_round exports
+    shards: ShardNorms = field(default_factory=ShardNorms)  # sharded ranks' reports awaiting their group
 
 
 class State:
@@ -327,7 +329,12 @@ class State:
                 self.runner.dispatch("on_heartbeat", job, r, msg)
         else:
             self.received["report"] += 1
-            self._report(job, r, msg, now)
+            if msg.grad_sq is None:
+                self._report(job, r, msg, now)
+            else:  # sharded: applied once the shard group's global norm is known (.shards)
+                for rank, rep in job.shards.add(h.rank, mesh_of(job, h.rank), msg):
+                    if rank in job.ranks:
+                        self._report(job, job.ranks[rank], rep, now)
 
     def _new_job(self, h: wire.Header, now: float) -> JobState:
         """A pending job for a new identity, evicting the least recently heard pending job when

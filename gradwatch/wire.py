@@ -56,6 +56,27 @@ A count of NaN marks "not observed" (a slot whose module did not run, an output 
 never arrived, a parameter without a gradient); a real NaN statistic always comes with a finite
 count >= 1.
 
+Parallel layouts (FSDP, HSDP, tensor parallel; optional keys, absent under plain DDP where every
+rank holds every parameter whole). A ``schema`` may add ``mesh``, a map ``{"names": [str],
+"sizes": [int], "coord": [int]}``: the device mesh's dimension names and sizes and this rank's
+coordinates on it; and ``shard``, one ``[dims, numel]`` per parameter in ``params`` order: the mesh
+dimensions (indices into ``names``) the parameter is sharded along (``[]``: this rank holds all of
+it) and the number of elements this rank holds. ``params`` then lists each parameter by its
+original name and global shape, and a probe report's ``param`` rows, like ``grad_norm``, are about
+what *this rank holds*: the L2 norm of its local shard (0 for an empty shard). The hash then
+covers ``mesh`` and ``shard`` too. A ``report`` may add ``grad_sq``, a list of ``[dims, sumsq]``:
+the sum of squared gradient elements of this rank's local shards, per set of sharded-along mesh
+dimensions. The aggregator sums ``sumsq`` over the ranks that share every other mesh coordinate
+(the shard group), adds the groups, and takes the square root: the exact global gradient norm,
+the same quantity ``grad_norm`` is under DDP (never an average of norms). Ranks compare
+fingerprints only with ranks holding the same bytes: equal coordinates on a parameter's ``dims``.
+
+Pipeline parallelism: a mesh dimension named ``pp`` (or ``pipeline``, or starting ``pp_`` or
+``pipeline_``; :func:`stage_dims`) numbers pipeline stages. Ranks that differ there hold different
+parameters, so no parameter is ever sharded along it: shard groups and fingerprint comparisons stay
+within one stage (equal coordinates on the stage dims too), and the global gradient norm adds the
+stage totals of the ranks that share every other coordinate (one per stage).
+
 ``heartbeat`` adds ``step`` (latest step seen, -1 before the first), ``sent`` and ``drops``
 (cumulative messages sent and dropped by this agent), ``errors`` (internal agent failures),
 ``closing`` (the agent is shutting down: the rank finished, it did not go silent), ``in_step_s``
@@ -150,6 +171,27 @@ class Header:
 
 
 @dataclass(frozen=True)
+class Mesh:
+    """A device mesh as one rank sees it: dimension names and sizes, and its own coordinates."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    coord: tuple[int, ...]
+
+
+#: mesh dimension names that number pipeline stages (a prefix ``pp_`` or ``pipeline_`` counts too)
+STAGE_DIM_NAMES = ("pp", "pipeline")
+
+
+def stage_dims(mesh: Mesh | None) -> tuple[int, ...]:
+    """Indices of ``mesh``'s pipeline-stage dimensions (see the module docstring); () without a mesh."""
+    if mesh is None:
+        return ()
+    return tuple(k for k, n in enumerate(mesh.names)
+                 if n in STAGE_DIM_NAMES or n.startswith(tuple(f"{x}_" for x in STAGE_DIM_NAMES)))
+
+
+@dataclass(frozen=True)
 class Schema:
     header: Header
     host: str
@@ -158,10 +200,13 @@ class Schema:
     params: tuple[tuple[str, tuple[int, ...], str], ...]
     slots: tuple[tuple[str, str, str, str], ...]
     hash: str = ""
+    mesh: Mesh | None = None
+    #: per parameter ``(mesh dims sharded along, local element count)``; () when all are whole
+    shard: tuple[tuple[tuple[int, ...], int], ...] = ()
 
     def __post_init__(self):
         if not self.hash:
-            object.__setattr__(self, "hash", schema_hash(self.params, self.slots))
+            object.__setattr__(self, "hash", schema_hash(self.params, self.slots, self.mesh, self.shard))
 
 
 @dataclass(frozen=True)
@@ -191,6 +236,8 @@ class Report:
     agent_cost: float = math.nan
     probe_interval: int = 0
     over_budget: bool = False
+    #: sharded layouts: ``((mesh dims, sum of squared local gradient elements), ...)``; None under DDP
+    grad_sq: tuple[tuple[tuple[int, ...], float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -209,10 +256,18 @@ class Heartbeat:
 Message = Union[Schema, Report, Heartbeat]
 
 
-def schema_hash(params, slots) -> str:
-    """16 hex chars of BLAKE2b over the canonical msgpack of ``params`` and ``slots``."""
-    canon = msgpack.packb([[list(map(_plain, p)) for p in params], [list(s) for s in slots]])
+def schema_hash(params, slots, mesh: Mesh | None = None, shard=()) -> str:
+    """16 hex chars of BLAKE2b over the canonical msgpack of ``params`` and ``slots`` (and of
+    ``mesh`` and ``shard`` when given: without them the hash is what it always was)."""
+    body = [[list(map(_plain, p)) for p in params], [list(s) for s in slots]]
+    if mesh is not None or shard:
+        body += [_mesh_map(mesh), [[list(d), n] for d, n in shard]]
+    canon = msgpack.packb(body)
     return hashlib.blake2b(canon, digest_size=8).hexdigest()
+
+
+def _mesh_map(mesh: Mesh | None):
+    return None if mesh is None else {"names": list(mesh.names), "sizes": list(mesh.sizes), "coord": list(mesh.coord)}
 
 
 def _plain(x):
@@ -259,6 +314,10 @@ def encode(msg: Message) -> bytes:
             params=[[n, list(s), d] for n, s, d in msg.params],
             slots=[list(s) for s in msg.slots],
         )
+        if msg.mesh is not None:
+            m["mesh"] = _mesh_map(msg.mesh)
+        if msg.shard:
+            m["shard"] = [[list(d), int(n)] for d, n in msg.shard]
     elif isinstance(msg, Report):
         m = _header_map("report", msg.header)
         m.update(
@@ -281,6 +340,8 @@ def encode(msg: Message) -> bytes:
             probe_interval=int(msg.probe_interval),
             over_budget=bool(msg.over_budget),
         )
+        if msg.grad_sq is not None:
+            m["grad_sq"] = [[list(d), float(v)] for d, v in msg.grad_sq]
         if msg.probe:
             for key, arr in statistics.ARRAYS.items():
                 a, cols = getattr(msg, key), len(statistics.fields(key))
@@ -368,6 +429,7 @@ def _schema(m: dict, h: Header, limits: Limits, known_schema=None) -> Schema:
         return Schema(
             header=h, host=_get(m, "host", str), local_rank=_get(m, "local_rank", int, nonneg=True),
             every=_get(m, "every", int, nonneg=True), params=known.params, slots=known.slots, hash=known.hash,
+            mesh=known.mesh, shard=known.shard,
         )
     params_raw = _get(m, "params", list)
     slots_raw = _get(m, "slots", list)
@@ -397,10 +459,68 @@ def _schema(m: dict, h: Header, limits: Limits, known_schema=None) -> Schema:
         every=_get(m, "every", int, nonneg=True),
         params=tuple(params),
         slots=tuple(slots),
+        mesh=_mesh(m),
+        shard=_shard(m, len(params)),
     )
     if sch.hash != digest:
         raise WireError("bad_field", "hash does not match params and slots")
     return sch
+
+
+def _ints(x, n: int | None = None, bound: int = 1 << 20) -> tuple[int, ...]:
+    if (not isinstance(x, list) or (n is not None and len(x) != n)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < bound for d in x)):
+        raise WireError("bad_field", "expected a list of small non-negative ints")
+    return tuple(x)
+
+
+def _mesh(m: dict) -> Mesh | None:
+    if "mesh" not in m:
+        return None
+    raw = _get(m, "mesh", dict)
+    names = raw.get("names")
+    if not isinstance(names, list) or not 1 <= len(names) <= 8 or not all(isinstance(x, str) for x in names):
+        raise WireError("bad_field", "mesh names")
+    sizes = _ints(raw.get("sizes"), len(names))
+    coord = _ints(raw.get("coord"), len(names))
+    if any(c >= n for c, n in zip(coord, sizes)):
+        raise WireError("bad_field", "mesh coord outside the mesh")
+    return Mesh(tuple(names), sizes, coord)
+
+
+def _dims(d) -> tuple[int, ...]:
+    dims = _ints(d, bound=8)
+    if len(dims) > 8:
+        raise WireError("bad_field", "too many mesh dims")
+    return dims
+
+
+def _shard(m: dict, n_params: int) -> tuple:
+    if "shard" not in m:
+        return ()
+    raw = _get(m, "shard", list)
+    if len(raw) != n_params:
+        raise WireError("bad_field", f"shard: {len(raw)} entries for {n_params} parameters")
+    out = []
+    for e in raw:
+        if not isinstance(e, list) or len(e) != 2:
+            raise WireError("bad_field", "shard entry")
+        out.append((_dims(e[0]), _ints([e[1]], bound=1 << 62)[0]))
+    return tuple(out)
+
+
+def _grad_sq(m: dict):
+    if "grad_sq" not in m:
+        return None
+    raw = _get(m, "grad_sq", list)
+    if len(raw) > 64:
+        raise WireError("bad_field", "grad_sq: too many groups")
+    out = []
+    for e in raw:
+        if not isinstance(e, list) or len(e) != 2 or not isinstance(e[1], _NUM) or isinstance(e[1], bool):
+            raise WireError("bad_field", "grad_sq entry")
+        out.append((_dims(e[0]), float(e[1])))
+    return tuple(out)
 
 
 def _report(m: dict, h: Header, schema_sizes) -> Report:
@@ -446,6 +566,7 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
         agent_cost=float(_get(m, "agent_cost", _NUM)) if "agent_cost" in m else math.nan,
         probe_interval=_get(m, "probe_interval", int, nonneg=True) if "probe_interval" in m else 0,
         over_budget=_get(m, "over_budget", bool) if "over_budget" in m else False,
+        grad_sq=_grad_sq(m),
     )
 
 

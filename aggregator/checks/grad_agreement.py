@@ -23,7 +23,7 @@ class GradientAgreement(Check):
         fp, seen = getattr(r, self.fingerprints[0]), getattr(r, self.fingerprints[1])
         if fp is None or len(r.ranks) < 2 or seen.sum(axis=0).max(initial=0) < 2:
             return Evaluation.no_data()
-        bad, tied = minority(fp, seen)
+        bad, tied = minority(fp, seen, getattr(r, "holders", None))
         findings = []
         what = "gradients" if self.name == "grad_agreement" else "weights"
         for k, ps in sorted(bad.items()):

@@ -1,0 +1,182 @@
+"""Sharded parameters (FSDP1, FSDP2, HSDP, tensor parallel): combining shard groups exactly.
+
+Under a sharded layout each rank reports what *it holds*: per parameter the L2 norm of its local
+shard, per step the sums of squared gradient elements of its local shards, grouped by the mesh
+dimensions they are sharded along (``grad_sq``; see :mod:`gradwatch.wire`). A parameter sharded
+along mesh dims ``D`` is split over the ranks whose coordinates agree on every other dimension:
+its *shard group*. Summing the shard group's sums of squares and taking the square root gives the
+global norm exactly (never an average of norms): ``||g||^2 = sum over shards of ||g_shard||^2``.
+
+Ranks hold the same bytes of such a parameter when their coordinates agree on ``D``: the replicas
+of one shard across HSDP's replicate dimension, every rank for a parameter ``Replicate``d over a
+tensor-parallel group; under pipeline parallelism also on the stage dims (ranks of different
+stages hold different parameters, even under equal names). :func:`combine_params` numbers those
+sets so fingerprints are compared within them only (:mod:`.checks._fingerprints`). The global
+norm under pipeline parallelism adds the stages' totals (:func:`global_norms`).
+
+Pure functions and one small buffer; no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Optional
+
+import numpy as np
+
+from gradwatch import wire
+
+
+def _off(mesh: wire.Mesh, dims) -> tuple:
+    """Identity of a shard group: the mesh, and the coordinates on every dim not in ``dims``."""
+    return (mesh.names, mesh.sizes, tuple(c for k, c in enumerate(mesh.coord) if k not in dims))
+
+
+def _on(mesh: wire.Mesh, dims) -> tuple:
+    """Identity of what a rank holds of a parameter sharded along ``dims``: its coordinates there,
+    and its pipeline stage (ranks of different stages never hold the same parameter)."""
+    return (mesh.names, mesh.sizes, tuple(mesh.coord[k] for k in dims if k < len(mesh.coord)),
+            tuple(mesh.coord[k] for k in wire.stage_dims(mesh) if k < len(mesh.coord)))
+
+
+def _size(mesh: wire.Mesh, dims) -> int:
+    return math.prod(mesh.sizes[k] for k in dims if k < len(mesh.sizes))
+
+
+def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float]:
+    """Global gradient norm of every rank whose shard groups all reported.
+
+    Args:
+        entries: rank -> (its mesh, its report's ``grad_sq``: ``((dims, sum of squares), ...)``).
+
+    Returns:
+        rank -> sqrt(sum over its ``grad_sq`` classes of the class's sums of squares summed over
+        the class's shard group), for the ranks whose every group is complete (all
+        ``prod(sizes[dims])`` members present). Under pipeline parallelism (a mesh with stage
+        dims, :func:`gradwatch.wire.stage_dims`) that sum is the rank's *stage total*; the rank's
+        global norm is then sqrt of the stage totals of the ranks sharing its coordinates on every
+        other dim, one per stage, once all stages' totals are complete. NaN and Inf propagate.
+    """
+    acc: dict[tuple, list] = {}
+    for mesh, sq in entries.values():
+        for dims, v in sq:
+            a = acc.setdefault((dims, _off(mesh, dims)), [0.0, 0])
+            a[0] += v
+            a[1] += 1
+    totals = {}
+    for r, (mesh, sq) in entries.items():
+        total, ok = 0.0, True
+        for dims, _ in sq:
+            s, n = acc[(dims, _off(mesh, dims))]
+            if n < _size(mesh, dims):
+                ok = False
+                break
+            total += s
+        if ok:
+            totals[r] = total
+    # pipeline stages: each stage's total once (from the rank of the same pipeline replica)
+    stages: dict[tuple, dict[tuple, float]] = {}
+    for r, total in totals.items():
+        mesh, st = entries[r][0], wire.stage_dims(entries[r][0])
+        if st:
+            stage = tuple(mesh.coord[k] for k in st)
+            stages.setdefault(_off(mesh, st), {})[stage] = total
+    out = {}
+    for r, total in totals.items():
+        mesh = entries[r][0]
+        st = wire.stage_dims(mesh)
+        if st:
+            per = stages[_off(mesh, st)]
+            if len(per) < _size(mesh, st):
+                continue  # a stage has not reported yet
+            total = sum(per[s] for s in sorted(per))
+        out[r] = math.sqrt(total) if total >= 0 else math.nan
+    return out
+
+
+def combine_params(meshes: list, shards: list, pcols: list, param: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-parameter rows of a round with each shard group combined into the global figures.
+
+    Args:
+        meshes: per rank of the round, its schema's mesh (None: every parameter whole).
+        shards: per rank, its schema's ``shard`` (``((dims, numel), ...)`` per schema parameter).
+        pcols: per rank, int64 [its schema's parameters]: their columns in ``param``.
+        param: float64 [R, P, 3] (wire ``PARAM_FIELDS``: grad norm, weight norm, grad non-finite
+            count) of what each rank holds, NaN where not present.
+
+    Returns:
+        ``(param, holders)``: float64 [R, P, 3] with every sharded parameter's row replaced, on
+        every member of a complete shard group, by the group's global figures (norms: sqrt of the
+        summed squares; non-finite counts: summed); NaN on members of an incomplete group. And
+        int64 [R, P]: ranks with equal numbers in a column hold the same bytes of that parameter
+        (0 everywhere without a mesh).
+    """
+    R, P = param.shape[:2]
+    out = param.copy()
+    holders = np.zeros((R, P), np.int64)
+    groups: dict[tuple, list[int]] = {}
+    need: dict[tuple, int] = {}
+    ids: dict[tuple, int] = {(): 0}
+    for k in range(R):
+        mesh, shard = meshes[k], shards[k]
+        if mesh is None or not shard:
+            continue
+        staged = bool(wire.stage_dims(mesh))
+        for j, (dims, _) in zip(pcols[k], shard):
+            holders[k, j] = ids.setdefault((int(j), _on(mesh, dims)), len(ids)) if dims or staged else 0
+            if dims:
+                key = (int(j), dims, _off(mesh, dims))
+                groups.setdefault(key, []).append(k)
+                need[key] = _size(mesh, dims)
+    with np.errstate(invalid="ignore"):
+        for key, members in groups.items():
+            j = key[0]
+            key_rows = param[members, j]
+            if len(members) < need[key]:
+                out[members, j] = np.nan
+                continue
+            norms = np.sqrt(np.sum(key_rows[:, :2] ** 2, axis=0))
+            out[members, j, 0] = norms[0]
+            out[members, j, 1] = norms[1]
+            out[members, j, 2] = key_rows[:, 2].sum()
+    return out, holders
+
+
+class ShardNorms:
+    """Holds sharded ranks' step reports until their shard groups have all reported, then gives
+    them back with ``grad_norm`` the exact global norm (the figure DDP reports).
+
+    Args:
+        max_steps: steps held at most; the oldest is then released with a NaN ``grad_norm`` (a
+            group member never reported: the global norm is unknown).
+    """
+
+    def __init__(self, max_steps: int = 16):
+        self.max_steps = max_steps
+        self.pending: dict[int, dict[int, tuple[Optional[wire.Mesh], wire.Report]]] = {}
+
+    def add(self, rank: int, mesh: Optional[wire.Mesh], rep: wire.Report) -> list[tuple[int, wire.Report]]:
+        """Take ``rank``'s report; return ``(rank, report)`` pairs ready to apply, in order."""
+        if mesh is None:  # the schema (and its mesh) not known yet: the global norm is unknown
+            return [(rank, replace(rep, grad_norm=math.nan))]
+        step = self.pending.setdefault(rep.step, {})
+        step[rank] = (mesh, rep)
+        out = []
+        done = global_norms({r: (m, x.grad_sq) for r, (m, x) in step.items()})
+        for r, g in done.items():
+            out.append((r, replace(step.pop(r)[1], grad_norm=g)))
+        if not step:
+            del self.pending[rep.step]
+        while len(self.pending) > self.max_steps:
+            old = self.pending.pop(min(self.pending))
+            out.extend((r, replace(x, grad_norm=math.nan)) for r, (_, x) in old.items())
+        return out
+
+
+def mesh_of(job, rank: int) -> Optional[wire.Mesh]:
+    """The mesh of ``rank``'s current schema in ``job`` (a ``state.JobState``), or None."""
+    r = job.ranks.get(rank)
+    s = job.schemas.get(r.schema) if r is not None else None
+    return s.mesh if s is not None else None
+

@@ -1,0 +1,157 @@
+"""Sharded layouts on real parts: FSDP2, FSDP1 (use_orig_params False and True), HSDP, tensor
+parallel and pipeline parallel (with FSDP2 or plain replicas within a stage) jobs (gloo, CPU, tests/sharded_job.py) with agents -> a real aggregator -> /metrics.
+
+Each run checks the global gradient norm of every rank and the per-layer gradient norms at
+/metrics against an unsharded float64 replay of the same job (rel 1e-5), that clean steps raise
+no finding, and that training is bit-identical with and without the agent."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from . import sharded_job as J
+from .conftest import samples, wait_for
+
+pytestmark = pytest.mark.ddp  # tiers: README, Tests
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_job(mode: str, out: Path, ranks: int, steps: int, every: int, endpoint: str = "", job: str = "", flip: str = "") -> dict:
+    """Run tests/sharded_job.py; returns each rank's local parameters after the last step."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "tests.sharded_job", mode, "--ranks", str(ranks), "--steps", str(steps),
+           "--every", str(every), "--out", str(out)]
+    if endpoint:
+        cmd += ["--endpoint", endpoint, "--job", job]
+    if flip:
+        cmd += ["--flip", flip]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return {r: torch.load(out / f"rank{r}.pt") for r in range(ranks)}
+
+
+def reference(mode: str, ranks: int, steps: int) -> list[tuple[float, dict[str, float]]]:
+    """Replay the job unsharded in one process, float64: per step, the mean of the replicas'
+    gradients (what FSDP's reduce-scatter and HSDP's all-reduce average), then SGD. Returns per
+    step the global gradient norm and each module's gradient norm (L2 over its parameters)."""
+    m = J.model().double()
+    opt = torch.optim.SGD(m.parameters(), lr=J.LR)
+    n = J.replicas(mode, ranks)
+    out = []
+    for step in range(steps):
+        grads = None
+        for replica in range(n):
+            x, y = J.batch(replica, step, torch.float64)
+            g = torch.autograd.grad(torch.nn.functional.mse_loss(m(x), y), list(m.parameters()))
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        for p, g in zip(m.parameters(), grads):
+            p.grad = g / n
+        total = sum(float(p.grad.square().sum()) for p in m.parameters()) ** 0.5
+        per = {name: sum(float(p.grad.square().sum()) for p in mod.parameters()) ** 0.5
+               for name, mod in m.named_children() if any(True for _ in mod.parameters())}
+        out.append((total, per))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def check_job(aggregator, tmp_path: Path, mode: str, ranks: int, steps: int = 50, every: int = 10) -> None:
+    job = f"sharded-{mode}"
+    with_agent = run_job(mode, tmp_path / "with", ranks, steps, every, aggregator.endpoint, job)
+    last_probe = (steps - 1) // every * every
+
+    def published():
+        text = aggregator.scrape()
+        steps_seen = samples(text, "gradwatch_rank_steps_total")
+        done = samples(text, "gradwatch_job_probe_step").get((("job_id", job),)) == last_probe
+        return text if done and len(steps_seen) == ranks and set(steps_seen.values()) == {steps} else None
+
+    text = wait_for(published, 30, what=f"{job}: every step and the last probed step at /metrics")
+    ref = reference(mode, ranks, steps)
+
+    norms = samples(text, "gradwatch_rank_grad_norm")
+    for r in range(ranks):  # the global norm, as under DDP: not the rank's shard
+        assert norms[(("job_id", job), ("rank", str(r)))] == pytest.approx(ref[-1][0], rel=1e-5), r
+    layers = samples(text, "gradwatch_layer_grad_norm")
+    for layer, want in ref[last_probe][1].items():
+        for agg in ("min", "median", "max"):
+            assert layers[(("agg", agg), ("job_id", job), ("layer", layer))] == pytest.approx(want, rel=1e-5), (layer, agg)
+
+    rounds = samples(text, "gradwatch_rounds_total")
+    assert rounds[(("job_id", job), ("outcome", "complete"))] == len(range(0, steps, every))
+    assert aggregator.findings(job) == []  # a healthy sharded job: no finding at all
+
+    without = run_job(mode, tmp_path / "without", ranks, steps, every)
+    for r in range(ranks):  # the agent never changes training: bit for bit
+        assert with_agent[r].keys() == without[r].keys()
+        for name in with_agent[r]:
+            assert torch.equal(with_agent[r][name].view(torch.uint8), without[r][name].view(torch.uint8)), (r, name)
+
+
+def test_fsdp2_two_ranks(aggregator, tmp_path):
+    check_job(aggregator, tmp_path, "fsdp2", 2)
+
+
+@pytest.mark.parametrize("mode", ["fsdp1", "fsdp1o"])
+def test_fsdp1_two_ranks(aggregator, tmp_path, mode):
+    check_job(aggregator, tmp_path, mode, 2)
+
+
+def test_tensor_parallel_mlp_with_replicated_layernorm(aggregator, tmp_path):
+    check_job(aggregator, tmp_path, "tp", 2)
+
+
+def test_hsdp_2x2(aggregator, tmp_path):
+    check_job(aggregator, tmp_path, "hsdp", 4, steps=50, every=10)
+
+
+# pipeline parallel: 2 GPipe stages (layers 0-1, 2-3) x data-parallel ranks per stage. Each rank's
+# agent reports its stage's parameters only; the aggregator adds the stages' sums of squares into
+# the global norm every rank shows, and per layer /metrics aggregates the ranks holding that layer.
+def test_pipeline_parallel_2_stages_fsdp2_within_stage(aggregator, tmp_path):
+    check_job(aggregator, tmp_path, "pp", 4, steps=30, every=10)  # mesh found from the "dp" sub-mesh
+
+
+def test_pipeline_parallel_2_stages_3_replicas_each(aggregator, tmp_path):
+    check_job(aggregator, tmp_path, "ppdp", 6, steps=30, every=10)  # plain replicas: attach(mesh=)
+
+
+def drift_findings(aggregator, job: str) -> list[dict]:
+    return [e for e in aggregator.findings(job) if e["check"] == "replica_drift" and e["event"] == "raised"]
+
+
+# after a flip, HSDP's all-reduce over "replicate" keeps the gradients equal: only the flipped
+# weight drifts. Tensor parallel has no reduction of replicated parameters' gradients: the flipped
+# LayerNorm changes rank 1's replicated gradients too, so every replicated parameter drifts by the
+# next probe; the column- and row-sharded weights are never compared across the TP group.
+@pytest.mark.parametrize("mode, ranks, flip, drifted", [
+    ("hsdp", 4, "12:2:0.weight", ["0.weight"]),  # rank 2 replicates rank 0's shard across "replicate"
+    ("tp", 2, "12:1:3.weight", ["2.bias", "3.weight", "3.bias"]),  # Replicate over the TP group
+])
+def test_bit_flip_in_a_replica_is_named_at_the_next_probe(aggregator, tmp_path, mode, ranks, flip, drifted):
+    job = f"flip-{mode}"
+    run_job(mode, tmp_path, ranks, steps=20, every=5, endpoint=aggregator.endpoint, job=job, flip=flip)
+    (e, *_) = wait_for(lambda: drift_findings(aggregator, job), 30, what="a replica_drift finding")
+    assert e["step"] == 15, e  # flipped after step 12's update, probed at 15
+    assert e["details"]["params"] == drifted, e
+    assert e["details"]["ranks"] == list(range(ranks))
+    assert [x["step"] for x in drift_findings(aggregator, job)] == [15], "raised once, at the next probe"
+
+
+def test_bit_flip_in_one_replica_of_one_pipeline_stage_names_the_rank(aggregator, tmp_path):
+    # ranks 3, 4, 5 are stage 1's replicas (dp 0, 1, 2); rank 4's 2.weight flips after step 12.
+    # Gradients are all-reduced within the stage, so only the flipped weight drifts; stage 0's
+    # ranks (which never hold 2.weight) are not compared with stage 1's.
+    job = "flip-ppdp"
+    run_job("ppdp", tmp_path, 6, steps=20, every=5, endpoint=aggregator.endpoint, job=job, flip="12:4:2.weight")
+    (e, *_) = wait_for(lambda: drift_findings(aggregator, job), 30, what="a replica_drift finding")
+    assert e["step"] == 15 and e["rank"] == 4, e
+    assert e["details"]["params"] == ["2.weight"], e
+    assert [(x["step"], x["rank"]) for x in drift_findings(aggregator, job)] == [(15, 4)], "raised once, at the next probe"
+    assert [x for x in aggregator.findings(job) if x["check"] != "replica_drift"] == []
