@@ -22,7 +22,7 @@ from gradwatch.agent.config import AgentConfig, job_key
 from gradwatch.aggregator.checks import Thresholds
 from gradwatch.aggregator.config import load
 from gradwatch.aggregator.daemon import Aggregator
-from gradwatch.aggregator.state import State
+from gradwatch.aggregator.state import SERIES_PER_LAYER, SERIES_PER_MODULE, State
 
 from .conftest import samples, wait_for
 
@@ -101,7 +101,7 @@ class Job:
 def agg():
     cfg = load(
         listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
-        round_grace_s=0.5, max_series_per_job=100, max_series_total=250, max_pending_jobs=8, max_jobs=4,
+        round_grace_s=0.5, max_series_per_job=120, max_series_total=300, max_pending_jobs=8, max_jobs=4,
         checks=Thresholds(silent_after_s=3, skew_steps=5, skew_for_s=0),
     )
     with Aggregator(cfg) as a:
@@ -269,14 +269,14 @@ def test_cardinality_is_capped_per_job_and_the_other_jobs_scrape_is_whole(agg, s
     # 20,000 names: over max_names, the schema is rejected whole
     big = [(f"m{i}", "", "Linear", "float32") for i in range(20_000)]
     Agent(sock, "bomb", 0, 1, "", params=(), slots=tuple(big)).schema()
-    # under max_names, with long names: exported up to max_series_per_job (100 here) and counted
+    # under max_names, with long names: exported up to max_series_per_job (120 here) and counted
     slots = tuple((f"{'deep.' * 100}m{i}", "", "Linear", "float32") for i in range(50))
     params = tuple((f"{'deep.' * 100}m{i}.weight", (2,), "float32") for i in range(50))
     wide = Agent(sock, "wide", 0, 1, "", params=params, slots=slots)
     wide.schema()
     wide.report(0, probe=True)
     settle(agg, sock)
-    # all jobs together stay under max_series_total (250 here): the running jobs keep theirs
+    # all jobs together stay under max_series_total (300 here): the running jobs keep theirs
     wide2 = Agent(sock, "wide2", 0, 1, "", params=params, slots=slots)
     wide2.schema()
     wide2.report(0, probe=True)
@@ -285,15 +285,18 @@ def test_cardinality_is_capped_per_job_and_the_other_jobs_scrape_is_whole(agg, s
     m = scrape(agg)
     assert rejected(m).get("malformed", 0) + rejected(m).get("bad_field", 0) >= 1 and "bomb" not in {dict(k)["job_id"] for k in m["gradwatch_job_world_size"]}
     layer_series = [k for n, s in m.items() if n.startswith("gradwatch_layer_") for k in s if ("job_id", "wide") in k]
-    assert 0 < len(layer_series) <= 100
+    assert 0 < len(layer_series) <= 120
     dropped = m["gradwatch_job_series_dropped"][(("job_id", "wide"),)]
-    assert dropped == 50 * 24 + 50 * 9 - len(layer_series)
+    total = 50 * SERIES_PER_LAYER + 50 * SERIES_PER_MODULE
+    # the cap counts every declared statistic; the scrape leaves out NaN ones (this agent sends no call counts)
+    assert dropped == total - agg.state.jobs["wide"].exported_series
+    assert len(layer_series) <= agg.state.jobs["wide"].exported_series
     assert all(len(dict(k)["layer"]) <= 200 for k in layer_series)
     small = [k for n, s in m.items() if n.startswith("gradwatch_layer_") for k in s if ("job_id", "small") in k]
-    assert len(small) == 3 * 24 + 2 * 9  # 3 slots x 8 stats x 3 aggs, 2 modules x 3 stats x 3 aggs
+    assert len(small) == 3 * 24 + 2 * 9  # 3 slots x 8 stats x 3 aggs (no call counts from this agent), 2 modules x 3 stats x 3 aggs
     wide2 = [k for n, s in m.items() if n.startswith("gradwatch_layer_") for k in s if ("job_id", "wide2") in k]
-    assert len(wide2) <= 250 - len(small) - len(layer_series)
-    assert m["gradwatch_job_series_dropped"][(("job_id", "wide2"),)] == 50 * 24 + 50 * 9 - len(wide2)
+    assert len(wide2) <= 300 - len(small) - len(layer_series)
+    assert m["gradwatch_job_series_dropped"][(("job_id", "wide2"),)] == total - agg.state.jobs["wide2"].exported_series
 
 
 def test_invented_job_ids_cannot_squat_slots(agg, sock):

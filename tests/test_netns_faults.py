@@ -32,7 +32,7 @@ import torch
 from . import netns
 from .conftest import ROOT
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(480), pytest.mark.slow]  # a minute of faults, then the same steps without the agent
 
 PORT, METRICS_PORT, GLOO_PORT = 5555, 9100, 29531
 SILENT_AFTER_S = 4.0
@@ -192,7 +192,7 @@ def test_partition_kill_and_stop_leave_training_unchanged_and_metrics_return(pai
         assert info["reports"] > 0
     # the same steps without the agent: bit-identical final weights
     ref = _job(pair, tmp_path, "none", "", steps)
-    assert ref.wait(120) == 0, (tmp_path / "none.log").read_text()
+    assert ref.wait(300) == 0, (tmp_path / "none.log").read_text()  # a loaded machine: slow, never wrong
     for r in (0, 1):
         with_agent = torch.load(tmp_path / f"agent.{r}.pt")
         without = torch.load(tmp_path / f"none.{r}.pt")
