@@ -329,11 +329,17 @@ def merge(array: str, values: np.ndarray, present: np.ndarray, groups: list[np.n
         total = lambda x: np.add.accumulate(np.pad(x, ((0, 0), (1, 0))), axis=1)[:, -1]  # noqa: E731
     else:
         total = lambda x: x.sum(axis=1)  # noqa: E731
+    # groups of one size at a time, ranks x groups as the rules' rows: the same arithmetic per
+    # row as one group at a time (bit for bit), without a Python turn per group
+    by_size: dict[int, list[int]] = {}
+    for g, idx in enumerate(groups):
+        by_size.setdefault(len(idx), []).append(g)
     with np.errstate(invalid="ignore", divide="ignore"):
-        for g, idx in enumerate(groups):
-            v = values[:, idx]
+        for size, gs in by_size.items():
+            idx = np.stack([np.asarray(groups[g], np.int64) for g in gs]) if size else np.zeros((len(gs), 0), np.int64)
+            v = values[:, idx].reshape(R * len(gs), size, values.shape[-1])
             members = {s.field: v[..., s.column] for s in rows}
-            seen = {k: m[:, idx] for k, m in masks.items()}
+            seen = {k: m[:, idx].reshape(R * len(gs), size) for k, m in masks.items()}
             counts = {k: o.sum(axis=1) for k, o in seen.items()}
             done: dict[str, np.ndarray] = {}
             for s in rows:
@@ -342,7 +348,7 @@ def merge(array: str, values: np.ndarray, present: np.ndarray, groups: list[np.n
                 if s.observed_by is not None:
                     x = np.where(cnt == 0, np.nan, x)
                 done[s.field] = x
-                out[:, g, s.column] = x
+                out[:, gs, s.column] = x.reshape(R, len(gs))
     return out
 
 

@@ -137,6 +137,7 @@ class Big(nn.Module):
         return (x @ self.w).square().mean()
 
 
+@pytest.mark.slow  # a quarter-GiB parameter
 def test_norms_of_a_2_26_element_parameter_against_float64(collector):
     torch.manual_seed(0)
     model = Big()

@@ -23,7 +23,7 @@ from gradwatch import agent
 
 from .conftest import free_port, samples, start_aggregator, wait_for
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # real aggregator processes, seconds of training each
 
 
 def thread_cpu_s(tid: int) -> float:

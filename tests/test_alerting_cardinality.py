@@ -92,6 +92,7 @@ def big_job():
     return aggs
 
 
+@pytest.mark.slow  # a 1024-rank, 200-layer job fed through the aggregator
 def test_1024_rank_200_layer_job_stays_within_the_budget_C34(big_job):
     agg, counts = big_job["grouped"]
     got = counts[-1]
@@ -107,12 +108,14 @@ def test_1024_rank_200_layer_job_stays_within_the_budget_C34(big_job):
     print(f"\ncardinality: {total} series with layer_depth=2 (budget {BUDGET})")
 
 
+@pytest.mark.slow
 def test_series_count_is_constant_across_steps_C34(big_job):
     for name in ("grouped", "full"):
         _, counts = big_job[name]
         assert counts[1] == counts[2], name  # a new probed step adds no series
 
 
+@pytest.mark.slow
 def test_full_layer_paths_fit_the_scrape_sample_limit(big_job):
     """Even without grouping (the default), the job fits the shipped scrape job's sample_limit."""
     _, counts = big_job["full"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from bench.fuzz import FAMILIES, frames, run
 
 
@@ -16,6 +18,7 @@ def test_every_frame_family_is_drawn_and_deterministic():
     assert a[:50] == list(frames(50, seed=1)) and a[:50] != list(frames(50, seed=2))
 
 
+@pytest.mark.slow  # 100,000 frames: seconds, not the fast tier
 def test_a_hundred_thousand_fuzz_frames_leave_the_aggregator_and_a_real_job_whole():
     logging.getLogger("gradwatch").setLevel(logging.ERROR)  # findings on forged jobs, by the thousand
     r = run(100_000, seed=0, steps=200)
