@@ -72,7 +72,10 @@ class Peer:
     def heartbeat(self) -> None:
         h = wire.Header(self.job, self.rank, self.world, self.boot, self.seq, time.time())
         self.seq += 1
-        self.sock.send(wire.encode(wire.Heartbeat(h, -1, self.seq, 0, 0)), zmq.NOBLOCK)
+        try:
+            self.sock.send(wire.encode(wire.Heartbeat(h, -1, self.seq, 0, 0)), zmq.NOBLOCK)
+        except zmq.Again:  # a refused handshake can leave the socket no pipe to queue on: nothing sent
+            pass
 
     def close(self) -> None:
         self.sock.close(0)
