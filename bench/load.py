@@ -45,7 +45,6 @@ import multiprocessing as mp
 import os
 import re
 import socket
-import statistics as pystats
 import subprocess
 import sys
 import time

@@ -79,6 +79,30 @@ def _times(reports: dict) -> tuple[str, dict[int, float]]:
     return "", {}
 
 
+def _peer_medians(times: list[float]) -> list[float]:
+    """For each value, the median of all the others (float64, as ``np.median`` of them gives it).
+
+    One sort instead of a median per rank (quadratic: 16,384 ranks made 268M element visits per
+    step): removing the value at sorted position ``i`` shifts every later one down by one, so the
+    others' middle element(s) are found by index arithmetic."""
+    v = np.asarray(times, np.float64)
+    n = len(v)
+    order = np.argsort(v, kind="stable")
+    s = v[order]
+    pos = np.empty(n, np.int64)
+    pos[order] = np.arange(n)  # sorted position of each value
+
+    def others(j):  # the j-th smallest of the others, for every value at once
+        return s[j + (j >= pos)]
+
+    m = n - 1
+    if m % 2:
+        med = others(np.full(n, m // 2))
+    else:  # np.median averages the two middle values as np.mean does: (a + b) / 2
+        med = (others(np.full(n, m // 2 - 1)) + others(np.full(n, m // 2))) / 2
+    return med.tolist()
+
+
 @register
 class Straggler(Check):
     name = "straggler"
@@ -139,10 +163,11 @@ class Straggler(Check):
             if len(times) < 2:
                 continue
             fastest = min(times.values())
-            for k, x in times.items():
+            peers = _peer_medians(list(times.values()))
+            for (k, x), peer in zip(times.items(), peers):
                 r = st.ranks[k]
                 ratio = fastest / x if x > 0 else 1.0
-                excess = x - float(np.median([y for q, y in times.items() if q != k]))
+                excess = x - peer
                 r.times.append(x)
                 r.ratios.append(ratio)
                 r.excess.append(excess)
