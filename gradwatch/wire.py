@@ -94,7 +94,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Union
 
 import msgpack
@@ -543,6 +543,21 @@ def _grad_sq(m: dict):
     return tuple(out)
 
 
+def _defaults(cls) -> dict:
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
+def _build(cls, defaults: dict, values: dict):
+    """``cls(**values)`` for a frozen dataclass without ``__post_init__``, without its ``__init__``:
+    that sets each of a report's 30 fields through ``object.__setattr__`` (4 µs, a third of
+    decoding a sentinel report). Same object: every field set, equal and hashed alike."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(defaults)
+    obj.__dict__.update(values)
+    return obj
+
+
+_REPORT_DEFAULTS = _defaults(Report)
 _REPORT_FLOATS = ("step_time", "grad_norm", "local_grad_norm", "compute_time", "loss", "loss_scale")
 _REPORT_COUNTS = ("step", "grad_nonfinite", "micro", "drops", "skipped", "batch")
 
@@ -578,7 +593,8 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
     fast = _report_scalars(m)
     if fast is not None and not fast["probe"]:
         # a sentinel (every step of every rank): no arrays; grad_sq checked last, as below
-        return Report(header=h, grad_sq=_grad_sq(m), **fast)
+        fast.update(header=h, grad_sq=_grad_sq(m))
+        return _build(Report, _REPORT_DEFAULTS, fast)
     probe = _get(m, "probe", bool)
     step = _get(m, "step", int, nonneg=True)
     schema = _get(m, "schema", str)
@@ -598,7 +614,8 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
         fp_grad = _fingerprints(m, "fp_grad", rows["params"])
         fp_weight = _fingerprints(m, "fp_weight", rows["params"])
     if fast is not None:  # the scalars were checked above; only the arrays were left to check
-        return Report(header=h, **fast, **arrays, fp_grad=fp_grad, fp_weight=fp_weight, grad_sq=_grad_sq(m))
+        fast.update(arrays, header=h, fp_grad=fp_grad, fp_weight=fp_weight, grad_sq=_grad_sq(m))
+        return _build(Report, _REPORT_DEFAULTS, fast)
     return Report(
         header=h,
         schema=schema,
