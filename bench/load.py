@@ -357,7 +357,8 @@ def _drive(args, proc, endpoint: str, base: str) -> dict:
                 k += 1
             if k < len(seen):
                 fresh.append(max(0.0, seen[k][0] - steps[step]))
-    last_step = {j: max(v) for j, v in done.items()}
+    # the job's newest complete step: senders stop on their own (--duration), the slowest decides
+    last_step = {j: min(r["last_step"][j] for r in results) for j in done}
     rec = {k: v for k, v in last.received.items()}
     # absorbed: counted by the aggregator while the senders ran (between first and last scrape)
     if len(sending) >= 2:
