@@ -25,8 +25,9 @@ ZeroMQ sends block at the high-water mark, so nothing is dropped on the way), ``
 paces every rank at R steps per second (freshness under a steady load).
 
 ``--inprocess`` instead feeds pre-encoded frames straight to ``Aggregator.handle`` in this process
-(no sockets; the receive thread's work: decode, state, checks, reconcile), optionally under
-cProfile (``--profile``): the figures issue 14 quotes per frame.
+(no sockets; the receive thread's work: decode, state, checks, reconcile; with ``--scrape`` also
+the snapshot and the /metrics text once per step), optionally under cProfile (``--profile``): the
+figures issue 14 quotes per frame. Heartbeats (``--heartbeat-s`` > 0) go one per rank and step.
 
 Usage::
 
@@ -391,6 +392,8 @@ def _drive(args, proc, endpoint: str, base: str) -> dict:
 
 def run_inprocess(args) -> dict:
     """Pre-encode the frames, then time ``Aggregator.handle`` over them (optionally profiled)."""
+    from prometheus_client import generate_latest
+
     from gradwatch.aggregator import Aggregator, load
 
     now = [0.0]
@@ -412,7 +415,10 @@ def run_inprocess(args) -> dict:
             for r in range(job.world):
                 batch.append(report_frame(job, r, seq[(job.name, r)], step, probe, 0.1))
                 seq[(job.name, r)] += 1
-        kinds["probe" if probe else "sentinel"] += len(batch)
+                if args.heartbeat_s > 0:  # one heartbeat per rank and step (1 step/s, heartbeat_s 1)
+                    batch.append(heartbeat_frame(job, r, seq[(job.name, r)], step, seq[(job.name, r)]))
+                    seq[(job.name, r)] += 1
+        kinds["probe" if probe else "sentinel"] += args.ranks * args.jobs
         per_step.append(batch)
     handle = agg.handle
     prof = None
@@ -426,11 +432,18 @@ def run_inprocess(args) -> dict:
     if prof:
         prof.enable()
     t_rep = time.perf_counter()
+    publish_s = scrape_s = 0.0
     for batch in per_step:
         for f in batch:
             handle(f)
         now[0] += 0.05
         agg.state.tick()
+        if args.scrape:  # the writer's publish and an HTTP thread's scrape, once per step
+            a = time.perf_counter()
+            agg.publish()
+            b = time.perf_counter()
+            nbytes = len(generate_latest(agg.registry))
+            publish_s, scrape_s = publish_s + b - a, scrape_s + time.perf_counter() - b
     t_end = time.perf_counter()
     if prof:
         prof.disable()
@@ -438,9 +451,12 @@ def run_inprocess(args) -> dict:
     agg.runner.close()
     st = agg.state
     n = sum(len(b) for b in per_step)
+    n_rep = kinds["probe"] + kinds["sentinel"]
     res = dict(mode="inprocess", ranks=args.ranks, layers=args.layers, jobs=args.jobs, every=args.every,
-               reports=n, kinds=dict(kinds), schema_s=t_rep - t, reports_s=t_end - t_rep,
-               reports_per_s=n / (t_end - t_rep), us_per_report=1e6 * (t_end - t_rep) / n,
+               layer_depth=args.layer_depth, frames=n, reports=n_rep, kinds=dict(kinds), schema_s=t_rep - t,
+               reports_s=t_end - t_rep, reports_per_s=n_rep / (t_end - t_rep), us_per_frame=1e6 * (t_end - t_rep) / n,
+               publish_s_per_step=publish_s / n_steps, scrape_s_per_step=scrape_s / n_steps,
+               scrape_bytes=nbytes if args.scrape else 0,
                received=dict(st.received), rejected=dict(st.rejected),
                findings=[f"{f.check}: {f.summary}" for f in agg.snapshot.checks.active])
     if prof:
@@ -461,8 +477,10 @@ def table(res: dict) -> str:
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{nd}f}"
 
     if res["mode"] == "inprocess":
-        rows = [("reports handled", f(res["reports"])), ("reports/s", f(res["reports_per_s"])),
-                ("µs per report", f(res["us_per_report"], 1)), ("rejected", str(res["rejected"] or "none")),
+        rows = [("reports handled (frames with heartbeats)", f"{f(res['reports'])} ({f(res['frames'])})"),
+                ("reports/s (rank-steps/s)", f(res["reports_per_s"])), ("µs per frame", f(res["us_per_frame"], 1)),
+                ("publish / scrape per step, s", f"{f(res['publish_s_per_step'], 3)} / {f(res['scrape_s_per_step'], 3)}"),
+                ("rejected", str(res["rejected"] or "none")),
                 ("active findings", str(len(res["findings"])))]
     else:
         rows = [
@@ -507,6 +525,7 @@ def parse(argv=None):
     p.add_argument("--log", default="", help="aggregator log file")
     p.add_argument("--inprocess", action="store_true", help="feed Aggregator.handle in this process instead")
     p.add_argument("--profile", action="store_true", help="with --inprocess: cProfile the reports' handling")
+    p.add_argument("--scrape", action="store_true", help="with --inprocess: publish and render /metrics every step")
     p.add_argument("--top", type=int, default=30, help="profile rows")
     p.add_argument("--json", default="", help="write the results as JSON to this path")
     return p.parse_args(argv)
