@@ -80,7 +80,8 @@ class Aggregator:
         )
         self._snapshot = Snapshot()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
-        self.registry.register(SnapshotCollector(lambda: self._snapshot, cfg.layer_depth, cfg.rank_detail_max))
+        self.registry.register(SnapshotCollector(lambda: self._snapshot, cfg.layer_depth, cfg.rank_detail_max,
+                                                 cfg.rank_series_max))
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._ctx: Optional[zmq.Context] = None

@@ -11,6 +11,7 @@ over the module's parameters.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from dataclasses import dataclass, replace
@@ -279,6 +280,8 @@ class JobView:
     rounds_incomplete: int
     restarts: int = 0
     series_dropped: int = 0  # per-layer series of last_round over the job's cap (state.cap_series)
+    #: counters summed over the job's ranks, forgotten ones included: ((name, total), ...)
+    totals: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,7 @@ class Snapshot:
 
 def snapshot(state, wall_now: float) -> Snapshot:
     """Copy what the exporter needs out of ``state`` (called by the writer thread only)."""
+    from .state import rank_counters  # state imports this module
     mono_now = state.clock()
     jobs = []
     for job in state.jobs.values():
@@ -307,8 +311,11 @@ def snapshot(state, wall_now: float) -> Snapshot:
             )
             for r in sorted(job.ranks.values(), key=lambda x: x.rank)
         )
+        totals = collections.Counter(getattr(job, "forgotten", ()))
+        for r in job.ranks.values():
+            totals.update(rank_counters(r))
         jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete,
-                            job.restarts, job.series_dropped))
+                            job.restarts, job.series_dropped, tuple(sorted(totals.items()))))
     return Snapshot(
         tuple(jobs),
         state.runner.view() if state.runner is not None else None,
