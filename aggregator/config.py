@@ -64,7 +64,7 @@ class AggregatorConfig(BaseSettings):
         "DIR/clients), one .key file, or one 40-character Z85 public key. Read at start-up.",
     )
     rcv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive high-water mark, messages per connected agent: queued memory is at most agents x rcv_hwm x message size under overload (further messages wait in the agents' own bounded queues, where they are dropped and counted).")
-    publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read.")
+    publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read; when building one takes longer than a quarter of that (jobs of thousands of ranks), 4x its build time instead, so the receive thread spends at most a quarter of its time on them.")
     events_path: str = Field("", description="JSON-lines file findings are appended to as they are raised and resolved ('' for none).")
     grafana_url: str = Field("", description="Grafana base URL (http[s]://host[:port][/path]) to post each raised finding to as an annotation ('' for none).")
     grafana_token: str = Field("", description="Grafana service account token for --grafana-url (prefer the environment variable GRADWATCH_AGGREGATOR_GRAFANA_TOKEN).")

@@ -90,13 +90,20 @@ _rank_metric("agent_errors", "counter", "Internal failures of the rank's agent (
 
 
 # --- per rank, totalled over layers at the latest probed step ------------------------------------
+def _round_ranks(j, rr):
+    """``(index, rank)`` of the round's ranks the job's view exports (``JobView.only``)."""
+    if j.only is None:
+        return enumerate(rr.ranks)
+    return [(k, rank) for k, rank in enumerate(rr.ranks) if rank in j.only]
+
+
 def _rank_total(col: int):
     def fn(s: Snapshot):
         for j in s.jobs:
             rr = j.last_round
             if rr is None:
                 continue
-            for k, rank in enumerate(rr.ranks):
+            for k, rank in _round_ranks(j, rr):
                 yield (j.job, str(rank)), float(rr.rank_totals[k, col])
 
     return fn
@@ -108,7 +115,7 @@ def _rank_round(attr: str, cast=float):
             rr = j.last_round
             if rr is None or getattr(rr, attr) is None:
                 continue
-            for k, rank in enumerate(rr.ranks):
+            for k, rank in _round_ranks(j, rr):
                 yield (j.job, str(rank)), cast(getattr(rr, attr)[k])
 
     return fn
@@ -341,7 +348,8 @@ class SnapshotCollector(Collector):
         if huge:
             named = {(f.job, f.rank) for f in (snap.checks.active if snap.checks else ()) if f.rank is not None}
             few = replace(snap, jobs=tuple(
-                replace(j, ranks=tuple(r for r in j.ranks if (j.job, r.rank) in named)) if j.job in huge else j
+                replace(j, ranks=tuple(r for r in j.ranks if (j.job, r.rank) in named),
+                        only=frozenset(k for job, k in named if job == j.job)) if j.job in huge else j
                 for j in snap.jobs))
         for d in METRICS.values():
             if d.bounded:  # job-level stand-ins: only for the jobs that need them, else no family

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -282,6 +282,8 @@ class JobView:
     series_dropped: int = 0  # per-layer series of last_round over the job's cap (state.cap_series)
     #: counters summed over the job's ranks, forgotten ones included: ((name, total), ...)
     totals: tuple = ()
+    #: the exporter's view of a job above rank_series_max: the ranks whose series it exports
+    only: Optional[frozenset] = None
 
 
 @dataclass(frozen=True)
@@ -295,6 +297,19 @@ class Snapshot:
     jobs_evicted: int = 0  # pending jobs evicted (State.max_pending_jobs)
 
 
+_RANK_FIELDS = tuple(f.name for f in fields(RankView))
+
+
+def _rank_view(*values) -> RankView:
+    """``RankView(*values)`` with every field given, without the frozen dataclass's ``__init__``
+    (one ``object.__setattr__`` per field): a snapshot of a 16,384-rank job builds 16,384 of them,
+    four times a second."""
+    assert len(values) == len(_RANK_FIELDS)
+    view = object.__new__(RankView)
+    view.__dict__.update(zip(_RANK_FIELDS, values))
+    return view
+
+
 def snapshot(state, wall_now: float) -> Snapshot:
     """Copy what the exporter needs out of ``state`` (called by the writer thread only)."""
     from .state import rank_counters  # state imports this module
@@ -302,7 +317,7 @@ def snapshot(state, wall_now: float) -> Snapshot:
     jobs = []
     for job in state.jobs.values():
         ranks = tuple(
-            RankView(
+            _rank_view(
                 r.rank, r.host, r.local_rank, r.step, r.step_time, r.grad_norm, r.grad_nonfinite, r.steps,
                 r.probes, r.nonfinite_steps, r.received, r.lost, r.restarts,
                 wall_now - (mono_now - r.last_seen), r.drops_base + r.agent_drops, r.errors_base + r.agent_errors,
@@ -313,7 +328,8 @@ def snapshot(state, wall_now: float) -> Snapshot:
         )
         totals = collections.Counter(getattr(job, "forgotten", ()))
         for r in job.ranks.values():
-            totals.update(rank_counters(r))
+            for k, v in rank_counters(r).items():
+                totals[k] += v
         jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete,
                             job.restarts, job.series_dropped, tuple(sorted(totals.items()))))
     return Snapshot(

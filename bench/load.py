@@ -442,7 +442,8 @@ def run_inprocess(args) -> dict:
             a = time.perf_counter()
             agg.publish()
             b = time.perf_counter()
-            nbytes = len(generate_latest(agg.registry))
+            text = generate_latest(agg.registry)
+            nbytes, nsamples = len(text), sum(1 for x in text.splitlines() if x and not x.startswith(b"#"))
             publish_s, scrape_s = publish_s + b - a, scrape_s + time.perf_counter() - b
     t_end = time.perf_counter()
     if prof:
@@ -456,7 +457,7 @@ def run_inprocess(args) -> dict:
                layer_depth=args.layer_depth, frames=n, reports=n_rep, kinds=dict(kinds), schema_s=t_rep - t,
                reports_s=t_end - t_rep, reports_per_s=n_rep / (t_end - t_rep), us_per_frame=1e6 * (t_end - t_rep) / n,
                publish_s_per_step=publish_s / n_steps, scrape_s_per_step=scrape_s / n_steps,
-               scrape_bytes=nbytes if args.scrape else 0,
+               scrape_bytes=nbytes if args.scrape else 0, scrape_samples=nsamples if args.scrape else 0,
                received=dict(st.received), rejected=dict(st.rejected),
                findings=[f"{f.check}: {f.summary}" for f in agg.snapshot.checks.active])
     if prof:
@@ -480,6 +481,7 @@ def table(res: dict) -> str:
         rows = [("reports handled (frames with heartbeats)", f"{f(res['reports'])} ({f(res['frames'])})"),
                 ("reports/s (rank-steps/s)", f(res["reports_per_s"])), ("µs per frame", f(res["us_per_frame"], 1)),
                 ("publish / scrape per step, s", f"{f(res['publish_s_per_step'], 3)} / {f(res['scrape_s_per_step'], 3)}"),
+                ("scrape bytes / samples", f"{f(res['scrape_bytes'])} / {f(res['scrape_samples'])}"),
                 ("rejected", str(res["rejected"] or "none")),
                 ("active findings", str(len(res["findings"])))]
     else:

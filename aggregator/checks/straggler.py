@@ -137,6 +137,7 @@ class Straggler(Check):
     def __init__(self, t):
         super().__init__(t)
         self._jobs: dict[str, _Job] = {}
+        self._values: dict[str, dict] = {}  # values() per job until a window closes: read at every publish
 
     def on_report(self, job, rank, m):
         if m.step <= 0:
@@ -144,9 +145,11 @@ class Straggler(Check):
         st = self._jobs.get(job.job)
         if st is None or st.steps.world != job.world:
             st = self._jobs[job.job] = _Job(Steps(job.world))
+            self._values.pop(job.job, None)
         r = st.ranks.get(rank.rank)
         if r is None or r.boot != rank.boot:  # a restarted rank starts over
             st.ranks[rank.rank] = _Rank(rank.boot)
+            self._values.pop(job.job, None)
         return self._judge(job, st, st.steps.add(rank.rank, m))
 
     def on_tick(self, job, now):
@@ -176,6 +179,7 @@ class Straggler(Check):
                     self._close(r, step, source)
                     closed = True
         if closed:
+            self._values.pop(job.job, None)
             return self._evaluate(job, st)
         return Evaluation.no_data() if len(self._timed(job, st)) < 2 else None
 
@@ -195,6 +199,7 @@ class Straggler(Check):
         """Ranks of the job with a complete window (forgotten ranks dropped)."""
         for k in [k for k in st.ranks if k not in job.ranks]:
             del st.ranks[k]
+            self._values.pop(job.job, None)
         return {k: r for k, r in st.ranks.items() if r.windows}
 
     def _evaluate(self, job, st: _Job):
@@ -227,6 +232,12 @@ class Straggler(Check):
         return Evaluation.found(*findings)
 
     def values(self, job_id):
+        v = self._values.get(job_id)
+        if v is None:
+            v = self._values[job_id] = self._compute_values(job_id)
+        return v
+
+    def _compute_values(self, job_id):
         st = self._jobs.get(job_id)
         ranks = {k: r for k, r in (st.ranks.items() if st else ()) if r.windows and r.current > 0}
         if not ranks:
@@ -238,3 +249,4 @@ class Straggler(Check):
 
     def forget(self, job_id):
         self._jobs.pop(job_id, None)
+        self._values.pop(job_id, None)
