@@ -217,8 +217,8 @@ class Scrape:
     samples: int
     received: dict  # kind -> total
     rejected: dict  # reason -> total
-    min_step: dict  # job -> lowest gradwatch_rank_step over its ranks
-    ranks: dict  # job -> ranks exporting a step
+    min_step: dict  # job -> lowest gradwatch_rank_step over its ranks (or gradwatch_job_rank_step{agg="min"})
+    ranks: dict  # job -> ranks exporting a step (or gradwatch_job_ranks_reporting)
     findings: int  # gradwatch_check_status{status="finding"} == 1
 
 
@@ -227,6 +227,7 @@ def scrape(url: str) -> Scrape:
     body = urllib.request.urlopen(url, timeout=60).read()
     done = time.time()
     received, rejected, min_step, ranks = Counter(), Counter(), {}, Counter()
+    job_min, reporting = {}, {}
     samples = findings = 0
     for line in body.decode().splitlines():
         if not line or line[0] == "#":
@@ -241,12 +242,19 @@ def scrape(url: str) -> Scrape:
             j, v = lab["job_id"], float(value)
             min_step[j] = min(min_step.get(j, math.inf), v)
             ranks[j] += 1
+        elif name == "gradwatch_job_rank_step" and 'agg="min"' in labels:  # above --rank-series-max
+            job_min[dict(_LABEL.findall(labels))["job_id"]] = float(value)
+        elif name == "gradwatch_job_ranks_reporting":
+            reporting[dict(_LABEL.findall(labels))["job_id"]] = int(float(value))
         elif name == "gradwatch_messages_received_total":
             received[dict(_LABEL.findall(labels))["kind"]] = float(value)
         elif name == "gradwatch_messages_rejected_total":
             rejected[dict(_LABEL.findall(labels))["reason"]] = float(value)
         elif name == "gradwatch_check_status" and 'status="finding"' in labels and float(value) == 1:
             findings += 1
+    # a job above --rank-series-max exports per-rank steps for named ranks only: its job-level min
+    for j, v in job_min.items():
+        min_step[j], ranks[j] = v, reporting.get(j, 0)
     return Scrape(done, done - t, len(body), samples, dict(received), dict(rejected), min_step, dict(ranks), findings)
 
 
