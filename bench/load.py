@@ -273,7 +273,7 @@ def start_aggregator(args, logf):
     zport, mport = free_port(), free_port()
     cmd = [sys.executable, "-m", "gradwatch.aggregator", "--listen", f"tcp://127.0.0.1:{zport}",
            "--metrics-host", "127.0.0.1", "--metrics-port", str(mport), "--layer-depth", str(args.layer_depth),
-           *args.agg_arg]
+           *(["--rank-series-max", str(args.rank_series_max)] if args.rank_series_max else []), *args.agg_arg]
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{mport}"
     for _ in range(400):
@@ -405,7 +405,8 @@ def run_inprocess(args) -> dict:
     from gradwatch.aggregator import Aggregator, load
 
     now = [0.0]
-    agg = Aggregator(load(listen="tcp://127.0.0.1:0", layer_depth=args.layer_depth), clock=lambda: now[0])
+    extra = dict(rank_series_max=args.rank_series_max) if args.rank_series_max else {}
+    agg = Aggregator(load(listen="tcp://127.0.0.1:0", layer_depth=args.layer_depth, **extra), clock=lambda: now[0])
     jobs = [Job(f"load{j}", args.ranks, args.layers) for j in range(args.jobs)]
     n_steps = math.ceil((args.reports or 10_000) / (args.ranks * args.jobs))
     frames, kinds = [], Counter()
@@ -529,6 +530,7 @@ def parse(argv=None):
     p.add_argument("--schema-every-s", type=float, default=10.0, help="schema resend period per rank, s")
     p.add_argument("--junk", type=int, default=0, help="per sender and step, frames the aggregator must reject")
     p.add_argument("--layer-depth", type=int, default=0, help="the aggregator's --layer-depth")
+    p.add_argument("--rank-series-max", type=int, default=0, help="the aggregator's --rank-series-max (0: its default)")
     p.add_argument("--poll-s", type=float, default=0.5, help="seconds between scrapes of /metrics")
     p.add_argument("--drain-s", type=float, default=120.0, help="longest wait for the aggregator to count every message")
     p.add_argument("--agg-arg", action="append", default=[], help="extra aggregator flag (repeat; --agg-arg=--x=1)")
