@@ -8,7 +8,8 @@ aggregator's single writer thread:
     on_report(job, rank, report)   every report of every rank (every step)
     on_heartbeat(job, rank, hb)    every heartbeat
     on_round(job, result)          a reconciled probed step (:class:`~..reconcile.RoundResult`)
-    on_tick(job, now)              about every 0.1 s, ``now`` from the aggregator's monotonic clock
+    on_tick(job, now)              about every 0.1 s (longer when ticking takes over 25 ms: jobs of
+                                   thousands of ranks), ``now`` from the aggregator's monotonic clock
 
 and returns ``None`` (nothing to say this time) or an :class:`Evaluation`: an :class:`Outcome`
 (healthy, finding, not enough data) and the findings now active. :class:`Runner` turns changes of
