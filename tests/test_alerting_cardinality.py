@@ -230,8 +230,6 @@ def test_rank_series_limit_keeps_only_named_ranks_and_job_level_stand_ins():
 
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from gradwatch.aggregator.reconcile import RankView
-
     flagged = Finding("step_skew", "j", 5, "behind", rank=3)
 
     def snap(world):
