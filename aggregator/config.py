@@ -64,7 +64,7 @@ class AggregatorConfig(BaseSettings):
         "DIR/clients), one .key file, or one 40-character Z85 public key. Read at start-up.",
     )
     rcv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive high-water mark, messages per connected agent: queued memory is at most agents x rcv_hwm x message size under overload (further messages wait in the agents' own bounded queues, where they are dropped and counted).")
-    publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read.")
+    publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read; when building one takes longer than a quarter of that (jobs of thousands of ranks), 4x its build time instead, so the receive thread spends at most a quarter of its time on them.")
     events_path: str = Field("", description="JSON-lines file findings are appended to as they are raised and resolved ('' for none).")
     grafana_url: str = Field("", description="Grafana base URL (http[s]://host[:port][/path]) to post each raised finding to as an annotation ('' for none).")
     grafana_token: str = Field("", description="Grafana service account token for --grafana-url (prefer the environment variable GRADWATCH_AGGREGATOR_GRAFANA_TOKEN).")
@@ -73,6 +73,7 @@ class AggregatorConfig(BaseSettings):
     disable_checks: list[str] = Field(default_factory=list, description="Checks not to run.")
     layer_depth: int = Field(0, ge=0, le=64, description="Per-layer series merge layers into the first N dot-separated components of their module path (0: one series per layer); norms combine as L2 norms, counts add up (case C34, README: Cardinality budget).")
     rank_detail_max: int = Field(256, ge=1, description="In jobs with more ranks, only the essential per-rank series (steps, non-finite steps, last seen, drops, losses, flags) are exported for every rank, the others for the ranks a finding names (case C34).")
+    rank_series_max: int = Field(1024, ge=1, description="In jobs with more ranks, per-rank series are exported only for the ranks an active finding names; job-level series stand in for the others (gradwatch_job_rank_step{agg}, gradwatch_job_steps_total, ...), so a 16,384-rank job fits the scrape's sample_limit (README: Scale).")
     checks: Thresholds = Field(default_factory=Thresholds, description="Thresholds of the cross-rank checks.")
 
     @field_validator("enable_checks", "disable_checks")

@@ -80,7 +80,8 @@ class Aggregator:
         )
         self._snapshot = Snapshot()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
-        self.registry.register(SnapshotCollector(lambda: self._snapshot, cfg.layer_depth, cfg.rank_detail_max))
+        self.registry.register(SnapshotCollector(lambda: self._snapshot, cfg.layer_depth, cfg.rank_detail_max,
+                                                 cfg.rank_series_max))
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._ctx: Optional[zmq.Context] = None
@@ -228,7 +229,8 @@ class Aggregator:
         sock = self._sock
         published = -1
         last_pub = last_tick = 0.0
-        interval = self.cfg.publish_interval_s
+        interval = wait = self.cfg.publish_interval_s
+        tick_wait = 0.1
         curve = self._refused is not None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -250,18 +252,26 @@ class Aggregator:
                 if curve and self._refused in ready:
                     self._count_refused()
                 now = self.clock()
-                if now - last_tick >= 0.1:
+                if now - last_tick >= tick_wait:
                     last_tick = now
                     try:
+                        t0 = time.perf_counter()
                         self.state.tick()
+                        # ticks walk every rank (0.1 s at 16,384 ranks): every 0.1 s, or 4x their
+                        # cost when that is longer, so they take at most a quarter of the writer
+                        tick_wait = max(0.1, 4 * (time.perf_counter() - t0))
                     except Exception as e:  # a bug of ours must not stop the receive loop
                         self.state.reject("internal")
                         if not self._internal_warned:
                             self._internal_warned = True
                             log.exception("gradwatch aggregator: tick failed: %r", e)
-                if self.state.version != published and now - last_pub >= interval:
+                if self.state.version != published and now - last_pub >= wait:
                     published = self.state.version
+                    t0 = time.perf_counter()
                     self.publish()
+                    # a snapshot of a huge job takes long to build (0.1 s at 16,384 ranks): at most
+                    # a quarter of the writer's time goes to them, the rest to the frames
+                    wait = max(interval, 4 * (time.perf_counter() - t0))
                     last_pub = now
         finally:
             self.publish()

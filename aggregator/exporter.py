@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
+import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
@@ -34,19 +35,22 @@ class MetricDef:
     labels: tuple[str, ...]
     unit: str
     samples: Callable[[Snapshot], Iterable]
+    #: exported only for jobs above ``rank_series_max`` ranks (left out entirely when none is)
+    bounded: bool = False
 
 
 METRICS: dict[str, MetricDef] = {}
 
 
-def metric(name: str, kind: str, help: str, labels: tuple[str, ...], unit: str = ""):
-    """Register the decorated ``snapshot -> iterable of (label values, value)`` as a metric."""
+def metric(name: str, kind: str, help: str, labels: tuple[str, ...], unit: str = "", bounded: bool = False):
+    """Register the decorated ``snapshot -> iterable of (label values, value)`` as a metric
+    (``bounded``: a job-level stand-in for per-rank series, see :class:`SnapshotCollector`)."""
 
     def deco(fn):
         full = PREFIX + name
         if full in METRICS:
             raise ValueError(f"metric {full} registered twice")
-        METRICS[full] = MetricDef(full, kind, help, labels, unit, fn)
+        METRICS[full] = MetricDef(full, kind, help, labels, unit, fn, bounded)
         return fn
 
     return deco
@@ -86,13 +90,20 @@ _rank_metric("agent_errors", "counter", "Internal failures of the rank's agent (
 
 
 # --- per rank, totalled over layers at the latest probed step ------------------------------------
+def _round_ranks(j, rr):
+    """``(index, rank)`` of the round's ranks the job's view exports (``JobView.only``)."""
+    if j.only is None:
+        return enumerate(rr.ranks)
+    return [(k, rank) for k, rank in enumerate(rr.ranks) if rank in j.only]
+
+
 def _rank_total(col: int):
     def fn(s: Snapshot):
         for j in s.jobs:
             rr = j.last_round
             if rr is None:
                 continue
-            for k, rank in enumerate(rr.ranks):
+            for k, rank in _round_ranks(j, rr):
                 yield (j.job, str(rank)), float(rr.rank_totals[k, col])
 
     return fn
@@ -104,7 +115,7 @@ def _rank_round(attr: str, cast=float):
             rr = j.last_round
             if rr is None or getattr(rr, attr) is None:
                 continue
-            for k, rank in enumerate(rr.ranks):
+            for k, rank in _round_ranks(j, rr):
                 yield (j.job, str(rank)), cast(getattr(rr, attr)[k])
 
     return fn
@@ -151,6 +162,36 @@ metric("job_ranks_reporting", "gauge", "Ranks of the job the aggregator currentl
 metric("job_restarts", "counter", "Times the job came back from an earlier step under the same job id (all ranks restarted from a checkpoint); its state and the checks' start over.", ("job_id",))(
     lambda s: (((j.job,), j.restarts) for j in s.jobs)
 )
+# --- per job, in place of per-rank series above rank_series_max ranks -----------------------------
+def _over_ranks(attr: str, aggs: tuple[str, ...]):
+    def fn(s: Snapshot):
+        for j in s.jobs:
+            if j.ranks:
+                v = np.array([getattr(r, attr) for r in j.ranks], np.float64)
+                for a in aggs:
+                    yield (j.job, a), float(getattr(np, a)(v))
+
+    return fn
+
+
+def _job_total(name: str):
+    return lambda s: (((j.job,), dict(j.totals).get(name, 0)) for j in s.jobs)
+
+
+BOUNDED = " Exported for jobs above --rank-series-max ranks, whose per-rank series only the ranks a finding names keep."
+metric("job_rank_step", "gauge", "Latest optimizer step over the job's ranks (agg=min|median|max)." + BOUNDED,
+       ("job_id", "agg"), bounded=True)(_over_ranks("step", ("min", "median", "max")))
+metric("job_rank_last_seen_timestamp_seconds", "gauge", "When the aggregator last heard from the job's ranks, seconds since the epoch (agg=min: the longest silent rank, max)." + BOUNDED,
+       ("job_id", "agg"), "seconds", bounded=True)(_over_ranks("last_seen", ("min", "max")))
+metric("job_steps", "counter", "Optimizer steps reported, summed over the job's ranks." + BOUNDED, ("job_id",), bounded=True)(_job_total("steps"))
+metric("job_nonfinite_steps", "counter", "Steps whose gradient held NaN or Inf, summed over the job's ranks." + BOUNDED, ("job_id",), bounded=True)(
+    _job_total("nonfinite_steps"))
+metric("job_agent_dropped_reports", "counter", "Reports the agents dropped, summed over the job's ranks." + BOUNDED, ("job_id",), bounded=True)(
+    _job_total("agent_drops"))
+metric("job_messages_lost", "counter", "Messages lost in flight, summed over the job's ranks." + BOUNDED, ("job_id",), bounded=True)(
+    _job_total("lost"))
+
+
 metric("job_probe_step", "gauge", "Step of the latest reconciled probed step.", ("job_id",))(
     lambda s: (((j.job,), j.last_round.step) for j in s.jobs if j.last_round is not None)
 )
@@ -252,12 +293,17 @@ class SnapshotCollector(Collector):
         rank_detail_max: in jobs with more ranks, per-rank series other than
             :data:`ESSENTIAL_RANK_METRICS` are exported only for the ranks an active finding names
             (None: for every rank). Both bound the series count (case C34).
+        rank_series_max: in jobs with more ranks, every per-rank series is exported only for the
+            ranks an active finding names, and the job-level ``bounded`` families stand in for
+            the rest (None: never; see README: Scale).
     """
 
-    def __init__(self, get_snapshot: Callable[[], Snapshot], layer_depth: int = 0, rank_detail_max: int | None = None):
+    def __init__(self, get_snapshot: Callable[[], Snapshot], layer_depth: int = 0, rank_detail_max: int | None = None,
+                 rank_series_max: int | None = None):
         self._get = get_snapshot
         self.layer_depth = layer_depth
         self.rank_detail_max = rank_detail_max
+        self.rank_series_max = rank_series_max
         self._grouped: dict = {}  # job -> (its latest RoundResult, grouped)
 
     def _group(self, snap: Snapshot) -> Snapshot:
@@ -274,12 +320,19 @@ class SnapshotCollector(Collector):
         self._grouped = cache
         return replace(snap, jobs=tuple(jobs))
 
+    @staticmethod
+    def _over(snap: Snapshot, limit: int | None) -> set[str]:
+        """Jobs with more than ``limit`` ranks (none when ``limit`` is None)."""
+        return set() if limit is None else {j.job for j in snap.jobs if max(j.world, len(j.ranks)) > limit}
+
     def _detail_filter(self, snap: Snapshot, d: MetricDef, samples):
-        """Drop non-essential per-rank samples of jobs above ``rank_detail_max`` ranks, but for
-        the ranks an active finding names."""
-        if self.rank_detail_max is None or "rank" not in d.labels or "job_id" not in d.labels or d.name in ESSENTIAL_RANK_METRICS:
+        """Drop per-rank samples of jobs above ``rank_series_max`` ranks, and non-essential ones of
+        jobs above ``rank_detail_max``, but for the ranks an active finding names."""
+        if "rank" not in d.labels or "job_id" not in d.labels or d.name == PREFIX + "check_rank_flagged":
             return samples
-        big = {j.job for j in snap.jobs if max(j.world, len(j.ranks)) > self.rank_detail_max}
+        big = self._over(snap, self.rank_series_max)
+        if d.name not in ESSENTIAL_RANK_METRICS:
+            big |= self._over(snap, self.rank_detail_max)
         if not big:
             return samples
         named = {(f.job, str(f.rank)) for f in (snap.checks.active if snap.checks else ()) if f.rank is not None}
@@ -290,14 +343,28 @@ class SnapshotCollector(Collector):
         snap = self._get()
         if self.layer_depth > 0:
             snap = self._group(snap)
+        huge = self._over(snap, self.rank_series_max)
+        few = snap  # per-rank families read the ranks a finding names only, of the huge jobs
+        if huge:
+            named = {(f.job, f.rank) for f in (snap.checks.active if snap.checks else ()) if f.rank is not None}
+            few = replace(snap, jobs=tuple(
+                replace(j, ranks=tuple(r for r in j.ranks if (j.job, r.rank) in named),
+                        only=frozenset(k for job, k in named if job == j.job)) if j.job in huge else j
+                for j in snap.jobs))
         for d in METRICS.values():
+            if d.bounded:  # job-level stand-ins: only for the jobs that need them, else no family
+                samples = [(lv, v) for lv, v in d.samples(snap) if lv[0] in huge] if huge else []
+                if not samples:
+                    continue
+                d = replace(d, samples=lambda _, x=samples: x)
+            src = few if "rank" in d.labels else snap
             if d.kind == "gauge":
                 fam = GaugeMetricFamily(d.name, d.help, labels=d.labels, unit=d.unit)
-                for labels, value in _dedupe(self._detail_filter(snap, d, d.samples(snap))):
+                for labels, value in _dedupe(self._detail_filter(snap, d, d.samples(src))):
                     fam.add_metric(labels, float(value))
             else:
                 fam = CounterMetricFamily(d.name, d.help, labels=d.labels, unit=d.unit)
-                for labels, value in _dedupe(self._detail_filter(snap, d, d.samples(snap))):
+                for labels, value in _dedupe(self._detail_filter(snap, d, d.samples(src))):
                     v = float(value)
                     if math.isfinite(v):  # case C36: a counter never carries NaN/Inf
                         fam.add_metric(labels, v)

@@ -11,8 +11,10 @@ over the module's parameters.
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -96,7 +98,9 @@ def _union(names_per_rank) -> tuple[str, ...]:
     return tuple(seen)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _owner(param: str) -> str:
+    # cached: the same few thousand names come back every round, once per rank before
     return param.rpartition(".")[0] or param
 
 
@@ -110,13 +114,19 @@ def _rank_totals(arrays: dict[str, np.ndarray]) -> np.ndarray:
 def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Report], complete: bool) -> RoundResult:
     ranks = tuple(sorted(reports))
     sch = [schemas[reports[r].schema] for r in ranks]
-    slot_names = [[m + o for m, o, _, _ in s.slots] for s in sch]
-    layers = _union(slot_names)
-    modules = _union([[_owner(p[0]) for p in s.params] for s in sch])
-    params = _union([[p[0] for p in s.params] for s in sch])
+    # names are worked out once per distinct schema (every rank of a job usually shares one), not
+    # once per rank; in rank order of first use, so unions and orders are what a per-rank pass gives
+    by_schema: dict[str, list[int]] = {}
+    for k, r in enumerate(ranks):
+        by_schema.setdefault(reports[r].schema, []).append(k)
+    distinct = [schemas[h] for h in by_schema]
+    slot_names = {h: [m + o for m, o, _, _ in schemas[h].slots] for h in by_schema}
+    layers = _union(slot_names.values())
+    modules = _union([[_owner(p[0]) for p in s.params] for s in distinct])
+    params = _union([[p[0] for p in s.params] for s in distinct])
     pidx = {n: i for i, n in enumerate(params)}
     types: dict[str, str] = {}
-    for s in sch:
+    for s in distinct:
         for m, o, typ, _ in s.slots:
             types.setdefault(m + o, typ)
     lidx = {n: i for i, n in enumerate(layers)}
@@ -130,24 +140,34 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
     fp_weight = np.zeros((R, len(params)), np.uint64)
     fp_grad_seen = np.zeros((R, len(params)), bool)
     fp_weight_seen = np.zeros((R, len(params)), bool)
-    all_pcols = []
-    for k, r in enumerate(ranks):
-        rep, s = reports[r], sch[k]
-        cols = [lidx[n] for n in slot_names[k]]
-        act[k, cols] = rep.act
-        act_grad[k, cols] = rep.act_grad
-        if rep.act_count is not None:
-            act_count[k, cols] = rep.act_count
+    all_pcols: list = [None] * R
+    for digest, ks in by_schema.items():
+        # the ranks of one schema at once: their rows go to the same columns
+        s = schemas[digest]
+        cols = np.array([lidx[n] for n in slot_names[digest]], dtype=np.int64)
         pcols = np.array([pidx[p[0]] for p in s.params], dtype=np.int64)
-        all_pcols.append(pcols)
-        param[k, pcols] = rep.param
-        present[k, pcols] = True
-        if rep.fp_grad is not None:
-            has = statistics.observed_rows("param", rep.param)  # the parameter had a gradient
-            fp_grad[k, pcols] = rep.fp_grad
-            fp_weight[k, pcols] = rep.fp_weight
-            fp_grad_seen[k, pcols[has]] = True
-            fp_weight_seen[k, pcols] = True
+        reps_g = [reports[ranks[k]] for k in ks]
+        kk = np.array(ks, dtype=np.int64)[:, None]
+        act[kk, cols] = np.stack([x.act for x in reps_g])
+        act_grad[kk, cols] = np.stack([x.act_grad for x in reps_g])
+        counted = [k for k, x in zip(ks, reps_g) if x.act_count is not None]
+        if counted:
+            act_count[np.array(counted, dtype=np.int64)[:, None], cols] = np.stack(
+                [x.act_count for x in reps_g if x.act_count is not None])
+        for k in ks:
+            all_pcols[k] = pcols
+        rows = np.stack([x.param for x in reps_g])
+        param[kk, pcols] = rows
+        present[kk, pcols] = True
+        fp = [(k, x, row) for k, x, row in zip(ks, reps_g, rows) if x.fp_grad is not None]
+        if fp:
+            fk = np.array([k for k, _, _ in fp], dtype=np.int64)[:, None]
+            has = statistics.observed_rows("param", np.stack([row for _, _, row in fp]))  # had a gradient
+            fp_grad[fk, pcols] = np.stack([x.fp_grad for _, x, _ in fp])
+            fp_weight[fk, pcols] = np.stack([x.fp_weight for _, x, _ in fp])
+            at, col = np.nonzero(has)
+            fp_grad_seen[fk[at, 0], pcols[col]] = True
+            fp_weight_seen[fk, pcols] = True
     # sharded parameters: each shard group's rows become the parameter's global figures
     param, holders = combine_params([x.mesh for x in sch], [x.shard for x in sch], all_pcols, param)
     reps = [reports[r] for r in ranks]
@@ -260,6 +280,10 @@ class JobView:
     rounds_incomplete: int
     restarts: int = 0
     series_dropped: int = 0  # per-layer series of last_round over the job's cap (state.cap_series)
+    #: counters summed over the job's ranks, forgotten ones included: ((name, total), ...)
+    totals: tuple = ()
+    #: the exporter's view of a job above rank_series_max: the ranks whose series it exports
+    only: Optional[frozenset] = None
 
 
 @dataclass(frozen=True)
@@ -273,13 +297,27 @@ class Snapshot:
     jobs_evicted: int = 0  # pending jobs evicted (State.max_pending_jobs)
 
 
+_RANK_FIELDS = tuple(f.name for f in fields(RankView))
+
+
+def _rank_view(*values) -> RankView:
+    """``RankView(*values)`` with every field given, without the frozen dataclass's ``__init__``
+    (one ``object.__setattr__`` per field): a snapshot of a 16,384-rank job builds 16,384 of them,
+    four times a second."""
+    assert len(values) == len(_RANK_FIELDS)
+    view = object.__new__(RankView)
+    view.__dict__.update(zip(_RANK_FIELDS, values))
+    return view
+
+
 def snapshot(state, wall_now: float) -> Snapshot:
     """Copy what the exporter needs out of ``state`` (called by the writer thread only)."""
+    from .state import rank_counters  # state imports this module
     mono_now = state.clock()
     jobs = []
     for job in state.jobs.values():
         ranks = tuple(
-            RankView(
+            _rank_view(
                 r.rank, r.host, r.local_rank, r.step, r.step_time, r.grad_norm, r.grad_nonfinite, r.steps,
                 r.probes, r.nonfinite_steps, r.received, r.lost, r.restarts,
                 wall_now - (mono_now - r.last_seen), r.drops_base + r.agent_drops, r.errors_base + r.agent_errors,
@@ -288,8 +326,12 @@ def snapshot(state, wall_now: float) -> Snapshot:
             )
             for r in sorted(job.ranks.values(), key=lambda x: x.rank)
         )
+        totals = collections.Counter(getattr(job, "forgotten", ()))
+        for r in job.ranks.values():
+            for k, v in rank_counters(r).items():
+                totals[k] += v
         jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete,
-                            job.restarts, job.series_dropped))
+                            job.restarts, job.series_dropped, tuple(sorted(totals.items()))))
     return Snapshot(
         tuple(jobs),
         state.runner.view() if state.runner is not None else None,

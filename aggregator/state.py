@@ -137,6 +137,8 @@ class JobState:
     pending_bytes: int = 0  # array bytes of the reports its open rounds hold
     exported_series: int = 0  # per-layer series its last_round exports
     shards: ShardNorms = field(default_factory=ShardNorms)  # sharded ranks' reports awaiting their group
+    #: counters of ranks forgotten after rank_ttl_s, so the job's totals never decrease
+    forgotten: collections.Counter = field(default_factory=collections.Counter)
 
 
 class State:
@@ -492,6 +494,7 @@ class State:
                 self.version += 1  # checks may have raised or resolved findings
             for rank, r in list(job.ranks.items()):
                 if now - r.last_seen > self.rank_ttl_s:
+                    job.forgotten.update(rank_counters(r))
                     del job.ranks[rank]
                     self.version += 1
             if len(job.schemas) > len(job.ranks):  # keep the schemas a rank or a pending round uses
@@ -520,6 +523,13 @@ class State:
         self.version += 1
         if self.runner is not None:
             self.runner.dispatch("on_round", job, result)
+
+
+def rank_counters(r: RankState) -> dict[str, int]:
+    """The rank's counters that its job totals (``gradwatch_job_*_total``): steps, non-finite
+    steps, reports its agent dropped (over all its boots), messages lost."""
+    return {"steps": r.steps, "nonfinite_steps": r.nonfinite_steps, "agent_drops": r.drops_base + r.agent_drops,
+            "lost": r.lost}
 
 
 def _nbytes(m: wire.Report) -> int:

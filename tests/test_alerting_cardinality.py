@@ -222,3 +222,56 @@ def test_rank_detail_limit_keeps_essential_series_and_the_ranks_a_finding_names(
     reg = CollectorRegistry()
     reg.register(SnapshotCollector(lambda: _snap(4), rank_detail_max=4))  # at the limit: everything
     assert series(reg)["gradwatch_rank_step_seconds"] == 4
+
+
+def test_rank_series_limit_keeps_only_named_ranks_and_job_level_stand_ins():
+    """Above rank_series_max ranks even the essential per-rank series go (a 16,384-rank job would
+    export ~100,000 of them, 5x the shipped sample_limit), but for the ranks a finding names;
+    job-level series stand in. At or below the limit nothing changes and no job-level family
+    appears (the golden exposition of small jobs is untouched)."""
+    from dataclasses import replace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    flagged = Finding("step_skew", "j", 5, "behind", rank=3)
+
+    def snap(world):
+        s = _snap(world, [flagged])
+        ranks = tuple(replace(r, step=10 + r.rank, last_seen=100.0 + r.rank) for r in s.jobs[0].ranks)
+        return replace(s, jobs=(replace(s.jobs[0], ranks=ranks, totals=(("agent_drops", 2), ("lost", 0),
+                                                                        ("nonfinite_steps", 1), ("steps", 48))),))
+
+    def scrape(world, limit):
+        reg = CollectorRegistry()
+        reg.register(SnapshotCollector(lambda: snap(world), rank_detail_max=4, rank_series_max=limit))
+        return series(reg), generate_latest(reg).decode()
+
+    got, text = scrape(8, 4)
+    assert got["gradwatch_rank_step"] == 1 and got["gradwatch_rank_steps_total"] == 1  # rank 3 only
+    assert 'gradwatch_rank_step{job_id="j",rank="3"} 13.0' in text
+    assert got["gradwatch_check_rank_flagged"] == 1
+    assert 'gradwatch_job_rank_step{agg="min",job_id="j"} 10.0' in text
+    assert 'gradwatch_job_rank_step{agg="median",job_id="j"} 13.5' in text
+    assert 'gradwatch_job_rank_step{agg="max",job_id="j"} 17.0' in text
+    assert 'gradwatch_job_rank_last_seen_timestamp_seconds{agg="min",job_id="j"} 100.0' in text
+    assert 'gradwatch_job_steps_total{job_id="j"} 48.0' in text
+    assert 'gradwatch_job_agent_dropped_reports_total{job_id="j"} 2.0' in text
+    small, text = scrape(4, 4)  # at the limit: every rank, no job-level family at all
+    assert small["gradwatch_rank_step"] == 4 and "gradwatch_job_rank_step" not in text
+    assert "gradwatch_job_steps" not in text
+    assert scrape(8, None)[0]["gradwatch_rank_step"] == 8  # no limit: every rank
+
+
+def test_job_totals_count_forgotten_ranks_so_they_never_decrease():
+    from gradwatch.aggregator.reconcile import snapshot
+    from gradwatch.aggregator.state import JobState, RankState, State
+
+    now = [0.0]
+    st = State(rank_ttl_s=10, clock=lambda: now[0])
+    job = st.jobs["j"] = JobState("j", 2, admitted=True)
+    job.ranks = {0: RankState(0, steps=5, last_seen=0.0, agent_drops=1, drops_base=2), 1: RankState(1, steps=7, last_seen=9.0)}
+    before = dict(snapshot(st, 0.0).jobs[0].totals)
+    now[0] = 12.0
+    st.tick()  # rank 0 silent for 12 s > ttl: forgotten
+    after = dict(snapshot(st, 0.0).jobs[0].totals)
+    assert 0 not in job.ranks and before == after == {"steps": 12, "nonfinite_steps": 0, "agent_drops": 3, "lost": 0}

@@ -8,7 +8,8 @@ aggregator's single writer thread:
     on_report(job, rank, report)   every report of every rank (every step)
     on_heartbeat(job, rank, hb)    every heartbeat
     on_round(job, result)          a reconciled probed step (:class:`~..reconcile.RoundResult`)
-    on_tick(job, now)              about every 0.1 s, ``now`` from the aggregator's monotonic clock
+    on_tick(job, now)              about every 0.1 s (longer when ticking takes over 25 ms: jobs of
+                                   thousands of ranks), ``now`` from the aggregator's monotonic clock
 
 and returns ``None`` (nothing to say this time) or an :class:`Evaluation`: an :class:`Outcome`
 (healthy, finding, not enough data) and the findings now active. :class:`Runner` turns changes of
@@ -245,6 +246,11 @@ def resolve(enable: list[str], disable: list[str]) -> list[str]:
     return [n for n, c in CHECKS.items() if (c.default or n in enable) and n not in disable]
 
 
+def _handlers(checks: dict[str, Check], method: str) -> dict[str, Check]:
+    """The checks whose class overrides ``method`` (the others' is :class:`Check`'s, returning None)."""
+    return {n: c for n, c in checks.items() if getattr(type(c), method) is not getattr(Check, method)}
+
+
 # --- the runner ---------------------------------------------------------------------------------
 
 
@@ -323,6 +329,8 @@ class Runner:
         self._wall = wall
         self._sinks = list(sinks)
         self._log = open(events_path, "a", encoding="utf-8") if events_path else None
+        self._handlers: dict[str, dict[str, Check]] = {}  # event -> the checks that handle it
+        self._ready: set[str] = set()  # jobs every check has a status for
 
     def close(self) -> None:
         if self._log is not None:
@@ -330,7 +338,15 @@ class Runner:
             self._log = None
 
     def dispatch(self, method: str, job, *args) -> None:
-        for name, check in self.checks.items():
+        todo = self._handlers.get(method)
+        if todo is None:
+            todo = self._handlers[method] = _handlers(self.checks, method)
+        first = job.job not in self._ready
+        if first:
+            todo = self.checks  # a job's first event gives every check its status, in check order
+        # a check without this handler has nothing to say (``Check``'s returns None), so once it
+        # has a status for the job it is not called (per report, most checks are not)
+        for name, check in todo.items():
             t0 = time.perf_counter()
             try:
                 ev = getattr(check, method)(job, *args)
@@ -345,6 +361,8 @@ class Runner:
                 ev = Evaluation.no_data()  # every check has a status from a job's first event: fixed series
             if ev is not None:
                 self._record(job.job, check, ev)
+        if first:
+            self._ready.add(job.job)
 
     def _record(self, job: str, check: Check, ev: Evaluation) -> None:
         k = (job, check.name)
@@ -382,6 +400,7 @@ class Runner:
                     log.debug("gradwatch: event sink failed: %r", err)
 
     def forget(self, job: str) -> None:
+        self._ready.discard(job)
         for name, c in self.checks.items():
             c.forget(job)
             self.status.pop((job, name), None)

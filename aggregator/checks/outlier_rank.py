@@ -110,6 +110,7 @@ class OutlierRank(Check):
         self._streak: dict[str, dict[int, int]] = {}
         self._z: dict[str, dict[int, float]] = {}
         self._why: dict[str, dict[int, dict]] = {}
+        self._values: dict[str, dict] = {}  # values() per job until the next round: read at every publish
 
     def on_round(self, job, r):
         jid = job.job
@@ -141,6 +142,7 @@ class OutlierRank(Check):
             streak[rank] = streak.get(rank, 0) + 1 if out else 0
             if out and streak[rank] >= self.t.outlier_probes:
                 why[rank] = dict(worst[k], step=r.step, probes=streak[rank])
+        self._values.pop(jid, None)
         for rank in [k for k in streak if k not in job.ranks]:  # forgotten ranks
             streak.pop(rank, None)
             zs.pop(rank, None)
@@ -161,9 +163,12 @@ class OutlierRank(Check):
         return Evaluation.found(*findings)
 
     def values(self, job_id):
-        zs = self._z.get(job_id, {})
-        return {"rank_outlier_zscore": {(str(k),): v for k, v in zs.items()}}
+        v = self._values.get(job_id)
+        if v is None:
+            zs = self._z.get(job_id, {})
+            v = self._values[job_id] = {"rank_outlier_zscore": {(str(k),): v for k, v in zs.items()}}
+        return v
 
     def forget(self, job_id):
-        for d in (self._last_step, self._streak, self._z, self._why):
+        for d in (self._last_step, self._streak, self._z, self._why, self._values):
             d.pop(job_id, None)

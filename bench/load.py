@@ -1,0 +1,562 @@
+"""Load benchmark of the aggregator at fleet scale (issue 14).
+
+Sender processes (``multiprocessing``) play many simulated ranks of one or more healthy jobs: each
+builds real wire frames with :func:`gradwatch.wire.encode` (a schema per rank, resent every
+``--schema-every-s``; a report per rank per step, a probe every ``--every``-th step; a heartbeat per
+rank every ``--heartbeat-s``) and pushes them over ZeroMQ to a real aggregator process
+(``python -m gradwatch.aggregator``). The main process scrapes ``/metrics`` every ``--poll-s`` and
+reads the aggregator's RSS from ``/proc``.
+
+Measured:
+
+* **absorbed**: messages (and reports: rank-steps) per second the aggregator counted, received or
+  rejected, from its own ``gradwatch_messages_{received,rejected}_total`` between the first and
+  last scrape while senders ran;
+* **freshness**: per step, from the moment the last sender finished sending that step (wall clock,
+  one machine) to the first scrape whose ``gradwatch_rank_step`` of every rank of the job has
+  reached it (resolution: ``--poll-s`` plus one scrape);
+* **scrape**: wall time, bytes and samples of each ``/metrics`` response;
+* **RSS** of the aggregator over time (``VmRSS``);
+* **accounting**: messages sent per kind against received per kind plus rejected by reason once
+  the aggregator drained (none may be lost silently), active findings (none on a healthy job).
+
+Two modes: ``--steps-per-s 0`` (the default) sends as fast as the senders can (max throughput;
+ZeroMQ sends block at the high-water mark, so nothing is dropped on the way), ``--steps-per-s R``
+paces every rank at R steps per second (freshness under a steady load).
+
+``--inprocess`` instead feeds pre-encoded frames straight to ``Aggregator.handle`` in this process
+(no sockets; the receive thread's work: decode, state, checks, reconcile; with ``--scrape`` also
+the snapshot and the /metrics text once per step), optionally under cProfile (``--profile``): the
+figures issue 14 quotes per frame. Heartbeats (``--heartbeat-s`` > 0) go one per rank and step.
+
+Usage::
+
+    .venv/bin/python bench/load.py --ranks 64 --layers 100 --duration 30
+    .venv/bin/python bench/load.py --ranks 4096 --layers 100 --steps-per-s 1 --layer-depth 2 --duration 60
+    .venv/bin/python bench/load.py --ranks 256 --layers 100 --inprocess --reports 20000 --profile
+    .venv/bin/python bench/load.py ... --json bench/results/load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+
+import msgpack
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from gradwatch import wire  # noqa: E402
+
+SUBS = ("ln_1", "attn.qkv", "attn.proj", "ln_2", "mlp.fc", "mlp.proj")
+
+
+# --- the simulated job -------------------------------------------------------------------------
+
+
+def model_layers(n: int) -> list[str]:
+    """``n`` leaf modules of a GPT-style model: embed, blocks of 6, head (module paths)."""
+    body = max(n - 2, 0)
+    names = ["embed", *(f"blocks.{i // 6}.{SUBS[i % 6]}" for i in range(body)), "head"]
+    return names[:n]
+
+
+@dataclass
+class Job:
+    """One simulated job: its id, key and world size, and the frames' fixed parts."""
+
+    name: str
+    world: int
+    layers: int
+
+    def __post_init__(self):
+        mods = model_layers(self.layers)
+        self.params = tuple(p for m in mods for p in ((f"{m}.weight", (64, 64), "float32"),
+                                                      (f"{m}.bias", (64,), "float32")))
+        self.slots = tuple((m, "", "Linear", "float32") for m in mods)
+        self.hash = wire.schema_hash(self.params, self.slots)
+        n_s, n_p = len(self.slots), len(self.params)
+        # healthy, identical on every rank (all-reduced gradients, replicas in sync): no check fires
+        act = np.tile(np.array([0.0, 1.0, -3.0, 3.0, 0.1, 0.0], np.float32), (n_s, 1))
+        self.act, self.act_grad = act, np.tile(np.array([0.5, 0.0], np.float32), (n_s, 1))
+        self.act_count = np.tile(np.array([1.0, 4096.0], np.float32), (n_s, 1))
+        self.param = np.tile(np.array([0.1, 8.0, 0.0], np.float32), (n_p, 1))
+        self.fp = np.arange(1, n_p + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+
+
+def _header(job: Job, rank: int, seq: int) -> wire.Header:
+    return wire.Header(job.name, rank, job.world, f"b{rank:x}", seq, time.time(), key=f"k-{job.name}")
+
+
+def schema_frame(job: Job, rank: int, seq: int) -> bytes:
+    return wire.encode(wire.Schema(_header(job, rank, seq), "host", rank % 8, 0, job.params, job.slots))
+
+
+def report_frame(job: Job, rank: int, seq: int, step: int, probe: bool, step_s: float) -> bytes:
+    g = 1.0 + 0.01 * math.sin(step)  # the same global norm on every rank, no spike
+    extra = dict(act=job.act, act_grad=job.act_grad, param=job.param, act_count=job.act_count,
+                 fp_grad=job.fp + np.uint64(step), fp_weight=job.fp + np.uint64(2 * step)) if probe else {}
+    return wire.encode(wire.Report(
+        _header(job, rank, seq), job.hash, step, step_s, g, 0, micro=1, probe=probe,
+        local_grad_norm=g * math.sqrt(job.world) * (1 + 0.01 * ((rank * 7919) % 11 - 5) / 5),
+        compute_time=0.05, loss=2.0, batch=8, probe_interval=0, **extra,
+    ))
+
+
+#: a frame of a protocol version nobody speaks: rejected as "version" (``--junk``)
+JUNK = msgpack.packb({"v": 99, "kind": "report"})
+
+
+def heartbeat_frame(job: Job, rank: int, seq: int, step: int, sent: int) -> bytes:
+    return wire.encode(wire.Heartbeat(_header(job, rank, seq), step, sent, 0, 0, in_step_s=0.01))
+
+
+# --- senders ------------------------------------------------------------------------------------
+
+
+@dataclass
+class SenderResult:
+    sent: dict = field(default_factory=dict)  # kind -> messages
+    done: dict = field(default_factory=dict)  # job -> {step: wall time the sender finished it}
+    last_step: dict = field(default_factory=dict)  # job -> last step sent
+    cpu_s: float = 0.0
+
+
+def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
+    """Send the ranks ``i`` with ``i % senders == idx`` (over all jobs), step-major."""
+    import zmq
+
+    jobs = [Job(f"load{j}", args.ranks, args.layers) for j in range(args.jobs)]
+    mine = [(job, r) for job in jobs for r in range(job.world)
+            if (jobs.index(job) * job.world + r) % args.senders == idx]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 10_000)
+    sock.setsockopt(zmq.LINGER, -1)  # every frame sent is delivered: the accounting relies on it
+    sock.connect(endpoint)
+    seq: dict = defaultdict(int)
+    res = SenderResult(sent=Counter(), done={j.name: {} for j in jobs}, last_step={j.name: -1 for j in jobs})
+    n_steps = math.ceil(args.reports / max(1, args.ranks * args.jobs)) if args.reports else None
+    deadline = t0 + args.duration if not args.reports else math.inf
+
+    def send(job, rank, frame, kind):
+        sock.send(frame)  # blocks at the high-water mark: nothing dropped on the way
+        seq[(job.name, rank)] += 1
+        res.sent[kind] += 1
+
+    while time.time() < t0:
+        time.sleep(0.01)
+    next_schema = next_beat = time.time()
+    step = 0
+    while (n_steps is None or step < n_steps) and time.time() < deadline:
+        if args.steps_per_s > 0:
+            wait = t0 + step / args.steps_per_s - time.time()
+            if wait > 0:
+                time.sleep(wait)
+        now = time.time()
+        if now >= next_schema:  # as the agent does: at start, then every schema_every_s
+            for job, r in mine:
+                send(job, r, schema_frame(job, r, seq[(job.name, r)]), "schema")
+            next_schema = now + args.schema_every_s
+        if args.heartbeat_s > 0 and now >= next_beat:
+            for job, r in mine:
+                s = seq[(job.name, r)]
+                send(job, r, heartbeat_frame(job, r, s, step - 1, s), "heartbeat")
+            next_beat = now + args.heartbeat_s
+        probe = args.every > 0 and step % args.every == 0
+        step_s = 1.0 / args.steps_per_s if args.steps_per_s > 0 else 0.1
+        for job, r in mine:
+            send(job, r, report_frame(job, r, seq[(job.name, r)], step, probe, step_s), "report")
+        for _ in range(args.junk):  # frames the aggregator must reject and count (reason "version")
+            sock.send(JUNK)
+            res.sent["junk"] += 1
+        t = time.time()
+        for job in jobs:
+            res.done[job.name][step] = t
+            res.last_step[job.name] = step
+        step += 1
+    res.cpu_s = time.process_time()
+    res.sent = dict(res.sent)
+    sock.close()  # LINGER -1: waits until every queued frame went out
+    ctx.term()
+    out.put(asdict(res))
+
+
+# --- the aggregator process and its /metrics ----------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})? (\S+)')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass
+class Scrape:
+    t: float  # wall time the response was complete
+    seconds: float
+    nbytes: int
+    samples: int
+    received: dict  # kind -> total
+    rejected: dict  # reason -> total
+    min_step: dict  # job -> lowest gradwatch_rank_step over its ranks (or gradwatch_job_rank_step{agg="min"})
+    ranks: dict  # job -> ranks exporting a step (or gradwatch_job_ranks_reporting)
+    findings: int  # gradwatch_check_status{status="finding"} == 1
+
+
+def scrape(url: str) -> Scrape:
+    t = time.time()
+    body = urllib.request.urlopen(url, timeout=60).read()
+    done = time.time()
+    received, rejected, min_step, ranks = Counter(), Counter(), {}, Counter()
+    job_min, reporting = {}, {}
+    samples = findings = 0
+    for line in body.decode().splitlines():
+        if not line or line[0] == "#":
+            continue
+        samples += 1
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.groups()
+        if name == "gradwatch_rank_step":
+            lab = dict(_LABEL.findall(labels))
+            j, v = lab["job_id"], float(value)
+            min_step[j] = min(min_step.get(j, math.inf), v)
+            ranks[j] += 1
+        elif name == "gradwatch_job_rank_step" and 'agg="min"' in labels:  # above --rank-series-max
+            job_min[dict(_LABEL.findall(labels))["job_id"]] = float(value)
+        elif name == "gradwatch_job_ranks_reporting":
+            reporting[dict(_LABEL.findall(labels))["job_id"]] = int(float(value))
+        elif name == "gradwatch_messages_received_total":
+            received[dict(_LABEL.findall(labels))["kind"]] = float(value)
+        elif name == "gradwatch_messages_rejected_total":
+            rejected[dict(_LABEL.findall(labels))["reason"]] = float(value)
+        elif name == "gradwatch_check_status" and 'status="finding"' in labels and float(value) == 1:
+            findings += 1
+    # a job above --rank-series-max exports per-rank steps for named ranks only: its job-level min
+    for j, v in job_min.items():
+        min_step[j], ranks[j] = v, reporting.get(j, 0)
+    return Scrape(done, done - t, len(body), samples, dict(received), dict(rejected), min_step, dict(ranks), findings)
+
+
+def rss_mib(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return math.nan
+
+
+def start_aggregator(args, logf):
+    zport, mport = free_port(), free_port()
+    cmd = [sys.executable, "-m", "gradwatch.aggregator", "--listen", f"tcp://127.0.0.1:{zport}",
+           "--metrics-host", "127.0.0.1", "--metrics-port", str(mport), "--layer-depth", str(args.layer_depth),
+           *(["--rank-series-max", str(args.rank_series_max)] if args.rank_series_max else []), *args.agg_arg]
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{mport}"
+    for _ in range(400):
+        if proc.poll() is not None:
+            raise SystemExit(f"aggregator exited with {proc.returncode}")
+        try:
+            if json.loads(urllib.request.urlopen(base + "/healthz", timeout=1).read())["ok"]:
+                break
+        except OSError:
+            time.sleep(0.05)
+    return proc, f"tcp://127.0.0.1:{zport}", base
+
+
+def pct(xs, q):
+    return float(np.percentile(xs, q)) if len(xs) else math.nan
+
+
+def run_socket(args) -> dict:
+    logpath = args.log or os.devnull
+    with open(logpath, "w") as logf:
+        proc, endpoint, base = start_aggregator(args, logf)
+        try:
+            return _drive(args, proc, endpoint, base)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _drive(args, proc, endpoint: str, base: str) -> dict:
+    ctx = mp.get_context("spawn")  # no zmq context or aggregator state inherited
+    out = ctx.Queue()
+    t0 = time.time() + 1.0 + 0.2 * args.senders  # spawned senders import gradwatch first
+    senders = [ctx.Process(target=sender_main, args=(i, args, endpoint, t0, out), daemon=True)
+               for i in range(args.senders)]
+    for p in senders:
+        p.start()
+    scrapes: list[Scrape] = []
+    rss: list[tuple[float, float]] = []
+    results: list[dict] = []
+    while len(results) < len(senders):
+        ts = time.time()
+        try:
+            s = scrape(base + "/metrics")
+            scrapes.append(s)
+        except OSError as e:
+            print(f"scrape failed: {e}", file=sys.stderr)
+        rss.append((time.time() - t0, rss_mib(proc.pid)))
+        while not out.empty():
+            results.append(out.get())
+        time.sleep(max(0.0, args.poll_s - (time.time() - ts)))
+        if any(p.exitcode not in (None, 0) for p in senders):
+            raise SystemExit("a sender failed")
+    t_end = time.time()
+    sending = [s for s in scrapes if t0 <= s.t <= t_end]
+    sent = Counter()
+    for r in results:
+        sent.update(r["sent"])
+    total_sent = sum(sent.values())
+    # drain: until every message sent is counted, received or rejected (or the timeout says lost)
+    deadline = time.time() + args.drain_s
+    while True:
+        last = scrape(base + "/metrics")
+        scrapes.append(last)
+        rss.append((time.time() - t0, rss_mib(proc.pid)))
+        counted = sum(last.received.values()) + sum(last.rejected.values())
+        if counted >= total_sent or time.time() > deadline:
+            break
+        time.sleep(args.poll_s)
+    drained_at = time.time()
+    # one publish interval later the snapshot holds the newest state
+    time.sleep(0.6)
+    last = scrape(base + "/metrics")
+    findings = json.loads(urllib.request.urlopen(base + "/api/findings?active=1", timeout=30).read())["findings"]
+
+    # freshness: per job and step, last sender's finish -> first scrape showing it on every rank
+    done: dict = defaultdict(dict)
+    for r in results:
+        for j, steps in r["done"].items():
+            for s, t in steps.items():
+                done[j][int(s)] = max(done[j].get(int(s), 0.0), t)
+    fresh = []
+    for j, steps in done.items():
+        seen = [(s.t, s.min_step.get(j, -1)) for s in scrapes if s.ranks.get(j, 0) == args.ranks]
+        k = 0
+        for step in sorted(steps):
+            while k < len(seen) and seen[k][1] < step:
+                k += 1
+            if k < len(seen):
+                fresh.append(max(0.0, seen[k][0] - steps[step]))
+    # the job's newest complete step: senders stop on their own (--duration), the slowest decides
+    last_step = {j: min(r["last_step"][j] for r in results) for j in done}
+    rec = {k: v for k, v in last.received.items()}
+    # absorbed: counted by the aggregator while the senders ran (between first and last scrape)
+    if len(sending) >= 2:
+        a, b = sending[0], sending[-1]
+        dt = b.t - a.t
+        msgs = (sum(b.received.values()) + sum(b.rejected.values()) - sum(a.received.values()) - sum(a.rejected.values())) / dt
+        reps = (b.received.get("report", 0) - a.received.get("report", 0)) / dt
+    else:
+        msgs = reps = math.nan
+    sizes = [s.nbytes for s in scrapes]
+    rss_v = [v for _, v in rss]
+    return dict(
+        mode="paced" if args.steps_per_s > 0 else "max", ranks=args.ranks, layers=args.layers, jobs=args.jobs,
+        every=args.every, steps_per_s=args.steps_per_s, senders=args.senders, layer_depth=args.layer_depth,
+        duration_s=round(t_end - t0, 2), drain_s=round(drained_at - t_end, 2),
+        sent=dict(sent), received=rec, rejected=dict(last.rejected),
+        lost=int(total_sent - sum(rec.values()) - sum(last.rejected.values())),
+        absorbed_msgs_per_s=msgs, absorbed_reports_per_s=reps,
+        offered_reports_per_s=sent.get("report", 0) / max(1e-9, t_end - t0),
+        freshness_p50_s=pct(fresh, 50), freshness_p99_s=pct(fresh, 99), freshness_n=len(fresh),
+        last_step_sent=last_step, last_step_visible=last.min_step, ranks_visible=last.ranks,
+        scrape_p50_s=pct([s.seconds for s in scrapes], 50), scrape_max_s=max(s.seconds for s in scrapes),
+        scrape_bytes=sizes[-1], scrape_samples=last.samples,
+        rss_start_mib=rss_v[0] if rss_v else math.nan, rss_end_mib=rss_v[-1] if rss_v else math.nan,
+        rss_max_mib=max(rss_v) if rss_v else math.nan, rss=[(round(t, 2), round(v, 1)) for t, v in rss],
+        findings=[f"{f['check']}: {f['summary']}" for f in findings],
+        sender_cpu_s=[round(r["cpu_s"], 2) for r in results], load_avg=os.getloadavg(),
+    )
+
+
+def run_inprocess(args) -> dict:
+    """Pre-encode the frames, then time ``Aggregator.handle`` over them (optionally profiled)."""
+    from prometheus_client import generate_latest
+
+    from gradwatch.aggregator import Aggregator, load
+
+    now = [0.0]
+    extra = dict(rank_series_max=args.rank_series_max) if args.rank_series_max else {}
+    agg = Aggregator(load(listen="tcp://127.0.0.1:0", layer_depth=args.layer_depth, **extra), clock=lambda: now[0])
+    jobs = [Job(f"load{j}", args.ranks, args.layers) for j in range(args.jobs)]
+    n_steps = math.ceil((args.reports or 10_000) / (args.ranks * args.jobs))
+    frames, kinds = [], Counter()
+    seq: Counter = Counter()
+    for job in jobs:
+        for r in range(job.world):
+            frames.append(schema_frame(job, r, seq[(job.name, r)]))
+            seq[(job.name, r)] += 1
+    kinds["schema"] = len(frames)
+    per_step = []
+    for step in range(n_steps):
+        batch = []
+        probe = args.every > 0 and step % args.every == 0
+        for job in jobs:
+            for r in range(job.world):
+                batch.append(report_frame(job, r, seq[(job.name, r)], step, probe, 0.1))
+                seq[(job.name, r)] += 1
+                if args.heartbeat_s > 0:  # one heartbeat per rank and step (1 step/s, heartbeat_s 1)
+                    batch.append(heartbeat_frame(job, r, seq[(job.name, r)], step, seq[(job.name, r)]))
+                    seq[(job.name, r)] += 1
+        kinds["probe" if probe else "sentinel"] += args.ranks * args.jobs
+        per_step.append(batch)
+    handle = agg.handle
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+    t = time.perf_counter()
+    for f in frames:
+        handle(f)
+    if prof:
+        prof.enable()
+    t_rep = time.perf_counter()
+    publish_s = scrape_s = 0.0
+    for batch in per_step:
+        for f in batch:
+            handle(f)
+        now[0] += 0.05
+        agg.state.tick()
+        if args.scrape:  # the writer's publish and an HTTP thread's scrape, once per step
+            a = time.perf_counter()
+            agg.publish()
+            b = time.perf_counter()
+            text = generate_latest(agg.registry)
+            nbytes, nsamples = len(text), sum(1 for x in text.splitlines() if x and not x.startswith(b"#"))
+            publish_s, scrape_s = publish_s + b - a, scrape_s + time.perf_counter() - b
+    t_end = time.perf_counter()
+    if prof:
+        prof.disable()
+    agg.publish()
+    agg.runner.close()
+    st = agg.state
+    n = sum(len(b) for b in per_step)
+    n_rep = kinds["probe"] + kinds["sentinel"]
+    res = dict(mode="inprocess", ranks=args.ranks, layers=args.layers, jobs=args.jobs, every=args.every,
+               layer_depth=args.layer_depth, frames=n, reports=n_rep, kinds=dict(kinds), schema_s=t_rep - t,
+               reports_s=t_end - t_rep, reports_per_s=n_rep / (t_end - t_rep), us_per_frame=1e6 * (t_end - t_rep) / n,
+               publish_s_per_step=publish_s / n_steps, scrape_s_per_step=scrape_s / n_steps,
+               scrape_bytes=nbytes if args.scrape else 0, scrape_samples=nsamples if args.scrape else 0,
+               received=dict(st.received), rejected=dict(st.rejected),
+               findings=[f"{f.check}: {f.summary}" for f in agg.snapshot.checks.active])
+    if prof:
+        import io
+        import pstats
+
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+        res["profile"] = s.getvalue()
+    return res
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def table(res: dict) -> str:
+    def f(x, nd=0):
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{nd}f}"
+
+    if res["mode"] == "inprocess":
+        rows = [("reports handled (frames with heartbeats)", f"{f(res['reports'])} ({f(res['frames'])})"),
+                ("reports/s (rank-steps/s)", f(res["reports_per_s"])), ("µs per frame", f(res["us_per_frame"], 1)),
+                ("publish / scrape per step, s", f"{f(res['publish_s_per_step'], 3)} / {f(res['scrape_s_per_step'], 3)}"),
+                ("scrape bytes / samples", f"{f(res['scrape_bytes'])} / {f(res['scrape_samples'])}"),
+                ("rejected", str(res["rejected"] or "none")),
+                ("active findings", str(len(res["findings"])))]
+    else:
+        rows = [
+            ("mode", res["mode"] + (f" ({res['steps_per_s']} steps/s)" if res["mode"] == "paced" else "")),
+            ("sent (schema/report/heartbeat)", "/".join(f(res["sent"].get(k, 0)) for k in ("schema", "report", "heartbeat"))),
+            ("offered reports/s", f(res["offered_reports_per_s"])),
+            ("absorbed rank-steps/s (reports)", f(res["absorbed_reports_per_s"])),
+            ("absorbed messages/s (all kinds)", f(res["absorbed_msgs_per_s"])),
+            ("lost (sent - received - rejected)", f(res["lost"])),
+            ("rejected", str(res["rejected"] or "none")),
+            ("drain after senders stopped, s", f(res["drain_s"], 1)),
+            ("freshness p50 / p99, s", f"{f(res['freshness_p50_s'], 2)} / {f(res['freshness_p99_s'], 2)}"),
+            ("last step sent / visible", f"{res['last_step_sent']} / {res['last_step_visible']}"),
+            ("scrape p50 / max, s", f"{f(res['scrape_p50_s'], 3)} / {f(res['scrape_max_s'], 3)}"),
+            ("scrape bytes / samples", f"{f(res['scrape_bytes'])} / {f(res['scrape_samples'])}"),
+            ("aggregator RSS start / max / end, MiB", f"{f(res['rss_start_mib'])} / {f(res['rss_max_mib'])} / {f(res['rss_end_mib'])}"),
+            ("active findings", str(len(res["findings"]))),
+            ("load average", " ".join(f"{x:.1f}" for x in res["load_avg"])),
+        ]
+    head = (f"{res['jobs']} job(s) x {res['ranks']:,} ranks x {res['layers']} layers, probe every {res['every']}, "
+            f"layer-depth {res.get('layer_depth', 0)}")
+    return "\n".join([f"### {head}", "", "| measure | value |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=64, help="ranks per job")
+    p.add_argument("--layers", type=int, default=100, help="leaf modules (activation slots) per rank; 2 params each")
+    p.add_argument("--every", type=int, default=10, help="probe every N-th step (0: never)")
+    p.add_argument("--steps-per-s", type=float, default=0.0, help="paced steps per second per rank; 0: as fast as possible")
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--senders", type=int, default=1, help="sender processes")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of sending (unless --reports)")
+    p.add_argument("--reports", type=int, default=0, help="send this many reports in all instead of --duration")
+    p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period per rank, s (0: none)")
+    p.add_argument("--schema-every-s", type=float, default=10.0, help="schema resend period per rank, s")
+    p.add_argument("--junk", type=int, default=0, help="per sender and step, frames the aggregator must reject")
+    p.add_argument("--layer-depth", type=int, default=0, help="the aggregator's --layer-depth")
+    p.add_argument("--rank-series-max", type=int, default=0, help="the aggregator's --rank-series-max (0: its default)")
+    p.add_argument("--poll-s", type=float, default=0.5, help="seconds between scrapes of /metrics")
+    p.add_argument("--drain-s", type=float, default=120.0, help="longest wait for the aggregator to count every message")
+    p.add_argument("--agg-arg", action="append", default=[], help="extra aggregator flag (repeat; --agg-arg=--x=1)")
+    p.add_argument("--log", default="", help="aggregator log file")
+    p.add_argument("--inprocess", action="store_true", help="feed Aggregator.handle in this process instead")
+    p.add_argument("--profile", action="store_true", help="with --inprocess: cProfile the reports' handling")
+    p.add_argument("--scrape", action="store_true", help="with --inprocess: publish and render /metrics every step")
+    p.add_argument("--top", type=int, default=30, help="profile rows")
+    p.add_argument("--json", default="", help="write the results as JSON to this path")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    res = run_inprocess(args) if args.inprocess else run_socket(args)
+    print(table(res))
+    if res.get("profile"):
+        print(res["profile"])
+    if res.get("findings"):
+        print("findings:", *res["findings"], sep="\n  ")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=float)
+    return res
+
+
+if __name__ == "__main__":
+    main()
