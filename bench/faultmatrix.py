@@ -66,7 +66,7 @@ HOLD_S = 6.0  # hang and silent last this long, then the rank resumes and the jo
 EVERY = 10  # the agent's default probe cadence
 CLEAN_RUNS = 2  # clean runs per cell
 POST = {"straggler": 64, "default": 36}  # steps after injection: 3 straggler windows of 16 steps; 3 probes
-LINGER_S = 2.0  # after the ranks exit, seconds the aggregator gets to finish rounds and checks
+LINGER_S = 1.5  # after the ranks exit, seconds the aggregator gets to finish rounds and checks
 
 
 @dataclass(frozen=True)
@@ -181,21 +181,22 @@ def _rank_main(rank: int, run: Run, port: int, endpoint: str, progress, out_dir:
                             timeout=datetime.timedelta(seconds=120))
     try:
         torch.manual_seed(0)
-        # steps of ~40 ms on one idle core: a 30 % straggler (12 ms) clears straggler_min_s (10 ms), the
-        # straggler check's floor against scheduler jitter
-        if run.model == "gpt":  # the demo's GPT at its default size, batch 32
+        # steps of 15-20 ms of compute on one idle core, several times that under load: a 30 %
+        # straggler is a few milliseconds idle, near straggler_min_s (10 ms), the straggler check's
+        # floor against scheduler jitter, and clears it under load
+        if run.model == "gpt":  # the demo's GPT at its default size
             model = GPT(GPTConfig(context=64, width=64, layers=2, heads=4))
             text = stdlib_text()
 
             def data(step):
-                return batch(text, 0, rank, step, 32, 64)
+                return batch(text, 0, rank, step, 16, 64)
 
             def loss_of(out, y):
                 return F.cross_entropy(out.flatten(0, 1), y.flatten())
         else:
             model = DigitsCNN()
             x_all, y_all = torch.from_numpy(digits[0]).unsqueeze(1), torch.from_numpy(digits[1])
-            n = 512  # images a step, drawn from the rank's own shard (with replacement: 1,797 images)
+            n = 256  # images a step, drawn from the rank's own shard (with replacement: 1,797 images)
             per = len(x_all) // run.world
 
             def data(step):
@@ -297,7 +298,8 @@ def run_job(run: Run, endpoint: str, events_path: str, out_dir: str, digits, tim
 # --- the matrix ---------------------------------------------------------------------------------
 
 
-def plan(worlds, models, loads, repeats, names: Optional[set], steps_at=STEPS_AT) -> list[tuple[Run, Fault]]:
+def plan(worlds, models, loads, repeats, names: Optional[set], steps_at=STEPS_AT,
+         clean_runs: int = CLEAN_RUNS) -> list[tuple[Run, Fault]]:
     """Every run of the matrix, in order (grouped by load, so hogs start and stop once per load)."""
     runs = []
     for load in loads:
@@ -317,7 +319,7 @@ def plan(worlds, models, loads, repeats, names: Optional[set], steps_at=STEPS_AT
                         job = f"fm-{load}-r{rep}-w{world}-{model}-{f.name}"
                         runs.append((Run(job, model, world, load, rep, f.name, spec, rank, step, step + post), f))
                     if names is None or "clean" in names:
-                        for c in range(CLEAN_RUNS):
+                        for c in range(clean_runs):
                             job = f"fm-{load}-r{rep}-w{world}-{model}-clean{c}"
                             runs.append((Run(job, model, world, load, rep, "clean", "", None, None,
                                              max(steps_at) + POST["straggler"]), CLEAN))
@@ -476,6 +478,7 @@ def main(argv=None) -> int:
     p.add_argument("--load", default="idle,busy", help="comma list of: idle, busy (two CPU-spinning processes)")
     p.add_argument("--faults", help="comma list of fault names (default all, and clean); see the module docstring")
     p.add_argument("--repeats", type=int, default=1, help="repeats of every cell (default 1)")
+    p.add_argument("--clean-runs", type=int, default=CLEAN_RUNS, help=f"clean runs per cell (default {CLEAN_RUNS})")
     p.add_argument("--at", default=",".join(map(str, STEPS_AT)),
                    help="comma list of injection steps the runs rotate over (default 30,35: probed and not)")
     p.add_argument("--quick", action="store_true",
@@ -496,7 +499,7 @@ def main(argv=None) -> int:
     if bad := [x for x in [*models] if x not in NAN_LAYERS] + [x for x in loads if x not in ("idle", "busy")] \
             + sorted((names or set()) - known):
         raise SystemExit(f"unknown: {bad}; faults are {sorted(known)}")
-    runs = plan(worlds, models, loads, a.repeats, names, tuple(int(x) for x in a.at.split(",")))
+    runs = plan(worlds, models, loads, a.repeats, names, tuple(int(x) for x in a.at.split(",")), a.clean_runs)
     fault_of = {r.job: f for r, f in runs}
     digits = _digits() if "cnn" in models else None
     tmp = tempfile.mkdtemp(prefix="faultmatrix-")

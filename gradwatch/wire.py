@@ -56,7 +56,9 @@ count >= 1.
 ``closing`` (the agent is shutting down: the rank finished, it did not go silent), ``in_step_s``
 (seconds since the rank's latest optimizer step ended) and ``waiting`` (the rank has handed its
 first gradient bucket of the current step to all-reduce, i.e. it waits on its peers) and,
-optionally, ``reason`` (why a closing agent stops, one of :data:`CLOSE_REASONS`; "" otherwise).
+optionally, ``reason`` (why a closing agent stops, one of :data:`CLOSE_REASONS`; "" otherwise) and
+``run_s`` (cumulative seconds the training thread has been running or waiting for a CPU, from
+Linux's schedstat: a thread blocked in a sleep, a lock or I/O adds nothing; NaN when unknown).
 
 Decoding is defensive: sizes are capped before msgpack allocates anything (case C30), every field
 is type-checked, array byte lengths must match the schema's counts, and each failure raises
@@ -195,6 +197,7 @@ class Heartbeat:
     in_step_s: float = 0.0
     waiting: bool = False
     reason: str = ""  # why a closing agent stops, one of CLOSE_REASONS
+    run_s: float = math.nan  # training thread's running + runnable time, seconds (NaN: unknown)
 
 
 Message = Union[Schema, Report, Heartbeat]
@@ -280,6 +283,8 @@ def encode(msg: Message) -> bytes:
             step=msg.step, sent=msg.sent, drops=msg.drops, errors=msg.errors, closing=bool(msg.closing),
             in_step_s=float(msg.in_step_s), waiting=bool(msg.waiting), reason=msg.reason,
         )
+        if not math.isnan(msg.run_s):
+            m["run_s"] = float(msg.run_s)
     else:
         raise TypeError(f"not a wire message: {type(msg).__name__}")
     return msgpack.packb(m, use_bin_type=True)
@@ -486,4 +491,5 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None, known_sch
         in_step_s=float(_get(m, "in_step_s", _NUM)),
         waiting=_get(m, "waiting", bool),
         reason=reason,
+        run_s=float(_get(m, "run_s", _NUM)) if "run_s" in m else math.nan,
     )

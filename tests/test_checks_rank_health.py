@@ -54,16 +54,17 @@ class Job:
         self.boot = {r: f"boot{r}" for r in range(world)}
 
     def header(self, rank: int) -> wire.Header:
-        h = wire.Header(self.job, rank, self.world, self.boot[rank], self.seq[rank], 0.0)
+        h = wire.Header(self.job, rank, self.world, self.boot[rank], self.seq[rank], self.clock.t)
         self.seq[rank] += 1
         return h
 
     def schema(self, rank: int) -> None:
         self.state.apply(wire.Schema(self.header(rank), "node", rank, 1, PARAMS, SLOTS))
 
-    def heartbeat(self, rank: int, step: int = -1, waiting: bool = False, closing: bool = False, in_step_s: float = 0.0):
+    def heartbeat(self, rank: int, step: int = -1, waiting: bool = False, closing: bool = False, in_step_s: float = 0.0,
+                  run_s: float = math.nan):
         self.state.apply(wire.Heartbeat(self.header(rank), step, self.seq[rank], 0, 0, closing=closing,
-                                        in_step_s=in_step_s, waiting=waiting))
+                                        in_step_s=in_step_s, waiting=waiting, run_s=run_s))
 
     def report(self, rank: int, step: int, *, step_time=0.1, compute_time=math.nan, local=math.nan,
                probe=False, act_std=1.0, nonfinite=0.0):
@@ -376,6 +377,37 @@ def test_training_stalled_waits_stall_outside_after_s_when_no_rank_waits_in_all_
     assert j.named("training_stalled") == [None]  # job-level: no rank stands out
     (f,) = j.runner.active[("j", "training_stalled")].values()
     assert f.details["not_waiting"] == [0, 1, 2] and f.details["bound_s"] == 2.5
+
+
+def test_training_stalled_spares_a_rank_still_computing_until_stall_outside_after_s_but_names_a_blocked_one():
+    """A starved rank's training thread keeps running or waiting for a CPU (run_s grows with the
+    clock); a hung one is blocked (run_s stands still)."""
+    j = Job(["training_stalled"], stall_after_s=2.5, stall_outside_after_s=10, silent_after_s=2.5)
+    for r in range(3):
+        j.report(r, 0, step_time=0.05)
+    for _ in range(8):  # 8 s: rank 2 is computing, slowly, its peers wait for it
+        j.tick(1)
+        for r in range(3):
+            j.heartbeat(r, 0, waiting=r != 2, run_s=j.clock.t * 0.9 if r == 2 else 5.0)
+    assert j.status("training_stalled") == Outcome.HEALTHY
+    (f_state,) = [r for k, r in j.state.jobs["j"].ranks.items() if k == 2]
+    assert f_state.runnable == pytest.approx(0.9)
+    for _ in range(3):  # past stall_outside_after_s: a rank that long in one step is named anyway
+        j.tick(1)
+        for r in range(3):
+            j.heartbeat(r, 0, waiting=r != 2, run_s=j.clock.t * 0.9 if r == 2 else 5.0)
+    assert j.named("training_stalled") == [2]
+    (f,) = j.runner.active[("j", "training_stalled")].values()
+    assert f.details["runnable"]["2"] == pytest.approx(0.9)
+
+    k = Job(["training_stalled"], stall_after_s=2.5, stall_outside_after_s=10, silent_after_s=2.5)
+    for r in range(3):
+        k.report(r, 0, step_time=0.05)
+    for _ in range(3):  # rank 2's training thread is blocked: run_s stands still
+        k.tick(1)
+        for r in range(3):
+            k.heartbeat(r, 0, waiting=r != 2, run_s=7.0)
+    assert k.named("training_stalled") == [2]
 
 
 # --- step_skew -----------------------------------------------------------------------------------

@@ -10,7 +10,11 @@ named within seconds; load that slows every step lengthens the bound with it.
 
 A pause outside any collective (no heard rank waits in all-reduce: an evaluation pass, a checkpoint
 save, data loading) is normal in many jobs, so that case is judged against the longer
-``stall_outside_after_s`` instead.
+``stall_outside_after_s`` instead. So is a rank not waiting whose training thread keeps running or
+waiting for a CPU (``runnable`` share of its latest heartbeat interval at least ``RUNNABLE``, from
+the heartbeats' ``run_s``): it is slow, or starved of CPUs on a loaded host, where a hung one is
+blocked (a sleep, a lock, I/O, a dead data loader) and adds nothing. A rank spinning in a loop
+looks busy too, and is named after ``stall_outside_after_s``.
 
 Each heartbeat says whether the rank has handed its first gradient bucket of the current step to
 all-reduce (``waiting``: it waits on its peers). A rank that is *not* waiting while its peers are
@@ -65,6 +69,8 @@ class TrainingStalled(Check):
 
     #: recent step times per job the median is taken over (reports of every rank)
     WINDOW = 64
+    #: share of a heartbeat interval a training thread ran or waited for a CPU above which it is busy
+    RUNNABLE = 0.5
 
     def __init__(self, t):
         super().__init__(t)
@@ -101,14 +107,21 @@ class TrainingStalled(Check):
         silent = [r for r in live if r not in heard]
         waiting = [r for r in heard if r.waiting]
         busy = [r for r in heard if not r.waiting]
-        if not waiting and not silent and idle < max(bound, self.t.stall_outside_after_s):
+        outside = idle >= max(bound, self.t.stall_outside_after_s)
+        if not waiting and not silent and not outside:
             return Evaluation.healthy()  # a pause outside collectives: evaluation, a checkpoint
+        running = [r for r in busy if r.runnable >= self.RUNNABLE]  # slow or starved, not blocked
+        if waiting and not silent and busy and len(running) == len(busy) and not outside:
+            return Evaluation.healthy()  # its peers wait for a rank that is still computing
+        if not outside:
+            busy = [r for r in busy if r not in running]
         step = max(r.step for r in live)
         details = {
             "stalled_s": idle, "bound_s": bound, "last_step": step,
             "waiting": [r.rank for r in waiting], "not_waiting": [r.rank for r in busy],
             "silent": [r.rank for r in silent],
             "in_step_s": {str(r.rank): r.in_step_s for r in heard},
+            "runnable": {str(r.rank): r.runnable for r in heard},
         }
         head = f"training stalled: no rank completed a step for {idle:.0f} s (last step {step})"
         if waiting and (busy or silent):
