@@ -380,10 +380,11 @@ def score(outcomes: list[Outcome], fault_of: dict[str, Fault]) -> dict:
             continue
         s = c(f.expect)
         s["runs"] += 1
-        pf = per_fault.setdefault(f.name, {"check": f.expect, "runs": 0, "detected": 0, "attributable": 0,
+        pf = per_fault.setdefault(f.name, {"check": f.expect, "runs": 0, "found": 0, "detected": 0, "attributable": 0,
                                            "attributed": 0, "rank_attributed": 0, "extra_findings": 0,
                                            "steps_to_detect": [], "seconds_to_detect": []})
         pf["runs"] += 1
+        pf["found"] += any(_true(f, o.run, e) for e in o.findings)  # by its check or a knock-on one
         hit = next((e for e in o.findings if e["check"] == f.expect and _true(f, o.run, e)), None)
         pf["extra_findings"] += len(o.findings) - (hit is not None)
         if hit is None:
@@ -433,18 +434,38 @@ def table(scores: dict) -> str:
         )
     lines += [
         "",
-        "| fault | check | runs | recall | attribution (rank only) | other findings per run | steps p50 / p95 | seconds p50 / p95 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| fault | check | runs | recall | found by any check | attribution (rank only) | other findings per run | steps p50 / p95 | seconds p50 / p95 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, d in scores["faults"].items():
         lines.append(
-            f"| {name} | `{d['check']}` | {d['runs']} | {_pct(d['recall'])} | {_pct(d['attribution'])} "
+            f"| {name} | `{d['check']}` | {d['runs']} | {_pct(d['recall'])} | {_pct(d['found'] / d['runs'])} | "
+            f"{_pct(d['attribution'])} "
             f"({_pct(d['rank_attribution'])}) | "
             f"{d['extra_findings'] / d['runs']:.2f} | {_num(d['steps_p50'], '{:.0f}')} / {_num(d['steps_p95'], '{:.0f}')} | "
             f"{_num(d['seconds_p50'])} / {_num(d['seconds_p95'])} |"
         )
     lines.append(f"\nclean job-steps: {scores['clean_steps']}")
     return "\n".join(lines)
+
+
+def collect(runs: list[tuple[Run, Fault]], tmp: str) -> list[Outcome]:
+    """Outcomes of the planned runs that completed in ``tmp`` (every rank wrote its file), from the
+    event log left there: scores a matrix that was stopped early."""
+    events: dict[str, list] = {}
+    with open(os.path.join(tmp, "events.jsonl")) as f:
+        for line in f:
+            e = json.loads(line)
+            if e["event"] == "raised":
+                events.setdefault(e["job"], []).append({k: e[k] for k in ("check", "rank", "layer", "step", "time", "summary")})
+    out = []
+    for run, _ in runs:
+        files = [os.path.join(tmp, f"{run.job}.{r}.json") for r in range(run.world)]
+        if not all(os.path.exists(p) for p in files):
+            continue
+        times = [t for p in files for t in json.load(open(p))["applied"].values()]
+        out.append(Outcome(run, True, math.nan, min(times, default=None), events.get(run.job, [])))
+    return out
 
 
 def start_aggregator(events_path: str, log_path: str, extra=()) -> tuple[subprocess.Popen, str]:
@@ -485,6 +506,9 @@ def main(argv=None) -> int:
                    help=f"world 2, cnn, idle, faults {','.join(QUICK_FAULTS)} and clean: a smoke test")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds one run may take before it is killed and counted as failed")
     p.add_argument("--json", metavar="PATH", help="write runs, findings and scores as JSON to PATH")
+    p.add_argument("--from-dir", metavar="DIR",
+                   help="run nothing: score the runs that completed in DIR, the directory a matrix with the same "
+                   "selection flags printed (one stopped early)")
     p.add_argument("--aggregator-arg", action="append", default=[], metavar="ARG",
                    help="extra aggregator argument, e.g. --aggregator-arg=--checks.straggler-score=0.8 (repeatable; "
                    "the published figures use none: default thresholds)")
@@ -501,6 +525,17 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown: {bad}; faults are {sorted(known)}")
     runs = plan(worlds, models, loads, a.repeats, names, tuple(int(x) for x in a.at.split(",")), a.clean_runs)
     fault_of = {r.job: f for r, f in runs}
+    if a.from_dir:
+        outcomes = collect(runs, a.from_dir)
+        print(f"{len(outcomes)} of {len(runs)} runs completed in {a.from_dir}\n")
+        scores = score(outcomes, fault_of)
+        print(table(scores))
+        if a.json:
+            with open(a.json, "w") as fp:
+                json.dump({"env": {"from_dir": a.from_dir, "argv": sys.argv[1:]}, "scores": scores,
+                           "runs": [dict(asdict(o.run), ok=o.ok, applied=o.applied, findings=o.findings)
+                                    for o in outcomes]}, fp, indent=1)
+        return 0
     digits = _digits() if "cnn" in models else None
     tmp = tempfile.mkdtemp(prefix="faultmatrix-")
     events = os.path.join(tmp, "events.jsonl")
