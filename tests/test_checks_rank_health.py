@@ -410,6 +410,32 @@ def test_training_stalled_spares_a_rank_still_computing_until_stall_outside_afte
     assert k.named("training_stalled") == [2]
 
 
+def test_training_stalled_restarts_its_clock_when_the_aggregator_heard_nothing_of_the_job():
+    """A partition: nothing arrives for 5 s; after it heals the agents' heartbeats (one waiting in
+    all-reduce) come before the reports held back, which is not a stall."""
+    j = Job(["training_stalled"], stall_after_s=2.5, silent_after_s=2.5)
+    for r in range(3):
+        j.report(r, 0, step_time=0.05)
+    for _ in range(50):
+        j.tick(0.1)
+        if j.clock.t - 1000 > 2.0:  # dark: no data, not a stall
+            assert j.status("training_stalled") == Outcome.NO_DATA
+    for r in range(3):
+        j.heartbeat(r, 0, waiting=r != 2)
+    for _ in range(20):  # 2 s of heartbeats before the first report: within the bound again
+        j.tick(0.1)
+        if round(j.clock.t * 10) % 10 == 0:
+            for r in range(3):
+                j.heartbeat(r, 0, waiting=r != 2)
+    assert j.named("training_stalled") == [] and j.status("training_stalled") == Outcome.HEALTHY
+    for _ in range(6):  # and nothing still: a stall, 2.5 s after the job was heard again
+        j.tick(0.1)
+        if round(j.clock.t * 10) % 10 == 0:
+            for r in range(3):
+                j.heartbeat(r, 0, waiting=r != 2)
+    assert j.named("training_stalled") == [2]
+
+
 # --- step_skew -----------------------------------------------------------------------------------
 
 

@@ -16,6 +16,11 @@ the heartbeats' ``run_s``): it is slow, or starved of CPUs on a loaded host, whe
 blocked (a sleep, a lock, I/O, a dead data loader) and adds nothing. A rank spinning in a loop
 looks busy too, and is named after ``stall_outside_after_s``.
 
+A stall is judged only while the job is heard: nothing at all from it for ``DARK_S`` (a partition,
+a stopped aggregator; heartbeats come every second) is no data, and the stall clock starts over
+when it is heard again (agents send a heartbeat before the reports they held back): steps nobody
+could see are not a stall.
+
 Each heartbeat says whether the rank has handed its first gradient bucket of the current step to
 all-reduce (``waiting``: it waits on its peers). A rank that is *not* waiting while its peers are
 is where the job is stuck: its peers wait for it in the collective. A silent rank while its peers
@@ -71,11 +76,16 @@ class TrainingStalled(Check):
     WINDOW = 64
     #: share of a heartbeat interval a training thread ran or waited for a CPU above which it is busy
     RUNNABLE = 0.5
+    #: seconds without any message from the job (heartbeats come every second) after which the
+    #: aggregator was blind to it and the stall clock starts over
+    DARK_S = 2.0
 
     def __init__(self, t):
         super().__init__(t)
         self._idle: dict[str, float] = {}
         self._times: dict[str, collections.deque] = {}
+        self._heard: dict[str, float] = {}  # job -> its latest message's time at the previous tick
+        self._since: dict[str, float] = {}  # job -> when the aggregator heard it again after a dark gap
 
     def on_report(self, job, rank, report):
         if report.step_time > 0:  # NaN (not measured) fails this too
@@ -94,9 +104,13 @@ class TrainingStalled(Check):
         if not live:
             self._idle.pop(job.job, None)
             return Evaluation.healthy() if job.ranks else Evaluation.no_data()  # all said goodbye
-        if last is None:
+        heard_at = max(r.last_seen for r in live)
+        if heard_at - self._heard.get(job.job, heard_at) > self.DARK_S:
+            self._since[job.job] = heard_at
+        self._heard[job.job] = heard_at
+        if last is None or now - heard_at > self.DARK_S:
             return Evaluation.no_data()
-        idle = now - last
+        idle = now - max(last, self._since.get(job.job, last))
         self._idle[job.job] = idle
         bound = self.bound(job.job)
         if idle < bound:
@@ -153,5 +167,5 @@ class TrainingStalled(Check):
         return {"job_step_age_seconds": {(): idle}} if idle is not None else {}
 
     def forget(self, job_id):
-        self._idle.pop(job_id, None)
-        self._times.pop(job_id, None)
+        for d in (self._idle, self._times, self._heard, self._since):
+            d.pop(job_id, None)
