@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import atexit
 import functools
+import math
 import os
 import secrets
+import threading
 import time
 import warnings
 import weakref
@@ -90,6 +92,7 @@ class Monitor:
         self._losses: list[torch.Tensor] = []
         self._last_step_end = self._acct_end = time.perf_counter()
         self._pre_s = self._carry_s = 0.0  # the agent's own host time in this step so far (budget)
+        self._train_tid = threading.get_native_id()  # the thread stepping the optimizer (see _post_step)
         self._slots: tuple = ()
         self._schema: Optional[wire.Schema] = None
         # the socket first: if it cannot be made, attach fails before any hook is in place
@@ -185,7 +188,7 @@ class Monitor:
             h, step=self.step - 1, sent=self.sender.sent, drops=self.sender.drops,
             errors=self.errors + self.sender.errors, closing=self._closed,
             in_step_s=time.perf_counter() - self._last_step_end, waiting=self.comm.first_bucket is not None,
-            reason=self._close_reason if self._closed else "",
+            reason=self._close_reason if self._closed else "", run_s=_run_s(self._train_tid),
         )
 
     def _stop_parts(self) -> None:
@@ -220,6 +223,7 @@ class Monitor:
             return
         step = self.step
         now = time.perf_counter()
+        self._train_tid = threading.get_native_id()
         first = self.comm.first_bucket
         compute_time = (first - self._last_step_end) if first is not None else float("nan")
         step_time, self._last_step_end = now - self._last_step_end, now
@@ -283,3 +287,15 @@ class Monitor:
         rep = report.build(h, layout, host.numpy(), self.sender.drops)
         self.schedule.watch(layout.step, rep.grad_norm, rep.grad_nonfinite, scheduled=self.step)
         return rep
+
+
+def _run_s(tid: int) -> float:
+    """Seconds thread ``tid`` of this process has been running or waiting for a CPU (Linux
+    schedstat: it tells a training thread that is slow or starved from one blocked in a hang);
+    NaN where unavailable."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+            on_cpu, waiting, _ = f.read().split()
+        return (int(on_cpu) + int(waiting)) / 1e9
+    except (OSError, ValueError):
+        return math.nan

@@ -93,6 +93,9 @@ class RankState:
     in_step_s: float = 0.0  # from the latest heartbeat
     waiting: bool = False  # from the latest heartbeat: waiting on peers in all-reduce
     heartbeat_at: float = 0.0  # aggregator clock of the latest heartbeat
+    run_s: float = math.nan  # from the latest heartbeat: training thread's running + runnable seconds
+    beat_time: float = math.nan  # the latest heartbeat's send time, the agent's clock
+    runnable: float = math.nan  # share of the last heartbeat interval the training thread ran or could
     last_report_at: float = 0.0  # aggregator clock of the latest report
     # the agent's own counters restart with it; these carry earlier boots' totals so the exported
     # counters never decrease
@@ -326,6 +329,10 @@ class State:
             self.received["heartbeat"] += 1
             r.agent_drops, r.agent_errors = msg.drops, msg.errors
             r.closing, r.in_step_s, r.waiting, r.heartbeat_at = msg.closing, msg.in_step_s, msg.waiting, now
+            # on the agent's own clock, so delays in transit do not skew it
+            dt = h.time - r.beat_time
+            r.runnable = (msg.run_s - r.run_s) / dt if dt > 0 else math.nan  # NaN when either is unknown
+            r.run_s, r.beat_time = msg.run_s, h.time
             r.close_reason = msg.reason if msg.closing else ""
             if self.runner is not None:
                 self.runner.dispatch("on_heartbeat", job, r, msg)

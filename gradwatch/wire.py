@@ -82,7 +82,9 @@ stage totals of the ranks that share every other coordinate (one per stage).
 ``closing`` (the agent is shutting down: the rank finished, it did not go silent), ``in_step_s``
 (seconds since the rank's latest optimizer step ended) and ``waiting`` (the rank has handed its
 first gradient bucket of the current step to all-reduce, i.e. it waits on its peers) and,
-optionally, ``reason`` (why a closing agent stops, one of :data:`CLOSE_REASONS`; "" otherwise).
+optionally, ``reason`` (why a closing agent stops, one of :data:`CLOSE_REASONS`; "" otherwise) and
+``run_s`` (cumulative seconds the training thread has been running or waiting for a CPU, from
+Linux's schedstat: a thread blocked in a sleep, a lock or I/O adds nothing; NaN when unknown).
 
 Decoding is defensive: sizes are capped before msgpack allocates anything (case C30), every field
 is type-checked, array byte lengths must match the schema's counts, and each failure raises
@@ -251,6 +253,7 @@ class Heartbeat:
     in_step_s: float = 0.0
     waiting: bool = False
     reason: str = ""  # why a closing agent stops, one of CLOSE_REASONS
+    run_s: float = math.nan  # training thread's running + runnable time, seconds (NaN: unknown)
 
 
 Message = Union[Schema, Report, Heartbeat]
@@ -356,6 +359,8 @@ def encode(msg: Message) -> bytes:
             step=msg.step, sent=msg.sent, drops=msg.drops, errors=msg.errors, closing=bool(msg.closing),
             in_step_s=float(msg.in_step_s), waiting=bool(msg.waiting), reason=msg.reason,
         )
+        if not math.isnan(msg.run_s):
+            m["run_s"] = float(msg.run_s)
     else:
         raise TypeError(f"not a wire message: {type(msg).__name__}")
     return msgpack.packb(m, use_bin_type=True)
@@ -652,11 +657,12 @@ def _heartbeat_fast(m: dict, h: Header) -> Heartbeat | None:
     except KeyError:
         return None
     reason = m.get("reason", "")
-    if (type(step) is int and type(sent) is int and type(drops) is int and type(errors) is int
+    run = m.get("run_s", math.nan)
+    if (type(run) is float or type(run) is int) and (type(step) is int and type(sent) is int and type(drops) is int and type(errors) is int
             and sent >= 0 and drops >= 0 and errors >= 0 and type(closing) is bool and type(waiting) is bool
             and (type(in_step) is float or type(in_step) is int) and type(reason) is str):
         return Heartbeat(h, step, sent, drops, errors, closing, float(in_step), waiting,
-                         reason if reason in CLOSE_REASONS else "other")
+                         reason if reason in CLOSE_REASONS else "other", float(run))
     return None
 
 
@@ -723,4 +729,5 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None, known_sch
         in_step_s=float(_get(m, "in_step_s", _NUM)),
         waiting=_get(m, "waiting", bool),
         reason=reason,
+        run_s=float(_get(m, "run_s", _NUM)) if "run_s" in m else math.nan,
     )

@@ -406,7 +406,8 @@ def rank_health(t: Thresholds) -> dict:
                    [target(f"gradwatch_rank_step{{{JR}}}", "rank {{rank}}")], w=8),
         timeseries("Seconds since the last step", (
             "Seconds since any rank last completed a step. Dashed line: stall_after_s "
-            f"({t.stall_after_s:g} s)."), [target(f"gradwatch_job_step_age_seconds{{{J}}}", "since last step")],
+            f"({t.stall_after_s:g} s), the least a stall takes (stall_steps median step times when longer; "
+            f"stall_outside_after_s, {t.stall_outside_after_s:g} s, when no rank waits in all-reduce)."), [target(f"gradwatch_job_step_age_seconds{{{J}}}", "since last step")],
             unit="s", w=8, minimum=0, lines=((t.stall_after_s, "red"),)),
     ], "rank")
 

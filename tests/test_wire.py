@@ -150,6 +150,16 @@ def test_heartbeat_round_trip():
     assert wire.decode(wire.encode(before_first)) == before_first
 
 
+def test_heartbeat_run_s_round_trips_and_is_optional():
+    from dataclasses import replace
+
+    hb = replace(heartbeat(), run_s=12.5)
+    assert wire.decode(wire.encode(hb)).run_s == 12.5
+    # unknown (NaN) is left off the wire, and a heartbeat without it decodes as unknown
+    assert b"run_s" not in wire.encode(heartbeat())
+    assert math.isnan(wire.decode(wire.encode(heartbeat())).run_s)
+
+
 def test_arrays_keep_nan_and_inf_bit_for_bit():
     arrays = probe_arrays()
     act, param = arrays["act"], arrays["param"]

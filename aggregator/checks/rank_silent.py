@@ -35,7 +35,7 @@ class RankSilent(Check):
     uses = ("skew_steps",)  # a stopped agent is left behind by the same margin as a skewed rank
 
     class Thresholds(Check.Thresholds):
-        silent_after_s: float = Field(15.0, gt=0, description="Seconds without any message after which a rank is silent.")
+        silent_after_s: float = Field(2.5, gt=0, description="Seconds without any message after which a rank is silent; keep it above the agents' heartbeat_s (1 s) plus scheduling delays.")
 
     def on_tick(self, job, now):
         if not job.ranks:

@@ -2,8 +2,24 @@
 
 The agents keep heartbeating from their own thread while training is stuck, so the aggregator can
 tell a stalled job (heartbeats, no steps) from a dead one (silence, see ``rank_silent``). When no
-rank that has not said goodbye has reported a completed step for ``stall_after_s`` seconds and at
-least one of them was heard within ``silent_after_s``, training has stalled.
+rank that has not said goodbye has reported a completed step for ``max(stall_after_s, stall_steps x
+the median step time)`` seconds and at least one of them was heard within ``silent_after_s``,
+training has stalled. The median is over the job's recent reported step times (the agents' wall
+time per step), so a job of 10 s steps is not judged by a 3 s clock while one of 20 ms steps is
+named within seconds; load that slows every step lengthens the bound with it.
+
+A pause outside any collective (no heard rank waits in all-reduce: an evaluation pass, a checkpoint
+save, data loading) is normal in many jobs, so that case is judged against the longer
+``stall_outside_after_s`` instead. So is a rank not waiting whose training thread keeps running or
+waiting for a CPU (``runnable`` share of its latest heartbeat interval at least ``RUNNABLE``, from
+the heartbeats' ``run_s``): it is slow, or starved of CPUs on a loaded host, where a hung one is
+blocked (a sleep, a lock, I/O, a dead data loader) and adds nothing. A rank spinning in a loop
+looks busy too, and is named after ``stall_outside_after_s``.
+
+A stall is judged only while the job is heard: nothing at all from it for ``DARK_S`` (a partition,
+a stopped aggregator; heartbeats come every second) is no data, and the stall clock starts over
+when it is heard again (agents send a heartbeat before the reports they held back): steps nobody
+could see are not a stall.
 
 Each heartbeat says whether the rank has handed its first gradient bucket of the current step to
 all-reduce (``waiting``: it waits on its peers). A rank that is *not* waiting while its peers are
@@ -19,6 +35,9 @@ the next completed step, or when every rank has said goodbye.
 
 from __future__ import annotations
 
+import collections
+import statistics
+
 from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
@@ -33,15 +52,18 @@ class TrainingStalled(Check):
     name = "training_stalled"
     severity = "critical"
     description = (
-        "Raised when no rank completes a step for stall_after_s seconds while the aggregator still "
-        "hears the ranks' heartbeats. Names the ranks not waiting in all-reduce (or silent) while their "
+        "Raised when no rank completes a step for max(stall_after_s, stall_steps median step times) while "
+        "the aggregator still hears the ranks' heartbeats (stall_outside_after_s when no rank waits in "
+        "all-reduce: evaluation, checkpointing). Names the ranks not waiting in all-reduce (or silent) while their "
         "peers wait there, the likely hung ones; job-level when no rank can be told apart."
     )
     dashboard = "rank_health"
     uses = ("silent_after_s",)
 
     class Thresholds(Check.Thresholds):
-        stall_after_s: float = Field(30.0, gt=0, description="Seconds without any rank completing a step after which training has stalled.")
+        stall_after_s: float = Field(2.5, gt=0, description="Seconds without any rank completing a step after which training has stalled (at least; see stall_steps), while some rank waits in all-reduce or is silent.")
+        stall_steps: float = Field(3.0, ge=0, description="Median step times without any rank completing a step after which training has stalled, when longer than stall_after_s (slow steps are not stalls).")
+        stall_outside_after_s: float = Field(30.0, gt=0, description="Seconds without a completed step after which training has stalled when no rank waits in all-reduce (evaluation, checkpointing and data loading pause outside collectives).")
 
     metrics = {
         "job_step_age_seconds": (
@@ -50,9 +72,31 @@ class TrainingStalled(Check):
         ),
     }
 
+    #: recent step times per job the median is taken over (reports of every rank)
+    WINDOW = 64
+    #: share of a heartbeat interval a training thread ran or waited for a CPU above which it is busy
+    RUNNABLE = 0.5
+    #: seconds without any message from the job (heartbeats come every second) after which the
+    #: aggregator was blind to it and the stall clock starts over
+    DARK_S = 2.0
+
     def __init__(self, t):
         super().__init__(t)
         self._idle: dict[str, float] = {}
+        self._times: dict[str, collections.deque] = {}
+        self._heard: dict[str, float] = {}  # job -> its latest message's time at the previous tick
+        self._since: dict[str, float] = {}  # job -> when the aggregator heard it again after a dark gap
+
+    def on_report(self, job, rank, report):
+        if report.step_time > 0:  # NaN (not measured) fails this too
+            self._times.setdefault(job.job, collections.deque(maxlen=self.WINDOW)).append(report.step_time)
+        return None
+
+    def bound(self, job_id: str) -> float:
+        """Seconds without a completed step after which the job has stalled (some rank waiting)."""
+        times = self._times.get(job_id)
+        median = statistics.median(times) if times else 0.0
+        return max(self.t.stall_after_s, self.t.stall_steps * median)
 
     def on_tick(self, job, now):
         live = [r for _, r in sorted(job.ranks.items()) if not r.closing]
@@ -60,11 +104,16 @@ class TrainingStalled(Check):
         if not live:
             self._idle.pop(job.job, None)
             return Evaluation.healthy() if job.ranks else Evaluation.no_data()  # all said goodbye
-        if last is None:
+        heard_at = max(r.last_seen for r in live)
+        if heard_at - self._heard.get(job.job, heard_at) > self.DARK_S:
+            self._since[job.job] = heard_at
+        self._heard[job.job] = heard_at
+        if last is None or now - heard_at > self.DARK_S:
             return Evaluation.no_data()
-        idle = now - last
+        idle = now - max(last, self._since.get(job.job, last))
         self._idle[job.job] = idle
-        if idle < self.t.stall_after_s:
+        bound = self.bound(job.job)
+        if idle < bound:
             return Evaluation.healthy()
         heard = [r for r in live if now - r.last_seen <= self.t.silent_after_s]
         if not heard:
@@ -72,12 +121,21 @@ class TrainingStalled(Check):
         silent = [r for r in live if r not in heard]
         waiting = [r for r in heard if r.waiting]
         busy = [r for r in heard if not r.waiting]
+        outside = idle >= max(bound, self.t.stall_outside_after_s)
+        if not waiting and not silent and not outside:
+            return Evaluation.healthy()  # a pause outside collectives: evaluation, a checkpoint
+        running = [r for r in busy if r.runnable >= self.RUNNABLE]  # slow or starved, not blocked
+        if waiting and not silent and busy and len(running) == len(busy) and not outside:
+            return Evaluation.healthy()  # its peers wait for a rank that is still computing
+        if not outside:
+            busy = [r for r in busy if r not in running]
         step = max(r.step for r in live)
         details = {
-            "stalled_s": idle, "last_step": step,
+            "stalled_s": idle, "bound_s": bound, "last_step": step,
             "waiting": [r.rank for r in waiting], "not_waiting": [r.rank for r in busy],
             "silent": [r.rank for r in silent],
             "in_step_s": {str(r.rank): r.in_step_s for r in heard},
+            "runnable": {str(r.rank): r.runnable for r in heard},
         }
         head = f"training stalled: no rank completed a step for {idle:.0f} s (last step {step})"
         if waiting and (busy or silent):
@@ -109,4 +167,5 @@ class TrainingStalled(Check):
         return {"job_step_age_seconds": {(): idle}} if idle is not None else {}
 
     def forget(self, job_id):
-        self._idle.pop(job_id, None)
+        for d in (self._idle, self._times, self._heard, self._since):
+            d.pop(job_id, None)

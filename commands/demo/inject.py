@@ -1,19 +1,31 @@
 """Fault injection for the demo and the tests: ``KIND@STEP[:key=value...]``. Never used by the agent.
 
-Kinds (``rank`` defaults to the last rank; every fault acts on that one rank only):
+Kinds (``rank`` defaults to the last rank; a fault acts on that one rank only, or on every rank
+with ``rank=all``):
 
     explode    multiply the loss by ``scale`` (default 1e6) at STEP: a gradient spike
     nan        replace the output of module ``layer`` (default ``blocks.0.mlp.fc``) with NaN at STEP
+               (``pass=backward``: the gradient arriving at that output instead)
     desync     add ``scale`` (default 1e-3) to the gradient of parameter ``param`` (default
                ``head.weight``) after all-reduce, before the optimizer step, at STEP
     drift      flip mantissa bit ``bit`` (default 10 of 0-22: a relative change near 1e-4) of the
                first element of ``param`` after the optimizer step at STEP: the replicas differ from
                then on (flipping bit 0 can heal itself: later updates may round both replicas to
                the same float)
-    straggler  sleep ``seconds`` (default 0.2) before every forward pass from STEP on
+    straggler  sleep ``seconds`` (default 0.2) before every forward pass from STEP on; with
+               ``factor=F`` instead F times the median of the rank's own step times before STEP
+               (factor=0.3: 30 % slower)
     hang       stop the training thread for ``seconds`` (default 60) at STEP; the agent's
                sender thread keeps running, as it would in a rank stuck in a collective or a
                dead data loader
+    silent     stop the whole rank process (SIGSTOP to itself) at STEP: nothing is sent any more,
+               as from a frozen host or a lost network; SIGCONT resumes it
+    dead       fill the bias of module ``layer`` (default ``blocks.0.mlp.fc``) with ``scale``
+               (default -1e3) after the optimizer step at STEP: the units after it stop firing
+               (ReLU) and, without gradient, stay dead
+    vanish     multiply the loss by ``scale`` (default 1e-12) from STEP on: gradients vanish
+    shard      replace the rank's input batch with noise from STEP on (random values of the same
+               dtype and range): a bad data shard
 
 Example: ``gradwatch demo --inject nan@40:rank=1 --inject straggler@100``.
 """
@@ -23,16 +35,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-KINDS = ("explode", "nan", "desync", "drift", "straggler", "hang")
+KINDS = ("explode", "nan", "desync", "drift", "straggler", "hang", "silent", "dead", "vanish", "shard")
 _DEFAULTS = {
     "explode": {"scale": "1e6"},
-    "nan": {"layer": "blocks.0.mlp.fc"},
+    "nan": {"layer": "blocks.0.mlp.fc", "pass": "forward"},
     "desync": {"scale": "1e-3", "param": "head.weight"},
     "drift": {"param": "head.weight", "bit": "10"},
     "straggler": {"seconds": "0.2"},
     "hang": {"seconds": "60"},
+    "silent": {},
+    "dead": {"layer": "blocks.0.mlp.fc", "scale": "-1e3"},
+    "vanish": {"scale": "1e-12"},
+    "shard": {},
 }
-_KEYS = {"rank", "scale", "layer", "param", "seconds", "bit"}
+_KEYS = {"rank", "scale", "layer", "param", "seconds", "bit", "factor", "pass"}
+ALL = -1  # Fault.rank of a fault on every rank
 
 
 @dataclass(frozen=True)
@@ -63,36 +80,97 @@ def parse(spec: str, world_size: int) -> Fault:
         if not eq or k not in _KEYS:
             raise ValueError(f"inject {spec!r}: unknown option {o!r} (known: {', '.join(sorted(_KEYS))})")
         options[k] = v
-    rank = int(options.pop("rank", world_size - 1))
+    if options.get("pass", "forward") not in ("forward", "backward"):
+        raise ValueError(f"inject {spec!r}: pass must be forward or backward")
+    rank_s = options.pop("rank", str(world_size - 1))
+    if rank_s == "all":
+        return Fault(kind, step_i, ALL, options)
+    try:
+        rank = int(rank_s)
+    except ValueError:
+        raise ValueError(f"inject {spec!r}: rank must be an integer or 'all', got {rank_s!r}") from None
     if not 0 <= rank < world_size:
         raise ValueError(f"inject {spec!r}: rank must be in [0, {world_size}), got {rank}")
     return Fault(kind, step_i, rank, options)
 
 
 class Injector:
-    """Applies the faults meant for one rank at the training loop's four points."""
+    """Applies the faults meant for one rank at the training loop's points (:meth:`batch`,
+    :meth:`before_forward`, :meth:`loss`, :meth:`after_backward`, :meth:`after_step`).
+
+    ``applied``: ``{kind: time.time() when first applied}``, for measuring time to detection.
+    """
 
     def __init__(self, faults: list[Fault], rank: int):
-        self.faults = [f for f in faults if f.rank == rank]
+        self.faults = [f for f in faults if f.rank in (rank, ALL)]
         self._handles = []
+        self.applied: dict[str, float] = {}
+        self._last = None  # time.perf_counter() at the previous before_forward
+        self._step_times: list[float] = []  # the rank's own step times, for straggler factors
+
+    def _mark(self, f: Fault) -> None:
+        self.applied.setdefault(f.kind, time.time())
+
+    def batch(self, step: int, x, y):
+        """The rank's input batch, replaced by noise under a ``shard`` fault."""
+        import torch
+
+        for f in self.faults:
+            if f.kind == "shard" and step >= f.step:
+                self._mark(f)
+                g = torch.Generator().manual_seed(step)
+                if x.is_floating_point():
+                    x = torch.randn(x.shape, generator=g, dtype=x.dtype) * (x.std() + 1) * 3
+                else:
+                    x = torch.randint(0, int(x.max()) + 1, x.shape, generator=g, dtype=x.dtype)
+        return x, y
 
     def before_forward(self, step: int, model) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self._step_times.append(now - self._last)
+        self._last = now
         for f in self.faults:
             if f.kind == "straggler" and step >= f.step:
-                time.sleep(float(f.options["seconds"]))
+                self._mark(f)
+                if "factor" in f.options:
+                    times = sorted(self._step_times[: f.step - 1])  # the steps before STEP
+                    time.sleep(float(f.options["factor"]) * (times[len(times) // 2] if times else 0.0))
+                else:
+                    time.sleep(float(f.options["seconds"]))
+                self._last = time.perf_counter()  # the sleep is not the rank's own step time
             elif f.kind == "hang" and step == f.step:
+                self._mark(f)
                 time.sleep(float(f.options["seconds"]))
+            elif f.kind == "silent" and step == f.step:
+                import os
+                import signal
+
+                self._mark(f)
+                os.kill(os.getpid(), signal.SIGSTOP)
             elif f.kind == "nan" and step == f.step:
+                self._mark(f)
                 module = dict(model.named_modules())[f.options["layer"]]
-                # prepend: the module itself yields NaN, so every observer (the agent's probe hooks,
-                # registered earlier) sees it, as it would a NaN made inside the module's forward
-                self._handles.append(
-                    module.register_forward_hook(lambda m, a, out: out * float("nan"), prepend=True)
-                )
+                if f.options["pass"] == "backward":
+                    def poison(m, a, out):
+                        out.register_hook(lambda g: g * float("nan"))  # the gradient arriving here
+
+                    # prepend: this tensor hook runs before the agent's, which sees the NaN
+                    self._handles.append(module.register_forward_hook(poison, prepend=True))
+                else:
+                    # prepend: the module itself yields NaN, so every observer (the agent's probe
+                    # hooks, registered earlier) sees it, as it would a NaN made inside its forward
+                    self._handles.append(
+                        module.register_forward_hook(lambda m, a, out: out * float("nan"), prepend=True)
+                    )
 
     def loss(self, step: int, loss):
         for f in self.faults:
             if f.kind == "explode" and step == f.step:
+                self._mark(f)
+                loss = loss * float(f.options["scale"])
+            elif f.kind == "vanish" and step >= f.step:
+                self._mark(f)
                 loss = loss * float(f.options["scale"])
         for h in self._handles:  # a nan fault lasts one forward pass
             h.remove()
@@ -104,6 +182,7 @@ class Injector:
 
         for f in self.faults:
             if f.kind == "desync" and step == f.step:
+                self._mark(f)
                 with torch.no_grad():
                     dict(model.named_parameters())[f.options["param"]].grad.add_(float(f.options["scale"]))
 
@@ -112,7 +191,12 @@ class Injector:
 
         for f in self.faults:
             if f.kind == "drift" and step == f.step:
+                self._mark(f)
                 with torch.no_grad():
                     p = dict(model.named_parameters())[f.options["param"]]
                     bits = p.data.view(-1).view(torch.int32)
                     bits[0] ^= 1 << int(f.options["bit"])
+            elif f.kind == "dead" and step == f.step:
+                self._mark(f)
+                with torch.no_grad():
+                    dict(model.named_modules())[f.options["layer"]].bias.fill_(float(f.options["scale"]))

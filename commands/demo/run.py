@@ -44,8 +44,9 @@ class DemoConfig(BaseSettings):
     progress: bool = Field(True, description="Show a progress bar on rank 0.")
     inject: list[str] = Field(
         default_factory=list,
-        description="Fault to inject, KIND@STEP[:rank=R][:layer=L][:param=P][:scale=X][:seconds=S]; repeatable. "
-        "KIND: explode, nan, desync, drift, straggler, hang (see gradwatch.commands.demo.inject).",
+        description="Fault to inject, KIND@STEP[:rank=R|all][:layer=L][:param=P][:scale=X][:seconds=S][:factor=F][:pass=P]; "
+        "repeatable. KIND: explode, nan, desync, drift, straggler, hang, silent, dead, vanish, shard "
+        "(see gradwatch.commands.demo.inject).",
     )
     events_path: str = Field("", description="JSON-lines file the demo's own aggregator appends findings to.")
 
@@ -94,7 +95,7 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
         loss_v = float("nan")
         with monitor:
             for step in range(cfg.steps):
-                x, y = batch(text, cfg.seed, rank, step, cfg.batch_size, cfg.context)
+                x, y = faults.batch(step, *batch(text, cfg.seed, rank, step, cfg.batch_size, cfg.context))
                 faults.before_forward(step, model)
                 loss = faults.loss(step, F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()))
                 monitor.observe_loss(loss)
