@@ -13,6 +13,7 @@ no host synchronisation.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -96,3 +97,15 @@ def probe(params: Sequence[torch.Tensor], recorder: ProbeRecorder, fingerprints:
         sections["weight_norm"] = l2_norms(weights)
         sections["weight_fp"] = fingerprints.of(weights)
     return sections
+
+
+def thread_run_s(tid: int) -> float:
+    """Seconds thread ``tid`` of this process has been running or waiting for a CPU (Linux
+    schedstat: it tells a training thread that is slow or starved from one blocked in a hang);
+    NaN where unavailable."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+            on_cpu, waiting, _ = f.read().split()
+        return (int(on_cpu) + int(waiting)) / 1e9
+    except (OSError, ValueError):
+        return math.nan

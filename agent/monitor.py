@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import math
 import os
 import secrets
 import threading
@@ -188,7 +187,7 @@ class Monitor:
             h, step=self.step - 1, sent=self.sender.sent, drops=self.sender.drops,
             errors=self.errors + self.sender.errors, closing=self._closed,
             in_step_s=time.perf_counter() - self._last_step_end, waiting=self.comm.first_bucket is not None,
-            reason=self._close_reason if self._closed else "", run_s=_run_s(self._train_tid),
+            reason=self._close_reason if self._closed else "", run_s=measure.thread_run_s(self._train_tid),
         )
 
     def _stop_parts(self) -> None:
@@ -288,14 +287,3 @@ class Monitor:
         self.schedule.watch(layout.step, rep.grad_norm, rep.grad_nonfinite, scheduled=self.step)
         return rep
 
-
-def _run_s(tid: int) -> float:
-    """Seconds thread ``tid`` of this process has been running or waiting for a CPU (Linux
-    schedstat: it tells a training thread that is slow or starved from one blocked in a hang);
-    NaN where unavailable."""
-    try:
-        with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
-            on_cpu, waiting, _ = f.read().split()
-        return (int(on_cpu) + int(waiting)) / 1e9
-    except (OSError, ValueError):
-        return math.nan

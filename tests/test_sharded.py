@@ -62,7 +62,7 @@ def reference(mode: str, ranks: int, steps: int) -> list[tuple[float, dict[str, 
 
 
 def check_job(aggregator, tmp_path: Path, mode: str, ranks: int, steps: int = 50, every: int = 10) -> None:
-    job = f"sharded-{mode}"
+    job = f"sharded-{mode}-{ranks}"
     with_agent = run_job(mode, tmp_path / "with", ranks, steps, every, aggregator.endpoint, job)
     last_probe = (steps - 1) // every * every
 
@@ -94,8 +94,9 @@ def check_job(aggregator, tmp_path: Path, mode: str, ranks: int, steps: int = 50
             assert torch.equal(with_agent[r][name].view(torch.uint8), without[r][name].view(torch.uint8)), (r, name)
 
 
-def test_fsdp2_two_ranks(aggregator, tmp_path):
-    check_job(aggregator, tmp_path, "fsdp2", 2)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fsdp2(aggregator, tmp_path, ranks):
+    check_job(aggregator, tmp_path, "fsdp2", ranks)
 
 
 @pytest.mark.parametrize("mode", ["fsdp1", "fsdp1o"])
