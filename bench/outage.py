@@ -42,7 +42,7 @@ def main() -> int:
     p.add_argument("--turn-s", type=float, default=0.5, help="seconds each job trains before handing over")
     p.add_argument("--width", type=int, default=256, help="hidden width of the 2-layer MLP")
     p.add_argument("--batch", type=int, default=32, help="batch size")
-    p.add_argument("--every", type=int, default=10, help="agent probe cadence")
+    p.add_argument("--every", type=int, default=10, help="agent probe cadence; 0: the agent's default budget")
     p.add_argument("--json", default="", help="also write the results here")
     a = p.parse_args()
     reason = netns.unavailable()

@@ -36,7 +36,7 @@ def worker(rank: int, a) -> None:
     if a.endpoint:
         from gradwatch import agent
 
-        mon = agent.attach(model, opt, endpoint=a.endpoint, job=a.job, every=a.every, heartbeat_s=a.heartbeat_s)
+        mon = agent.attach(model, opt, endpoint=a.endpoint, job=a.job, every=a.every or None, heartbeat_s=a.heartbeat_s)
     fd = os.open(f"{a.progress}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     baton = os.open(a.baton, os.O_RDONLY) if a.baton else None
     phases: dict[str, list[list[float]]] = {}  # phase -> [steps, seconds] of each turn
@@ -117,7 +117,7 @@ def main() -> None:
     p.add_argument("--progress", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--job", default="faults")
-    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--every", type=int, default=5, help="probe cadence; 0: the budget (the agent's default)")
     p.add_argument("--heartbeat-s", type=float, default=0.5)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
