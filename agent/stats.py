@@ -75,10 +75,10 @@ def _chunked_norm(t: torch.Tensor) -> torch.Tensor:
     x = t.detach().reshape(-1)
     m = x.numel() // NORM_CHUNK * NORM_CHUNK
     rows = torch.linalg.vector_norm(x[:m].view(-1, NORM_CHUNK), dim=1, dtype=torch.float32)
-    sq = rows.double().square().sum()
     if m < x.numel():
-        sq = sq + torch.linalg.vector_norm(x[m:], dtype=torch.float32).double().square()
-    return sq.sqrt().float()
+        rows = torch.cat((rows, torch.linalg.vector_norm(x[m:], dtype=torch.float32).reshape(1)))
+    # float64 across the chunks in one kernel: sqrt of the sum of the squared chunk norms
+    return torch.linalg.vector_norm(rows, dtype=torch.float64).float()
 
 
 def nonfinite_count(x: torch.Tensor) -> torch.Tensor:
