@@ -209,15 +209,7 @@ def _rank_main(rank: int, run: Run, port: int, endpoint: str, progress, out_dir:
         faults_ = Injector([parse(run.inject, run.world)] if run.inject else [], rank)
         with agent.attach(ddp, opt, endpoint=endpoint, job=run.job, every=EVERY) as mon:
             for step in range(run.steps):
-                x, y = faults_.batch(step, *data(step))
-                faults_.before_forward(step, model)
-                loss = faults_.loss(step, loss_of(ddp(x), y))
-                mon.observe_loss(loss)
-                loss.backward()
-                faults_.after_backward(step, model)
-                opt.step()
-                faults_.after_step(step, model)
-                opt.zero_grad(set_to_none=True)
+                faults_.train_step(step, model, ddp, opt, *data(step), loss_of, mon)
                 progress[rank] = step + 1
         with open(os.path.join(out_dir, f"{run.job}.{rank}.json"), "w") as f:
             json.dump({"applied": faults_.applied}, f)

@@ -159,17 +159,22 @@ def rejected(m: dict) -> dict:
     return {dict(k)["reason"]: v for k, v in m.get("gradwatch_messages_rejected_total", {}).items()}
 
 
+def forge(f: Agent, reason: str) -> None:
+    """The forgeries /metrics makes possible, from ``f``: a world change, a report of step 0 and
+    one of step 2**62, then a goodbye giving ``reason``."""
+    f.world = 4
+    f.heartbeat()
+    f.world = 3
+    f.report(0)
+    f.report(2**62)
+    f.heartbeat(closing=True, reason=reason)
+
+
 def test_forged_frames_with_the_public_job_id_and_world_leave_the_real_job_alone(agg, sock):
     job = Job(sock)
     job.steps(12)
     settle(agg, sock)
-    forger = Agent(sock, "none", 0, 3, key="")  # knows /metrics: id, world, ranks; not the key
-    forger.world = 4
-    forger.heartbeat()
-    forger.world = 3
-    forger.report(0)
-    forger.report(2**62)
-    forger.heartbeat(closing=True, reason="closed")
+    forge(Agent(sock, "none", 0, 3, key=""), "closed")  # knows /metrics: id, world, ranks; not the key
     settle(agg, sock)
     before = rejected(scrape(agg))
     # the strongest forger also knows the key: each frame is still rejected by reason
@@ -208,13 +213,7 @@ def test_the_same_job_sent_again_with_and_without_forgeries_exports_the_same_ser
     settle(agg, sock)
     before = legit_view(scrape(agg), "clean")
     for rank in range(3):
-        f = Agent(sock, "clean", rank, 3, key="")
-        f.world = 4
-        f.heartbeat()
-        f.world = 3
-        f.report(0)
-        f.report(2**62)
-        f.heartbeat(closing=True, reason="disabled")
+        forge(Agent(sock, "clean", rank, 3, key=""), "disabled")
     settle(agg, sock)
     after = legit_view(scrape(agg), "clean")
     assert after == before and any(n == "gradwatch_layer_grad_norm" for n, _ in after)

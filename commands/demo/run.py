@@ -95,15 +95,9 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
         loss_v = float("nan")
         with monitor:
             for step in range(cfg.steps):
-                x, y = faults.batch(step, *batch(text, cfg.seed, rank, step, cfg.batch_size, cfg.context))
-                faults.before_forward(step, model)
-                loss = faults.loss(step, F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()))
-                monitor.observe_loss(loss)
-                loss.backward()
-                faults.after_backward(step, model)
-                opt.step()
-                faults.after_step(step, model)
-                opt.zero_grad(set_to_none=True)
+                loss = faults.train_step(step, model, ddp, opt,
+                                         *batch(text, cfg.seed, rank, step, cfg.batch_size, cfg.context),
+                                         lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), monitor)
                 if bar is not None:
                     loss_v = loss.item()
                     bar.set_postfix(loss=f"{loss_v:.3f}")
