@@ -21,7 +21,7 @@ import numpy as np
 
 from gradwatch import statistics, wire
 
-from .shards import combine_params, global_norms
+from .shards import combine_params, global_norms, parts
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -59,6 +59,11 @@ class RoundResult:
         holders: int64 [n_ranks, n_params]: ranks with equal numbers in a column hold the same
             bytes of that parameter (all 0 under DDP; the replicas of one shard under FSDP/HSDP);
             fingerprints are compared within those only. None: all hold the same.
+        part: int64 [n_ranks]: ranks with equal numbers run the same part of the model (the same
+            pipeline stage and parameter names, :func:`.shards.part`): their own statistics are
+            comparable. None: all run the same.
+        weight: float64 [n_ranks, n_params]: the L2 norm of each rank's own part of each parameter
+            as it reported it (before shard groups are combined), NaN where not held.
     """
 
     step: int
@@ -88,6 +93,8 @@ class RoundResult:
     probe_interval: np.ndarray = None
     over_budget: np.ndarray = None
     holders: np.ndarray = None
+    part: np.ndarray = None
+    weight: np.ndarray = None
 
 
 def _union(names_per_rank) -> tuple[str, ...]:
@@ -168,6 +175,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
             at, col = np.nonzero(has)
             fp_grad_seen[fk[at, 0], pcols[col]] = True
             fp_weight_seen[fk, pcols] = True
+    weight = param[..., wire.PARAM_FIELDS.index("weight_norm")].copy()
     # sharded parameters: each shard group's rows become the parameter's global figures
     param, holders = combine_params([x.mesh for x in sch], [x.shard for x in sch], all_pcols, param)
     reps = [reports[r] for r in ranks]
@@ -188,7 +196,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         layer_types=tuple(types.get(n, "") for n in layers),
         params=params, fp_grad=fp_grad, fp_weight=fp_weight,
         fp_grad_seen=fp_grad_seen, fp_weight_seen=fp_weight_seen,
-        grad_norm=grad_norm, holders=holders,
+        grad_norm=grad_norm, holders=holders, part=parts(sch), weight=weight,
         local_grad_norm=np.array([x.local_grad_norm for x in reps], np.float64),
         compute_time=np.array([x.compute_time for x in reps], np.float64),
         batch=np.array([x.batch for x in reps], np.int64),

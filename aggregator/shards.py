@@ -33,11 +33,37 @@ def _off(mesh: wire.Mesh, dims) -> tuple:
     return (mesh.names, mesh.sizes, tuple(c for k, c in enumerate(mesh.coord) if k not in dims))
 
 
+def _stage(mesh: Optional[wire.Mesh]) -> tuple:
+    """A rank's pipeline stage: its coordinates on the mesh's stage dims (() without any)."""
+    return () if mesh is None else tuple(mesh.coord[k] for k in wire.stage_dims(mesh) if k < len(mesh.coord))
+
+
 def _on(mesh: wire.Mesh, dims) -> tuple:
     """Identity of what a rank holds of a parameter sharded along ``dims``: its coordinates there,
     and its pipeline stage (ranks of different stages never hold the same parameter)."""
-    return (mesh.names, mesh.sizes, tuple(mesh.coord[k] for k in dims if k < len(mesh.coord)),
-            tuple(mesh.coord[k] for k in wire.stage_dims(mesh) if k < len(mesh.coord)))
+    return (mesh.names, mesh.sizes, tuple(mesh.coord[k] for k in dims if k < len(mesh.coord)), _stage(mesh))
+
+
+def part(schema: wire.Schema) -> tuple:
+    """Which part of the model a rank runs: its pipeline stage (:func:`_stage`) and the names of
+    the parameters its schema lists. Ranks with equal parts run the same layers on their own data
+    (data-parallel peers: DDP, FSDP, HSDP replicas and shards, the ranks of one stage), so their
+    own statistics and timings are comparable; ranks of different stages are not (a stage's norms
+    and compute time are its own). Hashable; () components compare equal across plain DDP ranks."""
+    return (_stage(schema.mesh), tuple(p[0] for p in schema.params))
+
+
+def parts(schemas: list) -> np.ndarray:
+    """int64 [len(schemas)]: :func:`part` of each schema numbered in order of first appearance
+    (equal numbers: the same part of the model)."""
+    ids: dict[tuple, int] = {}
+    by_hash: dict[str, int] = {}  # one part() per distinct schema: a job usually has one or a few
+    out = np.empty(len(schemas), np.int64)
+    for k, s in enumerate(schemas):
+        if s.hash not in by_hash:
+            by_hash[s.hash] = ids.setdefault(part(s), len(ids))
+        out[k] = by_hash[s.hash]
+    return out
 
 
 def _size(mesh: wire.Mesh, dims) -> int:
@@ -180,3 +206,10 @@ def mesh_of(job, rank: int) -> Optional[wire.Mesh]:
     s = job.schemas.get(r.schema) if r is not None else None
     return s.mesh if s is not None else None
 
+
+
+def part_of(job, rank: int) -> Optional[tuple]:
+    """:func:`part` of ``rank``'s current schema in ``job`` (a ``state.JobState``), or None."""
+    r = job.ranks.get(rank)
+    s = job.schemas.get(r.schema) if r is not None else None
+    return part(s) if s is not None else None

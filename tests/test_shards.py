@@ -50,3 +50,103 @@ def test_pipeline_holders_never_span_stages():
     _, holders = combine_params(meshes, shards, pcols, param)
     h = holders[:, 0]
     assert h[0] == h[1] and h[2] == h[3] and h[0] != h[2]
+
+
+# --- checks that compare ranks' own statistics: peers are the ranks of one pipeline stage ----------
+
+PP_PARAMS = ((("0.weight", (16, 8), "float32"), ("0.bias", (16,), "float32")),  # stage 0
+             (("2.weight", (4, 16), "float32"), ("2.bias", (4,), "float32")))  # stage 1
+PP_SLOTS = ((("0", "", "Linear", "float32"), ("1", "", "ReLU", "float32")),
+            (("2", "", "Linear", "float32"), ("3", "", "LayerNorm", "float32")))
+
+
+class PipelineFrames:
+    """A 2-stage x 3-replica pipeline job (mesh ("pp", "dp")) of fake ranks: every message goes
+    through ``wire.encode`` and ``wire.decode`` into a real State and Runner (no sockets)."""
+
+    def __init__(self, checks: list[str], job: str = "pp"):
+        from gradwatch.aggregator.checks import Runner, Thresholds
+        from gradwatch.aggregator.state import State
+
+        self.now = [1000.0]
+        self.runner = Runner(checks, Thresholds(), wall=lambda: self.now[0])
+        self.state = State(grace_s=5.0, clock=lambda: self.now[0], runner=self.runner)
+        self.job, self.world, self.seq = job, 6, [0] * 6
+        self.meshes = [wire.Mesh(PP_DP, (2, 3), (r // 3, r % 3)) for r in range(6)]
+        self.hash = {}
+        for r in range(6):
+            s = wire.Schema(self.header(r), "node", r, 1, PP_PARAMS[r // 3], PP_SLOTS[r // 3], mesh=self.meshes[r],
+                            shard=tuple(((), int(np.prod(p[1]))) for p in PP_PARAMS[r // 3]))
+            self.hash[r] = s.hash
+            self.apply(s)
+
+    def header(self, rank: int) -> wire.Header:
+        self.seq[rank] += 1
+        return wire.Header(self.job, rank, self.world, f"boot{rank}", self.seq[rank], self.now[0])
+
+    def apply(self, msg) -> None:
+        st = self.state
+        self.state.apply(wire.decode(wire.encode(msg), schema_sizes=st.schema_sizes, known_schema=st.known_schema))
+
+    def step(self, step: int, local: list[float], compute: list[float], grad_sq: list[float]) -> None:
+        """Every rank's probed report of ``step``: its local gradient norm, compute time (s), and
+        the sum of squares of its stage's gradient (equal within a stage: replicas)."""
+        self.now[0] += 0.1
+        for r in range(6):
+            n = len(PP_PARAMS[r // 3])
+            g = np.float32(local[r] / np.sqrt(n))
+            self.apply(wire.Report(
+                self.header(r), self.hash[r], step, 0.1, math.nan, 0, probe=True,
+                act=np.tile(np.array([0.0, 1.0 + r // 3, -1.0, 1.0, 0.1, 0.0], np.float32), (2, 1)),
+                act_grad=np.tile(np.array([0.5, 0.0], np.float32), (2, 1)),
+                param=np.tile(np.array([g, 2.0, 0.0], np.float32), (n, 1)),
+                fp_grad=np.arange(n, dtype=np.uint64), fp_weight=np.arange(n, dtype=np.uint64),
+                local_grad_norm=local[r], compute_time=compute[r], grad_sq=(((), grad_sq[r // 3]),),
+            ))
+        self.state.tick()
+
+    def findings(self) -> list:
+        return [(e.check, e.event, e.rank) for e in self.runner.events]
+
+
+def test_pipeline_stages_with_different_norms_and_times_are_not_outliers_or_stragglers():
+    # stage 0's healthy local gradient norm is 20x stage 1's, its activations twice as wide, and
+    # its compute time (until its first gradient bucket, which waits for the later stage's
+    # backward) 5x: scored across the job, stage 0's three ranks would be the outliers and
+    # stragglers of six. Scored within a stage, a clean job has no finding over 60 probed steps.
+    rng = np.random.default_rng(0)
+    j = PipelineFrames(["outlier_rank", "straggler"])
+    for step in range(60):
+        local = [20.0 * (1 + 0.05 * rng.standard_normal()) if r < 3 else 1.0 * (1 + 0.05 * rng.standard_normal())
+                 for r in range(6)]
+        compute = [0.5 + 0.005 * rng.standard_normal() if r < 3 else 0.1 + 0.001 * rng.standard_normal() for r in range(6)]
+        j.step(step, local, compute, [400.0, 1.0])
+    rr = j.state.jobs["pp"].last_round
+    assert rr.step == 59 and rr.complete and rr.part.tolist() == [0, 0, 0, 1, 1, 1]
+    assert rr.grad_norm == pytest.approx(np.full(6, math.sqrt(401.0)))  # the stages' totals added
+    assert j.findings() == []
+    view = j.runner.view().values
+    assert set(view["rank_outlier_zscore"]) == {("pp", str(r)) for r in range(6)}  # every rank scored
+    assert max(view["rank_outlier_zscore"].values()) < 3.5
+    assert min(view["rank_straggler_relative_score"].values()) > 0.9  # against its stage's fastest
+    # the checks still work within a stage: rank 4's local norm 10x its stage's, rank 1 slow
+    for step in range(60, 130):
+        local = [20.0, 20.0, 20.0, 1.0, 10.0, 1.0]
+        compute = [0.5, 1.0, 0.5, 0.1, 0.1, 0.1]
+        j.step(step, local, compute, [400.0, 1.0])
+    assert j.findings() == [("outlier_rank", "raised", 4), ("straggler", "raised", 1)]
+    (f,) = j.runner.active[("pp", "outlier_rank")].values()
+    assert f.details["peers"] == [3, 4, 5] and f.details["statistic"] == "local_grad_norm"
+
+
+def test_pipeline_stage_of_two_ranks_has_no_outlier_data():
+    # two replicas per stage: no majority within a stage; the other stage's ranks are no peers
+    from gradwatch.aggregator.checks.outlier_rank import peer_groups
+
+    class R:
+        ranks = (0, 1, 2, 3)
+        part = np.array([0, 0, 1, 1])
+
+    assert [g.tolist() for g in peer_groups(R)] == [[0, 1], [2, 3]]
+    R.part = None
+    assert [g.tolist() for g in peer_groups(R)] == [[0, 1, 2, 3]]

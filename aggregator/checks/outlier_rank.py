@@ -7,8 +7,13 @@ sit far from the others' for ``outlier_probes`` consecutive probed steps is like
 data (a broken shard, a wrong normalisation), runs on a faulty device, or holds different
 weights. This check names that rank; after all-reduce the damage is spread over every rank.
 
-At each probed step (a reconciled :class:`~..reconcile.RoundResult` with at least three ranks) it
-scores every rank on three statistics with the modified z-score of Iglewicz and Hoaglin (1993),
+Ranks are scored only against the peers that run the same part of the model
+(``RoundResult.part``, :func:`~..shards.part`): under pipeline parallelism each stage's ranks among
+themselves, since a stage's gradient norm and activations are its own (the first stage's local
+gradient norm can be many times the last's on a healthy job). Under DDP, FSDP and HSDP every rank
+runs the whole model, and all are peers. At each probed step (a reconciled
+:class:`~..reconcile.RoundResult`), within each group of at least three peers, it scores every
+rank on three statistics with the modified z-score of Iglewicz and Hoaglin (1993),
 ``0.6745 * (x - median) / MAD`` over ranks:
 
 * ``local_grad_norm``: the rank's global gradient norm before all-reduce (ranks whose agent does
@@ -25,7 +30,7 @@ absolute z-score over the three statistics; it is an outlier when the score exce
 ``outlier_z``. One-step events (a single spiking batch) are not outliers: the rank must stay out
 for ``outlier_probes`` consecutive probed steps, and the finding resolves at the first probed
 step where it is back among its peers. With fewer than three ranks there is no majority to stand
-apart from: no data.
+apart from: no data (per group: a pipeline stage of two ranks is not scored).
 """
 
 from __future__ import annotations
@@ -61,13 +66,16 @@ def robust_z(x: np.ndarray, min_mad: float, abs_floor: float = 0.0) -> tuple[np.
     return z, med
 
 
-def rank_features(r) -> dict[str, np.ndarray]:
-    """The per-rank statistics the check scores, each float64 [n_ranks]."""
-    n = len(r.ranks)
+def rank_features(r, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The per-rank statistics the check scores, each float64 [len(rows)] (``rows``: int64 indices
+    into ``r.ranks`` of one group of peers; None: every rank). Activation scales are relative to
+    the group's median."""
+    rows = np.arange(len(r.ranks)) if rows is None else rows
+    n = len(rows)
     out = {}
     if r.local_grad_norm is not None:
-        out["local_grad_norm"] = np.asarray(r.local_grad_norm, np.float64)
-    std = np.asarray(r.act, np.float64)[..., 1] if r.act is not None and r.act.size else np.zeros((n, 0))
+        out["local_grad_norm"] = np.asarray(r.local_grad_norm, np.float64)[rows]
+    std = np.asarray(r.act, np.float64)[rows, :, 1] if r.act is not None and r.act.size else np.zeros((n, 0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN layers and ranks
         std = np.where(np.isfinite(std), std, np.nan)
@@ -76,8 +84,16 @@ def rank_features(r) -> dict[str, np.ndarray]:
         if usable.any():
             ratio = std[:, usable] / per_layer[usable]
             out["activation_std"] = np.nanmedian(ratio, axis=1)
-    out["nonfinite"] = np.nansum(np.asarray(r.rank_totals, np.float64), axis=1)
+    out["nonfinite"] = np.nansum(np.asarray(r.rank_totals, np.float64)[rows], axis=1)
     return out
+
+
+def peer_groups(r) -> list[np.ndarray]:
+    """int64 index arrays into ``r.ranks``: the ranks running the same part of the model
+    (``r.part``; one group when None), groups in order of their first rank."""
+    if r.part is None:
+        return [np.arange(len(r.ranks))]
+    return [np.flatnonzero(r.part == p) for p in dict.fromkeys(r.part.tolist())]
 
 
 @register
@@ -86,9 +102,9 @@ class OutlierRank(Check):
     severity = "warning"
     description = (
         "At each probed step scores every rank's local gradient norm (before all-reduce), activation "
-        "scale and non-finite count against the other ranks' with a robust z-score (median and MAD, "
+        "scale and non-finite count against its peers' (the ranks running the same pipeline stage) with a robust z-score (median and MAD, "
         "Iglewicz and Hoaglin); names a rank beyond outlier_z for outlier_probes consecutive probed "
-        "steps (bad data shard, faulty device, diverged weights). Needs at least three ranks."
+        "steps (bad data shard, faulty device, diverged weights). Needs at least three peers."
     )
     dashboard = "consistency"
 
@@ -114,34 +130,42 @@ class OutlierRank(Check):
 
     def on_round(self, job, r):
         jid = job.job
-        if len(r.ranks) < 3:
+        groups = [g for g in peer_groups(r) if len(g) >= 3]
+        if not groups:
             return Evaluation.no_data()
         if r.step <= self._last_step.get(jid, -1):
             return None  # an older round closed late: it must not break the consecutive count
         self._last_step[jid] = r.step
         scores = np.zeros(len(r.ranks))
         worst: list[dict] = [{} for _ in r.ranks]
+        peers: list[list[int]] = [[] for _ in r.ranks]
         scored = False
-        for feat, x in rank_features(r).items():
-            z, med = robust_z(x, self.t.outlier_min_mad, 1.0 if feat == "nonfinite" else 0.0)
-            if not np.isfinite(z).any():
-                continue
-            scored = True
-            for k in range(len(r.ranks)):
-                if np.isfinite(z[k]) and abs(z[k]) > scores[k]:
-                    scores[k] = abs(z[k])
-                    worst[k] = {"statistic": feat, "value": float(x[k]), "median": med, "z": float(z[k])}
+        for rows in groups:
+            for feat, x in rank_features(r, rows).items():
+                z, med = robust_z(x, self.t.outlier_min_mad, 1.0 if feat == "nonfinite" else 0.0)
+                if not np.isfinite(z).any():
+                    continue
+                scored = True
+                for i, k in enumerate(rows):
+                    peers[k] = [r.ranks[q] for q in rows]
+                    if np.isfinite(z[i]) and abs(z[i]) > scores[k]:
+                        scores[k] = abs(z[i])
+                        worst[k] = {"statistic": feat, "value": float(x[i]), "median": med, "z": float(z[i])}
         if not scored:
             return Evaluation.no_data()
         streak = self._streak.setdefault(jid, {})
         zs = self._z.setdefault(jid, {})
         why = self._why.setdefault(jid, {})
         for k, rank in enumerate(r.ranks):
+            if not peers[k]:  # fewer than three peers (a small pipeline stage): not scored
+                streak.pop(rank, None)
+                zs.pop(rank, None)
+                continue
             zs[rank] = float(scores[k])
             out = scores[k] > self.t.outlier_z
             streak[rank] = streak.get(rank, 0) + 1 if out else 0
             if out and streak[rank] >= self.t.outlier_probes:
-                why[rank] = dict(worst[k], step=r.step, probes=streak[rank])
+                why[rank] = dict(worst[k], step=r.step, probes=streak[rank], peers=peers[k])
         self._values.pop(jid, None)
         for rank in [k for k in streak if k not in job.ranks]:  # forgotten ranks
             streak.pop(rank, None)
@@ -154,7 +178,7 @@ class OutlierRank(Check):
             w = why[rank]
             findings.append(Finding(
                 self.name, jid, w["step"],
-                f"rank {rank} is an outlier among {len(r.ranks)} ranks for {n} consecutive probed steps: "
+                f"rank {rank} is an outlier among {len(w['peers'])} peer ranks for {n} consecutive probed steps: "
                 f"{w['statistic']} {w['value']:.4g} against a median of {w['median']:.4g} "
                 f"(robust z {w['z']:+.1f}, step {w['step']})",
                 rank=rank,

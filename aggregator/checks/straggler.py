@@ -33,6 +33,13 @@ first window back in line. The individual score is exported only: when every ran
 together the job got slower (input pipeline, thermal limits), which is not a straggler. Fewer than
 two ranks with a complete window: no data; fewer than two that have not said goodbye: healthy (the
 job is ending).
+
+Under pipeline parallelism a rank is compared only with the ranks of its own stage (its peers,
+:func:`~..shards.part`): stages legitimately differ in work (embedding or loss layers, uneven
+splits) and in what the compute time includes (a DDP stage's first gradient bucket is ready only
+once the later stages' backward has reached it, so the first stage's "own work" includes the
+pipeline's bubble), while the ranks of one stage run the same layers on their own micro-batches.
+A stage of one rank has no peer and is not judged.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import numpy as np
 from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
+from ..shards import part_of
 from ._steps import Steps
 
 
@@ -163,11 +171,7 @@ class Straggler(Check):
         for step, reports in released:
             reports = {k: m for k, m in reports.items() if k in st.ranks and m.header.boot == st.ranks[k].boot}
             source, times = _times(reports)
-            if len(times) < 2:
-                continue
-            fastest = min(times.values())
-            peers = _peer_medians(list(times.values()))
-            for (k, x), peer in zip(times.items(), peers):
+            for k, x, fastest, peer in self._peers(job, times):
                 r = st.ranks[k]
                 ratio = fastest / x if x > 0 else 1.0
                 excess = x - peer
@@ -182,6 +186,19 @@ class Straggler(Check):
             self._values.pop(job.job, None)
             return self._evaluate(job, st)
         return Evaluation.no_data() if len(self._timed(job, st)) < 2 else None
+
+    @staticmethod
+    def _peers(job, times: dict[int, float]):
+        """``(rank, time, fastest peer's time, median of the other peers' times)`` of every rank
+        with at least one peer at the step (peers: the same :func:`~..shards.part_of`)."""
+        groups: dict = {}
+        for k, x in times.items():
+            groups.setdefault(part_of(job, k), {})[k] = x
+        for g in groups.values():
+            if len(g) < 2:
+                continue
+            fastest = min(g.values())
+            yield from ((k, x, fastest, peer) for (k, x), peer in zip(g.items(), _peer_medians(list(g.values()))))
 
     def _close(self, r: _Rank, step: int, source: str) -> None:
         r.current = float(np.median(r.times))
