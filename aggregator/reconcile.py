@@ -62,8 +62,9 @@ class RoundResult:
         part: int64 [n_ranks]: ranks with equal numbers run the same part of the model (the same
             pipeline stage and parameter names, :func:`.shards.part`): their own statistics are
             comparable. None: all run the same.
-        weight: float64 [n_ranks, n_params]: the L2 norm of each rank's own part of each parameter
-            as it reported it (before shard groups are combined), NaN where not held.
+        own_param: float64 [n_ranks, n_params, 3] (wire ``PARAM_FIELDS``): each rank's rows about
+            its own part of each parameter as it reported them (before shard groups are
+            combined), NaN where not held.
     """
 
     step: int
@@ -94,7 +95,7 @@ class RoundResult:
     over_budget: np.ndarray = None
     holders: np.ndarray = None
     part: np.ndarray = None
-    weight: np.ndarray = None
+    own_param: np.ndarray = None
 
 
 def _union(names_per_rank) -> tuple[str, ...]:
@@ -175,7 +176,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
             at, col = np.nonzero(has)
             fp_grad_seen[fk[at, 0], pcols[col]] = True
             fp_weight_seen[fk, pcols] = True
-    weight = param[..., wire.PARAM_FIELDS.index("weight_norm")].copy()
+    own_param = param  # combine_params returns a new array
     # sharded parameters: each shard group's rows become the parameter's global figures
     param, holders = combine_params([x.mesh for x in sch], [x.shard for x in sch], all_pcols, param)
     reps = [reports[r] for r in ranks]
@@ -196,7 +197,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         layer_types=tuple(types.get(n, "") for n in layers),
         params=params, fp_grad=fp_grad, fp_weight=fp_weight,
         fp_grad_seen=fp_grad_seen, fp_weight_seen=fp_weight_seen,
-        grad_norm=grad_norm, holders=holders, part=parts(sch), weight=weight,
+        grad_norm=grad_norm, holders=holders, part=parts(sch), own_param=own_param,
         local_grad_norm=np.array([x.local_grad_norm for x in reps], np.float64),
         compute_time=np.array([x.compute_time for x in reps], np.float64),
         batch=np.array([x.batch for x in reps], np.int64),

@@ -1,15 +1,17 @@
 """A tiny sharded training job for tests/test_sharded.py: real gloo processes on CPU.
 
 ``python -m tests.sharded_job MODE --ranks N --steps S --out DIR [--endpoint E --every K --job J]
-[--flip STEP:RANK:PARAM]`` trains :func:`model` under ``MODE`` (fsdp2, fsdp1, fsdp1o (use_orig_params),
+[--flip STEP:RANK:PARAM[:BIT]]`` trains :func:`model` under ``MODE`` (fsdp2, fsdp1, fsdp1o (use_orig_params),
 hsdp (2x2 mesh), tp (ColwiseParallel / RowwiseParallel and a replicated LayerNorm), pp (2 pipeline
 stages, GPipe, FSDP2 over each stage's N/2 data-parallel ranks), ppdp (the same with plain
 replicas, gradients all-reduced over dp by hand)), with the
 agent attached when ``--endpoint`` is given, and writes each rank's local parameter tensors after
 the last step to ``DIR/rank{r}.pt`` (for the bit-identity check). The data of rank ``r`` at step
 ``s`` is :func:`batch` ``(r, s)``; every rank of one data-parallel replica group sees its own batch,
-tensor-parallel ranks share theirs. ``--flip`` flips one bit of one rank's local weight shard after
-the optimizer step of STEP (silent data corruption).
+tensor-parallel ranks share theirs. ``--flip`` flips one bit (BIT of the first element's
+float32 bits, default 3: a low mantissa bit; 23: the lowest exponent bit, halving or doubling it;
+29: an exponent bit set in every |x| in [2^-63, 2), zeroing it; 31: the sign)
+of one rank's local weight shard after the optimizer step of STEP (silent data corruption).
 """
 
 from __future__ import annotations
@@ -108,13 +110,13 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def _flip(m: torch.nn.Module, name: str) -> None:
+def _flip(m: torch.nn.Module, name: str, bit: int = 3) -> None:
     for n, p in m.named_parameters():
         if n.endswith(name):
             with torch.no_grad():
                 t = _local(p).detach().reshape(-1)
                 if t.numel():
-                    t[:1].view(torch.int32).bitwise_xor_(1 << 3)
+                    t[:1].view(torch.int32).bitwise_xor_(1 << bit)
             return
 
 
@@ -159,7 +161,7 @@ def _run(rank: int, world: int, port: int, args) -> None:
         opt.step()
         opt.zero_grad()
         if flip and int(flip[0]) == step and int(flip[1]) == rank:
-            _flip(m, flip[2])
+            _flip(m, flip[2], *(int(b) for b in flip[3:]))
     if mon is not None:
         errors, disabled = mon.errors, set(mon.disabled)
         mon.close()

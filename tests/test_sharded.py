@@ -131,18 +131,37 @@ def drift_findings(aggregator, job: str) -> list[dict]:
 # weight drifts. Tensor parallel has no reduction of replicated parameters' gradients: the flipped
 # LayerNorm changes rank 1's replicated gradients too, so every replicated parameter drifts by the
 # next probe; the column- and row-sharded weights are never compared across the TP group.
-@pytest.mark.parametrize("mode, ranks, flip, drifted", [
-    ("hsdp", 4, "12:2:0.weight", ["0.weight"]),  # rank 2 replicates rank 0's shard across "replicate"
-    ("tp", 2, "12:1:3.weight", ["2.bias", "3.weight", "3.bias"]),  # Replicate over the TP group
+# Two holders: no majority. The tie-break (aggregator/checks/replica_drift.py) names the rank whose
+# weight norm jumped: an exponent bit (23) halves or doubles the element, a jump far beyond the
+# optimizer's move (of a 2-element LayerNorm shard: decisive; one element of 0.weight's 64-element
+# shard moves its norm only a few times the optimizer's move: undecided); a low mantissa bit (3)
+# moves the norm by about 1e-7 of itself, less than one SGD step does: both ranks stay candidates.
+@pytest.mark.parametrize("mode, ranks, flip, drifted, named, candidates", [
+    ("hsdp", 4, "12:2:3.weight:29", ["3.weight"], 2, [0, 2]),  # rank 2 replicates rank 0's shard
+    ("hsdp", 4, "12:2:0.weight", ["0.weight"], None, [0, 2]),
+    ("tp", 2, "14:1:3.weight:29", ["2.bias", "3.weight", "3.bias"], 1, [0, 1]),  # Replicate over the TP group
+    ("tp", 2, "12:1:3.weight:31", ["2.bias", "3.weight", "3.bias"], None, [0, 1]),
 ])
-def test_bit_flip_in_a_replica_is_named_at_the_next_probe(aggregator, tmp_path, mode, ranks, flip, drifted):
-    job = f"flip-{mode}"
+def test_bit_flip_between_two_holders_is_named_when_its_norm_jumped(aggregator, tmp_path, mode, ranks, flip, drifted,
+                                                                    named, candidates):
+    job = f"flip-{mode}-{flip}"
     run_job(mode, tmp_path, ranks, steps=20, every=5, endpoint=aggregator.endpoint, job=job, flip=flip)
     (e, *_) = wait_for(lambda: drift_findings(aggregator, job), 30, what="a replica_drift finding")
-    assert e["step"] == 15, e  # flipped after step 12's update, probed at 15
+    assert e["step"] == 15, e  # flipped after step 12's (14's) update, probed at 15
     assert e["details"]["params"] == drifted, e
+    assert e["rank"] == named, str(e["details"])
+    assert e["details"]["candidates"] == candidates, e
     assert e["details"]["ranks"] == list(range(ranks))
-    assert [x["step"] for x in drift_findings(aggregator, job)] == [15], "raised once, at the next probe"
+    if named is not None:  # the flipped parameter is the decisive one: its norm jumped on that rank only
+        flipped = flip.split(":")[2]
+        moved = e["details"]["evidence"][flipped]["moved"]
+        assert moved[str(named)] > 2 * max(v for k, v in moved.items() if k != str(named)), e
+    # one fault, one finding: raised once, at the next probe, and no other check fires
+    assert [(x["step"], x["rank"]) for x in drift_findings(aggregator, job)] == [(15, named)]
+    others = [(x["check"], x["step"], x["rank"]) for x in aggregator.findings(job) if x["check"] != "replica_drift"]
+    # under TP rank 1's corrupted LayerNorm also changes its replicated gradients: grad_agreement
+    # reports that tie too (no rank: it has no history to break it with)
+    assert others == ([("grad_agreement", 15, None)] if mode == "tp" else []), others
 
 
 def test_bit_flip_in_one_replica_of_one_pipeline_stage_names_the_rank(aggregator, tmp_path):

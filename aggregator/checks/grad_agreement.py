@@ -24,6 +24,20 @@ class GradientAgreement(Check):
         if fp is None or len(r.ranks) < 2 or seen.sum(axis=0).max(initial=0) < 2:
             return Evaluation.no_data()
         bad, tied = minority(fp, seen, getattr(r, "holders", None))
+        findings = self.minority_findings(job, r, bad)
+        if tied:
+            names = [r.params[p] for p in tied]
+            findings.append(Finding(
+                self.name, job.job, r.step,
+                f"ranks disagree on the gradients of {len(tied)} parameter(s) with no majority, first {names[0]} "
+                f"(step {r.step}; with 2 ranks the faulty one cannot be told apart)",
+                details={"params": names[:50], "n_params": len(tied), "ranks": list(r.ranks)},
+            ))
+        return Evaluation.found(*findings)
+
+    def minority_findings(self, job, r, bad: dict[int, list[int]]) -> list[Finding]:
+        """One finding per rank in the minority: ``bad`` maps rank indices to parameter indices
+        (:func:`._fingerprints.minority`)."""
         findings = []
         what = "gradients" if self.name == "grad_agreement" else "weights"
         for k, ps in sorted(bad.items()):
@@ -34,12 +48,4 @@ class GradientAgreement(Check):
                 f"first {names[0]} (step {r.step})",
                 rank=r.ranks[k], details={"params": names[:50], "n_params": len(ps), "ranks": list(r.ranks)},
             ))
-        if tied:
-            names = [r.params[p] for p in tied]
-            findings.append(Finding(
-                self.name, job.job, r.step,
-                f"ranks disagree on the {what} of {len(tied)} parameter(s) with no majority, first {names[0]} "
-                f"(step {r.step}; with 2 ranks the faulty one cannot be told apart)",
-                details={"params": names[:50], "n_params": len(tied), "ranks": list(r.ranks)},
-            ))
-        return Evaluation.found(*findings)
+        return findings
