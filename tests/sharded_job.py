@@ -4,7 +4,9 @@
 [--flip STEP:RANK:PARAM[:BIT]]`` trains :func:`model` under ``MODE`` (fsdp2, fsdp1, fsdp1o (use_orig_params),
 hsdp (2x2 mesh), tp (ColwiseParallel / RowwiseParallel and a replicated LayerNorm), pp (2 pipeline
 stages, GPipe, FSDP2 over each stage's N/2 data-parallel ranks), ppdp (the same with plain
-replicas, gradients all-reduced over dp by hand)), with the
+replicas, gradients all-reduced over dp by hand), pptp (2 stages x 2 tensor-parallel ranks),
+ppi (interleaved 1F1B: 4 stages, one layer each, on 2 ranks), ppfsdp1 (2 stages x N/2 ranks,
+FSDP1 over each stage's data-parallel ranks)), with the
 agent attached when ``--endpoint`` is given, and writes each rank's local parameter tensors after
 the last step to ``DIR/rank{r}.pt`` (for the bit-identity check). The data of rank ``r`` at step
 ``s`` is :func:`batch` ``(r, s)``; every rank of one data-parallel replica group sees its own batch,
@@ -39,25 +41,45 @@ def batch(replica: int, step: int, dtype=torch.float32) -> tuple[torch.Tensor, t
     return torch.randn(BATCH, IN, generator=g).to(dtype), torch.randn(BATCH, OUT, generator=g).to(dtype)
 
 
-STAGES = 2  # pipeline stages of modes pp and ppdp: layers 0-1, then 2-3
+STAGES = 2  # pipeline ranks of the pipeline modes: layers 0-1, then 2-3 (ppi: layers 0, 2, then 1, 3)
+#: pipeline modes: the mesh dim within a stage (data or tensor parallel)
+PIPELINE = {"pp": "dp", "ppdp": "dp", "pptp": "tp", "ppi": None, "ppfsdp1": "dp"}
 
 
 def replicas(mode: str, world: int) -> int:
     """Data-parallel replicas (distinct batches per step) of a mode."""
-    return 1 if mode == "tp" else world // STAGES if mode in ("pp", "ppdp") else world
+    if mode in PIPELINE:
+        return world // STAGES if PIPELINE[mode] == "dp" else 1
+    return 1 if mode == "tp" else world
 
 
 def _stage(mode: str, m: torch.nn.Module, world: int):
-    """Pipeline modes: the (pp, dp) mesh, and ``m`` with the other stage's layers replaced by
-    Identity (every rank keeps the model's original parameter names, as torchtitan's split does)."""
+    """Pipeline modes: the (pp, dp|tp) mesh (ppi: (pp,)), and ``m`` with the layers of the other
+    pipeline rank replaced by Identity (every rank keeps the model's original parameter names, as
+    torchtitan's split does). Rank ``pp`` holds layers 0-1 or 2-3; under ppi layers ``pp`` and
+    ``pp + 2`` (stages ``pp`` and ``pp + 2`` of 4, one layer each: the interleaved layout)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (STAGES, world // STAGES), mesh_dim_names=("pp", "dp"))
+    inner = PIPELINE[mode]
+    mesh = (init_device_mesh("cpu", (STAGES, world // STAGES), mesh_dim_names=("pp", inner)) if inner
+            else init_device_mesh("cpu", (world,), mesh_dim_names=("pp",)))
     stage = mesh.get_coordinate()[0]
     for i in range(4):
-        if i // 2 != stage:
+        if (i % STAGES if mode == "ppi" else i // 2) != stage:
             m[i] = torch.nn.Identity()
     return mesh, stage
+
+
+def _replicate_layernorm(m: torch.nn.Module, mesh) -> None:
+    """``m``'s LayerNorm parameters ``Replicate``d over ``mesh`` (a tensor-parallel group); its
+    output a plain tensor."""
+    from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
+
+    def replicate(name, mod, mesh):
+        for n, p in list(mod.named_parameters(recurse=False)):
+            mod.register_parameter(n, torch.nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()])))
+
+    distribute_module(m, mesh, replicate, output_fn=lambda mod, out, mesh: out.to_local())
 
 
 def _wrap(mode: str, m: torch.nn.Module, rank: int, world: int):
@@ -77,17 +99,11 @@ def _wrap(mode: str, m: torch.nn.Module, rank: int, world: int):
         return FSDP(m, device_id=torch.device("cpu"), use_orig_params=mode == "fsdp1o"), rank
     if mode == "tp":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel(use_local_output=False)})
-
-        def replicate(name, mod, mesh):
-            for n, p in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(n, torch.nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()])))
-
-        distribute_module(m[3], mesh, replicate, output_fn=lambda mod, out, mesh: out.to_local())
+        _replicate_layernorm(m[3], mesh)
         return m, 0
     if mode == "pp":  # 2 stages x N/2 data-parallel ranks, FSDP2 over each stage's dp ranks (torchtitan)
         from torch.distributed.fsdp import fully_shard
@@ -103,7 +119,45 @@ def _wrap(mode: str, m: torch.nn.Module, rank: int, world: int):
         # plain parameters, so attach(mesh=) tells the agent the stage
         mesh, stage = _stage(mode, m, world)
         return (m, mesh), mesh.get_coordinate()[1]
+    if mode == "pptp":  # 2 stages x N/2 tensor-parallel ranks, sharing each stage's batch: stage 0
+        # column-wise (its output gathered for the next stage), stage 1 row-wise and a replicated LayerNorm
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh, stage = _stage(mode, m, world)
+        if stage == 0:
+            parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(output_layouts=Replicate())})
+        else:
+            parallelize_module(m, mesh["tp"], {"2": RowwiseParallel(input_layouts=Replicate(), use_local_output=False)})
+            _replicate_layernorm(m[3], mesh["tp"])
+        return (m, mesh), 0
+    if mode == "ppi":  # interleaved: 4 one-layer stages, rank r holding stages r and r + 2
+        mesh, stage = _stage(mode, m, world)
+        return (m, mesh), 0
+    if mode == "ppfsdp1":  # 2 stages x N/2 ranks, FSDP1 over each stage's data-parallel ranks
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        # torch 2.13 on gloo/CPU: the stage's first backward fails ("The tensor has a non-zero
+        # number of elements, but its data is not allocated yet"), FULL_SHARD or SHARD_GRAD_OP,
+        # use_orig_params either (tests/test_sharded.py skips on it)
+        mesh, stage = _stage(mode, m, world)
+        m = FSDP(m, process_group=mesh["dp"].get_group(), device_id=torch.device("cpu"), use_orig_params=True)
+        return (m, mesh), mesh.get_coordinate()[1]
     raise ValueError(mode)
+
+
+def _schedule(mode: str, m: torch.nn.Module, mesh):
+    """The pipeline schedule of rank's stage(s) of ``m``: GPipe over 2 stages, or interleaved 1F1B
+    over 4 (ppi). 2 micro-batches of BATCH/2; the schedule divides the summed gradients by 2."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    pp, group, cpu = mesh.get_coordinate()[0], mesh["pp"].get_group() if mesh.ndim > 1 else mesh.get_group(), torch.device("cpu")
+    loss = torch.nn.functional.mse_loss
+    if mode == "ppi":  # the layer modules themselves are the stages (hooks on them see every call)
+        layers = m.module if hasattr(m, "module") else m
+        stages = [PipelineStage(layers[i], i, 2 * STAGES, cpu, group=group) for i in (pp, pp + STAGES)]
+        return ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=loss)
+    return ScheduleGPipe(PipelineStage(m, pp, STAGES, cpu, group=group), n_microbatches=2, loss_fn=loss)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -126,31 +180,26 @@ def _run(rank: int, world: int, port: int, args) -> None:
     torch.use_deterministic_algorithms(True)
     m, replica = _wrap(args.mode, model(), rank, world)
     mesh, schedule = None, None
-    if args.mode in ("pp", "ppdp"):
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
+    if args.mode in PIPELINE:
         m, mesh = m
-        stage = mesh.get_coordinate()[0]
-        pstage = PipelineStage(m, stage, STAGES, torch.device("cpu"), group=mesh["pp"].get_group())
-        # 2 micro-batches of BATCH/2; the schedule divides the summed gradients by 2 (scale_grads)
-        schedule = ScheduleGPipe(pstage, n_microbatches=2, loss_fn=torch.nn.functional.mse_loss)
+        schedule = _schedule(args.mode, m, mesh)
     opt = torch.optim.SGD(m.parameters(), lr=LR)
     mon = None
     if args.endpoint:
         from gradwatch.agent import attach
 
-        # FSDP2 stages: the agent finds the (pp, dp) mesh as the root of the parameters' "dp" mesh;
-        # DDP stages hold plain tensors: the mesh is given
-        extra = {"mesh": mesh} if args.mode == "ppdp" else {}
+        # FSDP2 and TP stages: the agent finds the (pp, dp|tp) mesh as the root of the parameters'
+        # sub-mesh; plain stages (and FSDP1's flat parameters) need the mesh given
+        extra = {"mesh": mesh} if args.mode in ("ppdp", "ppi", "ppfsdp1") else {}
         mon = attach(m, opt, endpoint=args.endpoint, every=args.every, job=args.job, rank=rank, world_size=world, **extra)
         assert type(mon).__name__ == "Monitor", mon
     flip = tuple(args.flip.split(":")) if args.flip else None
     for step in range(args.steps):
         x, y = batch(replica, step)
         if schedule is not None:
-            if mesh.get_coordinate()[0] == 0:
+            if mesh.get_coordinate()[0] == 0:  # holds the first stage
                 schedule.step(x)
-            else:
+            else:  # holds the last stage
                 schedule.step(target=y)
             if args.mode == "ppdp":  # data parallel within the stage: the replicas' mean gradient
                 for p in m.parameters():

@@ -61,7 +61,9 @@ def reference(mode: str, ranks: int, steps: int) -> list[tuple[float, dict[str, 
     return out
 
 
-def check_job(aggregator, tmp_path: Path, mode: str, ranks: int, steps: int = 50, every: int = 10) -> None:
+def check_job(aggregator, tmp_path: Path, mode: str, ranks: int, steps: int = 50, every: int = 10) -> str:
+    """Run ``mode`` with and without the agent and check /metrics against :func:`reference`, no
+    finding, and bit-identical training; returns the last /metrics text of the run."""
     job = f"sharded-{mode}-{ranks}"
     with_agent = run_job(mode, tmp_path / "with", ranks, steps, every, aggregator.endpoint, job)
     last_probe = (steps - 1) // every * every
@@ -92,6 +94,7 @@ def check_job(aggregator, tmp_path: Path, mode: str, ranks: int, steps: int = 50
         assert with_agent[r].keys() == without[r].keys()
         for name in with_agent[r]:
             assert torch.equal(with_agent[r][name].view(torch.uint8), without[r][name].view(torch.uint8)), (r, name)
+    return text
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -120,7 +123,39 @@ def test_pipeline_parallel_2_stages_fsdp2_within_stage(aggregator, tmp_path):
 
 
 def test_pipeline_parallel_2_stages_3_replicas_each(aggregator, tmp_path):
-    check_job(aggregator, tmp_path, "ppdp", 6, steps=30, every=10)  # plain replicas: attach(mesh=)
+    job = "sharded-ppdp-6"
+    text = check_job(aggregator, tmp_path, "ppdp", 6, steps=50, every=10)  # plain replicas: attach(mesh=)
+    # outlier_rank scored every rank among its own stage's 3 replicas (activation scales of
+    # different layers per stage), and none stood out over the 5 probed steps
+    z = samples(text, "gradwatch_rank_outlier_zscore")
+    assert sorted(int(dict(k)["rank"]) for k in z if dict(k)["job_id"] == job) == list(range(6))
+    assert max(v for k, v in z.items() if dict(k)["job_id"] == job) < 3.5
+
+
+def test_pipeline_parallel_2_stages_x_2_tensor_parallel_ranks(aggregator, tmp_path):
+    # stage 0 column-wise, stage 1 row-wise plus a LayerNorm replicated over its TP pair: the mesh
+    # (pp, tp) found from the parameters' "tp" sub-mesh; each stage's shard groups are its TP pair
+    check_job(aggregator, tmp_path, "pptp", 4, steps=50, every=10)
+
+
+def test_pipeline_parallel_interleaved_1f1b_two_stages_per_rank(aggregator, tmp_path):
+    # 4 one-layer stages on 2 ranks (rank r: stages r and r + 2, ScheduleInterleaved1F1B): a rank's
+    # report covers all its stages; the aggregator adds the 2 ranks' totals (one per "pp" coordinate)
+    check_job(aggregator, tmp_path, "ppi", 2, steps=50, every=10)
+
+
+def test_fsdp1_inside_pipeline_stages(aggregator, tmp_path):
+    # FSDP1 over each stage's 2 data-parallel ranks: fails inside torch's pipelining on gloo/CPU in
+    # torch 2.13 (the stage's first backward), before the agent is involved; skipped on that error
+    # only, so a torch that runs it runs the whole check
+    try:
+        run_job("ppfsdp1", tmp_path / "probe", 4, steps=1, every=1)
+    except AssertionError as e:
+        if "data is not allocated yet" in str(e):
+            pytest.skip(f"FSDP1 in a PipelineStage, torch {torch.__version__}, gloo/CPU: stage backward fails: "
+                        "RuntimeError: The tensor has a non-zero number of elements, but its data is not allocated yet")
+        raise
+    check_job(aggregator, tmp_path, "ppfsdp1", 4, steps=50, every=10)
 
 
 def drift_findings(aggregator, job: str) -> list[dict]:

@@ -116,7 +116,7 @@ class OutlierRank(Check):
     metrics = {
         "rank_outlier_zscore": (
             "Largest absolute robust z-score of the rank's local gradient norm, activation scale and "
-            "non-finite count against the other ranks at the latest probed step.", ("rank",), "",
+            "non-finite count against its peers' (the ranks of its pipeline stage) at the latest probed step.", ("rank",), "",
         ),
     }
 
