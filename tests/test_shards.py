@@ -101,7 +101,7 @@ class PipelineFrames:
                 act_grad=np.tile(np.array([0.5, 0.0], np.float32), (2, 1)),
                 param=np.tile(np.array([g, 2.0, 0.0], np.float32), (n, 1)),
                 fp_grad=np.arange(n, dtype=np.uint64), fp_weight=np.arange(n, dtype=np.uint64),
-                local_grad_norm=local[r], compute_time=compute[r], grad_sq=(((), grad_sq[r // 3]),),
+                local_grad_norm=local[r], compute_time=compute[r], grad_sq=(((), grad_sq[r // 3]),), batch=3,
             ))
         self.state.tick()
 
@@ -115,7 +115,7 @@ def test_pipeline_stages_with_different_norms_and_times_are_not_outliers_or_stra
     # backward) 5x: scored across the job, stage 0's three ranks would be the outliers and
     # stragglers of six. Scored within a stage, a clean job has no finding over 60 probed steps.
     rng = np.random.default_rng(0)
-    j = PipelineFrames(["outlier_rank", "straggler"])
+    j = PipelineFrames(["outlier_rank", "straggler", "noise_scale"])
     for step in range(60):
         local = [20.0 * (1 + 0.05 * rng.standard_normal()) if r < 3 else 1.0 * (1 + 0.05 * rng.standard_normal())
                  for r in range(6)]
@@ -129,6 +129,10 @@ def test_pipeline_stages_with_different_norms_and_times_are_not_outliers_or_stra
     assert set(view["rank_outlier_zscore"]) == {("pp", str(r)) for r in range(6)}  # every rank scored
     assert max(view["rank_outlier_zscore"].values()) < 3.5
     assert min(view["rank_straggler_relative_score"].values()) > 0.9  # against its stage's fastest
+    # the noise scale needs every rank to be a data-parallel replica of the whole model
+    from gradwatch.aggregator.checks import Outcome
+
+    assert j.runner.status[("pp", "noise_scale")] == Outcome.NO_DATA
     # the checks still work within a stage: rank 4's local norm 10x its stage's, rank 1 slow
     for step in range(60, 130):
         local = [20.0, 20.0, 20.0, 1.0, 10.0, 1.0]

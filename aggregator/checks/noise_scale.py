@@ -20,6 +20,8 @@ local gradient is over b samples whatever the accumulation. Scaling the loss (e.
 steps) scales both estimates alike and leaves B_simple unchanged. A round is used when the world
 has at least two ranks, every reporting rank has the same known batch, and every norm is finite
 (case C36); B = b * world size (the all-reduce averaged every rank of the world, reporting or not).
+Under pipeline parallelism (ranks running different parts, ``RoundResult.part``) a rank's local
+norm covers its stage only and the world is not the data-parallel degree: no data.
 Never a finding: the outcome is healthy with a value once
 ``noise_min_rounds`` rounds were used and the smoothed |G|^2 is positive, else no data.
 """
@@ -82,6 +84,9 @@ class NoiseScale(Check):
         if r.step <= st.last_step:
             return None
         st.last_step = r.step
+        part = getattr(r, "part", None)
+        if part is not None and len(part) and (part != part[0]).any():
+            return Evaluation.no_data()  # pipeline stages: not every rank is a replica of the whole model
         batch = np.asarray(r.batch)
         local = np.asarray(r.local_grad_norm, np.float64)
         glob = np.asarray(r.grad_norm, np.float64)
