@@ -1,5 +1,7 @@
 """Sharded layouts on real parts: FSDP2, FSDP1 (use_orig_params False and True), HSDP, tensor
-parallel and pipeline parallel (with FSDP2 or plain replicas within a stage) jobs (gloo, CPU, tests/sharded_job.py) with agents -> a real aggregator -> /metrics.
+parallel and pipeline parallel (with FSDP2, plain replicas or tensor parallelism within a stage;
+an interleaved schedule of two stages per rank) jobs (gloo, CPU, tests/sharded_job.py) with agents
+-> a real aggregator -> /metrics.
 
 Each run checks the global gradient norm of every rank and the per-layer gradient norms at
 /metrics against an unsharded float64 replay of the same job (rel 1e-5), that clean steps raise
