@@ -114,3 +114,44 @@ def _status(agg, job):
     from .conftest import samples
 
     return {k: v for k, v in samples(agg.scrape(), "gradwatch_check_status").items() if ("job_id", job) in k}
+
+
+def _drift_round(step: int, fp, weight):
+    """Two ranks, two parameters: weight fingerprints and each rank's own weight norms."""
+    r = _round(fp, step=step)
+    r.own_param = np.stack([np.full((2, 2), np.nan), np.asarray(weight, np.float64), np.zeros((2, 2))], axis=-1)
+    return r
+
+
+def test_replica_drift_breaks_a_tie_of_two_holders_by_their_weight_norm_history():
+    # both ranks agree at steps 0 and 10 (norms 2.0 -> 1.9: the optimizer moves p0's norm by 0.1
+    # per probe interval); at 20 they disagree on p0: rank 1's norm jumped 0.5, rank 0's moved 0.1
+    check = ReplicaDrift(Thresholds())
+    check.on_round(JOB, _drift_round(0, [[1, 5], [1, 5]], [[2.0, 3.0], [2.0, 3.0]]))
+    check.on_round(JOB, _drift_round(10, [[2, 5], [2, 5]], [[1.9, 3.0], [1.9, 3.0]]))
+    (f,) = check.on_round(JOB, _drift_round(20, [[3, 5], [4, 5]], [[1.8, 3.0], [1.4, 3.0]])).findings
+    assert (f.rank, f.details["params"], f.details["candidates"]) == (1, ["p0"], [0, 1])
+    ev = f.details["evidence"]["p0"]
+    assert ev["moved"] == {"0": pytest.approx(0.1), "1": pytest.approx(0.5)} and ev["steps"] == [0, 10]
+    # the verdict stands while the pair disagrees, whatever the norms do next (one fault, one finding)
+    (g,) = check.on_round(JOB, _drift_round(30, [[5, 5], [6, 5]], [[1.7, 3.0], [1.65, 3.0]])).findings
+    assert g.rank == 1
+    # agreeing again clears it; a new tie whose norms move alike (a sign flip) names no rank
+    check.on_round(JOB, _drift_round(40, [[7, 5], [7, 5]], [[1.6, 3.0], [1.6, 3.0]]))
+    check.on_round(JOB, _drift_round(50, [[8, 5], [8, 5]], [[1.5, 3.0], [1.5, 3.0]]))
+    (h,) = check.on_round(JOB, _drift_round(60, [[9, 5], [10, 5]], [[1.4, 3.0], [1.41, 3.0]])).findings
+    assert (h.rank, h.details["candidates"]) == (None, [0, 1])
+    # a jump only 1.5x the optimizer's move is not decisive at drift_tie_ratio 2; 2.5x is
+    for jump, named in ((0.15, None), (0.25, 1)):
+        c = ReplicaDrift(Thresholds())
+        c.on_round(JOB, _drift_round(0, [[1, 5], [1, 5]], [[2.0, 3.0], [2.0, 3.0]]))
+        c.on_round(JOB, _drift_round(10, [[2, 5], [2, 5]], [[1.9, 3.0], [1.9, 3.0]]))
+        (f,) = c.on_round(JOB, _drift_round(20, [[3, 5], [4, 5]], [[1.8, 3.0], [1.9 - jump, 3.0]])).findings
+        assert f.rank == named, (jump, f.details)
+
+
+def test_replica_drift_without_history_lists_both_candidates():
+    check = ReplicaDrift(Thresholds())
+    (f,) = check.on_round(JOB, _drift_round(0, [[3, 5], [4, 5]], [[1.8, 3.0], [0.5, 3.0]])).findings
+    assert (f.rank, f.details["candidates"]) == (None, [0, 1])
+    assert "2 needed" in f.details["evidence"]["0,1"]["history"]

@@ -164,12 +164,13 @@ class ReplicaDrift(GradientAgreement):
         evidence = {}
         for p in ps:
             name = r.params[p]
-            base = []
-            for step, ranks, params, weight, ok in hist:  # older first
+            base, steps = [], []
+            for step, ranks, params, before, ok in hist:  # older first
                 i, j, q = ranks.get(a), ranks.get(b), params.get(name)
-                if weight is None or None in (i, j, q) or not (ok[i, q] and ok[j, q]):
+                if before is None or None in (i, j, q) or not (ok[i, q] and ok[j, q]):
                     break
-                base.append(float(weight[i, q]))
+                base.append(float(before[i, q]))
+                steps.append(step)
             if len(base) < 2:
                 evidence[name] = {"history": "the pair did not agree at the two previous probed steps"}
                 continue
@@ -179,7 +180,7 @@ class ReplicaDrift(GradientAgreement):
             floor = _FLOOR * abs(w0)
             if not (math.isfinite(da) and math.isfinite(db)):
                 continue
-            evidence[name] = {"moved": {str(a): da, str(b): db}, "previous_move": m}
+            evidence[name] = {"moved": {str(a): da, str(b): db}, "previous_move": m, "steps": steps}
             for who, mine, theirs in ((a, da, db), (b, db, da)):
                 if mine > self.t.drift_tie_ratio * max(theirs, m, floor):
                     decisive.add(who)
