@@ -44,20 +44,33 @@ def _on(mesh: wire.Mesh, dims) -> tuple:
     return (mesh.names, mesh.sizes, tuple(mesh.coord[k] for k in dims if k < len(mesh.coord)), _stage(mesh))
 
 
+_PARTS: dict[str, tuple] = {}  # schema hash -> part: straggler asks per rank per step
+_NAMES: dict[tuple, int] = {}  # parameter names -> a small number (parts compare in O(1))
+_PARTS_MAX = 1 << 14
+
+
 def part(schema: wire.Schema) -> tuple:
     """Which part of the model a rank runs: its pipeline stage (:func:`_stage`) and the names of
     the parameters its schema lists. Ranks with equal parts run the same layers on their own data
     (data-parallel peers: DDP, FSDP, HSDP replicas and shards, the ranks of one stage), so their
     own statistics and timings are comparable; ranks of different stages are not (a stage's norms
-    and compute time are its own). Hashable; () components compare equal across plain DDP ranks."""
-    return (_stage(schema.mesh), tuple(p[0] for p in schema.params))
+    and compute time are its own). ``(stage coordinates, number of the parameter names)``, cached
+    by the schema's hash (which covers both)."""
+    got = _PARTS.get(schema.hash)
+    if got is None:
+        if len(_PARTS) >= _PARTS_MAX or len(_NAMES) >= _PARTS_MAX:
+            _PARTS.clear()
+            _NAMES.clear()
+        names = _NAMES.setdefault(tuple(p[0] for p in schema.params), len(_NAMES))
+        got = _PARTS[schema.hash] = (_stage(schema.mesh), names)
+    return got
 
 
 def parts(schemas: list) -> np.ndarray:
     """int64 [len(schemas)]: :func:`part` of each schema numbered in order of first appearance
     (equal numbers: the same part of the model)."""
     ids: dict[tuple, int] = {}
-    by_hash: dict[str, int] = {}  # one part() per distinct schema: a job usually has one or a few
+    by_hash: dict[str, int] = {}  # one lookup per distinct schema: a job usually has one or a few
     out = np.empty(len(schemas), np.int64)
     for k, s in enumerate(schemas):
         if s.hash not in by_hash:
