@@ -17,7 +17,7 @@ import numpy as np
 from gradwatch import wire
 
 from . import frame
-from .stats import combine_moments
+from .stats import combine_chunks, combine_moments
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class StepLayout:
         present: indices (into the model's parameters) of the parameters that had a gradient, in
             the order of the frame's ``grad_norm``, ``grad_nonfinite`` and ``grad_fp`` sections.
         counts: items per frame section, from :func:`frame.pack`.
+        rows: chunks of each present parameter's gradient in the ``grad_norm`` section
+            (:func:`.stats.chunk_norms`); empty: one value each.
         probe: a probed step; the fields below only matter then.
         burst: probed because of a burst rather than the cadence.
         batch: samples seen in the step (0 when unknown).
@@ -57,6 +59,7 @@ class StepLayout:
     schema: str
     present: tuple[int, ...]
     counts: dict = field(default_factory=dict)
+    rows: tuple[int, ...] = ()
     probe: bool = False
     burst: bool = False
     batch: int = 0
@@ -104,7 +107,7 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
         ValueError: ``host`` does not match ``L.counts``.
     """
     f = frame.unpack(host, L.counts)
-    norms = f["grad_norm"]
+    norms = combine_chunks(f["grad_norm"], L.rows) if L.rows else f["grad_norm"]
     sq = norms * norms
     has_grads = len(norms) > 0  # the sentinel sends bucket norms, losses and scale only with gradients
     grad_norm = math.sqrt(sq.sum()) if has_grads else math.nan  # NaN or Inf when a parameter's is
