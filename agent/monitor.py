@@ -58,7 +58,8 @@ class Monitor:
     """Per-rank agent attached to one model and its optimizer; use :func:`gradwatch.agent.attach`.
 
     A context manager: leaving it (or :meth:`close`) removes every hook, stops the sender thread
-    and closes the socket. Attributes ``step`` (optimizer steps completed), ``probes`` (probed
+    and closes the socket; the goodbye says ``finished`` when the block ended normally, ``other``
+    when an exception left it, ``closed`` after :meth:`close`, ``exit`` at interpreter exit. Attributes ``step`` (optimizer steps completed), ``probes`` (probed
     steps submitted), ``errors``, ``disabled`` (parts switched off) and ``not_instrumented``
     (modules that refused hooks, case C17) are for inspection.
     """
@@ -143,7 +144,11 @@ class Monitor:
         if not self._forked:
             try:
                 self.sender.close()
-                if not self.sender.connected:  # a wrong endpoint must not go unnoticed
+                if self.sender.refused:  # wrong keys must not go unnoticed
+                    warnings.warn(f"gradwatch: the aggregator at {self.cfg.endpoint} refused this agent's CURVE "
+                                  f"handshake {self.sender.refused} time(s): no report reached it (check "
+                                  "GRADWATCH_SERVER_KEY and GRADWATCH_CLIENT_KEY)", RuntimeWarning, stacklevel=2)
+                elif not self.sender.connected:  # a wrong endpoint must not go unnoticed
                     warnings.warn(f"gradwatch: never connected to {self.cfg.endpoint}: no report reached an "
                                   "aggregator (is it running, and is GRADWATCH_ENDPOINT right?)", RuntimeWarning, stacklevel=2)
             except Exception:
@@ -152,8 +157,9 @@ class Monitor:
     def __enter__(self) -> "Monitor":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # leaving the block normally is the end of training; an exception out of it is not
+        self.close("finished" if exc_type is None else "other")
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Report ``loss`` (a scalar tensor, any dtype and device) with this step, without a host
