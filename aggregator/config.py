@@ -48,6 +48,7 @@ class AggregatorConfig(BaseSettings):
     max_names: int = Field(10_000, ge=1, le=1_000_000, description="Most parameters, and most slots (leaf module outputs), one schema may list; larger schemas are rejected (bad_field).")
     max_label_len: int = Field(200, ge=32, le=4096, description="Longest module path (or host name) exported as a label value, characters; longer ones are cut, keeping a digest of the whole so they stay distinct.")
     max_step_jump: int = Field(1000, ge=1, description="Steps a rank may advance at once beyond max_step_jump's floor of 10x what its observed step rate explains; larger jumps are rejected (step_jump).")
+    boot_takeover_s: float = Field(3.0, gt=0, description="Seconds a rank's agent must have been silent (or have said goodbye) before a message under another boot id may take the rank over; earlier ones are rejected (boot_conflict).")
     restart_grace_s: float = Field(30.0, gt=0, description="Seconds a rank's vote to restart its job (a report from a new boot at an earlier step, or another world size) counts; a restart needs votes from half the world, or the other ranks silent this long.")
     max_world: int = Field(65_536, ge=1, description="Largest world size accepted; larger claims are rejected (world_too_large), bounding per-rank state.")
     rank_ttl_s: float = Field(600.0, gt=0, description="Seconds after which a silent rank's series are no longer exported (case C34).")

@@ -77,6 +77,7 @@ class Aggregator:
             max_series_per_job=cfg.max_series_per_job, max_series_total=cfg.max_series_total,
             max_pending_bytes=cfg.max_pending_bytes, max_label_len=cfg.max_label_len,
             max_step_jump=cfg.max_step_jump, restart_grace_s=cfg.restart_grace_s,
+            boot_takeover_s=cfg.boot_takeover_s,
         )
         self._snapshot = Snapshot()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)

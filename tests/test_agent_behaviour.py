@@ -610,6 +610,7 @@ def test_the_goodbye_says_how_training_ended(collector, ending, reason):
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
+        collector.wait_steps(2)  # connected: the goodbye has a peer to go to
         if ending == "exception":
             raise KeyboardInterrupt
         if ending == "close":

@@ -46,8 +46,10 @@ def test_c28_first_contact_mid_stream_counts_no_loss_but_later_gaps_do():
 
 
 def test_agent_counters_stay_monotonic_across_agent_restarts():
-    st = State(clock=Clock())
+    clock = Clock()
+    st = State(clock=clock)
     st.apply(wire.Heartbeat(_hdr(seq=0, boot="a"), step=3, sent=10, drops=7, errors=2))
+    clock.t += st.boot_takeover_s  # the old process died: silent since
     st.apply(wire.Heartbeat(_hdr(seq=0, boot="b"), step=0, sent=1, drops=1, errors=0))
     (view,) = snapshot(st, time.time()).jobs[0].ranks
     assert (view.agent_drops, view.agent_errors, view.restarts) == (8, 2, 1)
@@ -180,6 +182,7 @@ def test_a_job_resuming_from_an_earlier_checkpoint_starts_over_and_old_messages_
         for rank in (0, 1):
             st.apply(_report(step, header=_hdr(rank=rank, world=2, seq=step, boot=f"old{rank}")))
     assert st.jobs["j"].ranks[0].step == 49
+    clock.t += st.boot_takeover_s  # the old incarnation died
     # rank 0 comes back first (a heartbeat, then step 40 from its checkpoint); rank 1 follows
     st.apply(wire.Heartbeat(_hdr(rank=0, world=2, seq=0, boot="new0"), step=-1, sent=0, drops=0, errors=0))
     st.apply(_report(40, header=_hdr(rank=0, world=2, seq=1, boot="new0")))
@@ -193,11 +196,33 @@ def test_a_job_resuming_from_an_earlier_checkpoint_starts_over_and_old_messages_
 
 
 def test_a_rank_restart_that_resumes_forward_keeps_the_job():
-    st = State(clock=Clock())
+    clock = Clock()
+    st = State(clock=clock)
     st.apply(_report(5, header=_hdr(seq=0, boot="a")))
-    st.apply(_report(6, header=_hdr(seq=0, boot="b")))
+    st.apply(wire.Heartbeat(_hdr(seq=1, boot="a"), step=5, sent=2, drops=0, errors=0, closing=True, reason="closed"))
+    st.apply(_report(6, header=_hdr(seq=0, boot="b")))  # re-attached in the same process: a goodbye first
     job = st.jobs["j"]
     assert job.restarts == 0 and job.ranks[0].restarts == 1 and job.ranks[0].steps == 2
+
+
+def test_a_live_ranks_boot_cannot_be_taken_over():
+    """While a rank's agent is alive (heard within boot_takeover_s, no goodbye) a message under
+    another boot is rejected (boot_conflict): it restarts nothing and counts as no agent restart,
+    however often it comes; once the agent has been silent that long, a new boot takes over."""
+    clock = Clock()
+    st = State(clock=clock, boot_takeover_s=3.0)
+    for s in range(5):
+        st.apply(_report(s, header=_hdr(seq=s, boot="real")))
+        for forged in range(10):  # a forger who knows the job key, alternating boots
+            st.apply(wire.Heartbeat(_hdr(seq=0, boot=f"f{forged}"), step=0, sent=0, drops=0, errors=0, closing=True))
+            st.apply(_report(0, header=_hdr(seq=0, boot=f"f{forged}")))
+        clock.t += 1.0
+    r = st.jobs["j"].ranks[0]
+    assert (r.boot, r.restarts, r.step, r.closing, st.jobs["j"].restarts) == ("real", 0, 4, False, 0)
+    assert st.rejected["boot_conflict"] == 100
+    clock.t += 2.1  # 3.1 s without a word from "real": a new boot may take the rank over
+    st.apply(_report(5, header=_hdr(seq=0, boot="next")))
+    assert (r.boot, r.restarts, r.step) == ("next", 1, 5)
 
 
 def test_state_stays_bounded_whatever_job_ids_and_world_sizes_peers_claim():
