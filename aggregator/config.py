@@ -64,7 +64,8 @@ class AggregatorConfig(BaseSettings):
         description="Agents' CURVE public keys admitted with --server-key: a directory of .key files (gradwatch keys' "
         "DIR/clients), one .key file, or one 40-character Z85 public key. Read at start-up.",
     )
-    rcv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive high-water mark, messages per connected agent: queued memory is at most agents x rcv_hwm x message size under overload (further messages wait in the agents' own bounded queues, where they are dropped and counted).")
+    rcv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive high-water mark, messages per connected agent. The intake thread keeps ZeroMQ's queues near empty; this bounds them should it fall behind.")
+    max_intake_bytes: int = Field(256 * 1024 * 1024, ge=1024 * 1024, description="Bytes of received frames waiting for the writer thread, all agents together; beyond it frames are dropped and counted (rejected, reason overload), so the aggregator's memory does not grow with the number of agents under overload.")
     publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read; when building one takes longer than a quarter of that (jobs of thousands of ranks), 4x its build time instead, so the receive thread spends at most a quarter of its time on them.")
     events_path: str = Field("", description="JSON-lines file findings are appended to as they are raised and resolved ('' for none).")
     grafana_url: str = Field("", description="Grafana base URL (http[s]://host[:port][/path]) to post each raised finding to as an annotation ('' for none).")

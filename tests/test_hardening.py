@@ -526,3 +526,62 @@ def test_a_forged_majority_restart_of_a_live_job_changes_nothing():
     job = st.jobs["j"]
     assert {r: x.step for r, x in job.ranks.items()} == {0: 55, 1: 55, 2: 55, 3: 55}
     assert st.rejected["retired_boot"] == 4 and st.rejected["step_jump"] == 0
+
+
+def test_memory_under_overload_is_bounded_for_all_agents_together():
+    """The writer stalls (a slow disk, a huge scrape) while 16 agents flood it: received frames
+    wait in the intake, which never holds more than max_intake_bytes whatever the number of
+    connections; the excess is dropped and counted (reason overload), and once the writer is back
+    every frame kept is handled: handled + overload = every frame ZeroMQ delivered."""
+    import threading
+
+    cfg = load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
+               max_intake_bytes=1 << 20, rcv_hwm=100_000)
+    agg = Aggregator(cfg)
+    stalled, handled = threading.Event(), [0]
+    go = threading.Event()
+    real_handle = agg.handle
+
+    def slow_handle(frame, key=None):
+        if not go.is_set():
+            stalled.set()
+            go.wait(60)
+        handled[0] += 1
+        real_handle(frame, key)
+
+    agg.handle = slow_handle
+    agg.start()
+    ctx = zmq.Context()
+    peers, sent = [], 0
+    try:
+        for i in range(16):
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 100_000)
+            s.connect(agg.endpoint)
+            peers.append(Agent(s, f"flood{i}", 0, 1, ""))
+        peers[0].heartbeat()
+        assert stalled.wait(10), "the writer never took the first frame"
+        peak = 0
+        for _ in range(200):
+            for p in peers:
+                for _ in range(10):
+                    p.heartbeat()  # ~150 bytes each: 16 x 2,000 x 150 = 4.8 MB offered
+                    sent += 1
+            peak = max(peak, agg.intake.bytes)
+        wait_for(lambda: agg.intake.dropped > 0, what="frames dropped past the intake's budget")
+        time.sleep(0.5)  # whatever ZeroMQ still buffers reaches the intake
+        peak = max(peak, agg.intake.bytes)
+        assert peak <= 1 << 20
+        go.set()
+        wait_for(lambda: handled[0] + agg.intake.dropped == sent + 1, 30, what="every frame handled or counted")
+        wait_for(lambda: agg.state.rejected["overload"] == agg.intake.dropped and agg.state.received["heartbeat"] == handled[0],
+                 what="overload counted by the writer")
+        m = samples(requests.get(agg.metrics_url, timeout=5).text, "gradwatch_messages_rejected_total")
+        assert m[(("reason", "overload"),)] == agg.intake.dropped > 0
+    finally:
+        go.set()
+        for p in peers:
+            p.sock.close(0)
+        ctx.term()
+        agg.stop()
