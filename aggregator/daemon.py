@@ -52,7 +52,9 @@ class Intake:
     """Received frames waiting for the writer: the intake thread puts, the writer takes.
 
     Args:
-        max_bytes: most bytes of frames held; a frame that would pass it is dropped and counted.
+        max_bytes: most bytes of frames held (memory).
+        max_frames: most frames held (how far behind the writer may fall).
+        A frame that would pass either is dropped and counted.
 
     Attributes:
         bytes: bytes of frames held now.
@@ -60,8 +62,8 @@ class Intake:
         ready: set when frames are waiting.
     """
 
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int, max_frames: int):
+        self.max_bytes, self.max_frames = max_bytes, max_frames
         self.bytes = 0
         self.dropped = 0
         self.ready = threading.Event()
@@ -73,7 +75,7 @@ class Intake:
         with self._lock:
             for item in batch:
                 n = len(item[0])
-                if self.bytes + n > self.max_bytes:
+                if self.bytes + n > self.max_bytes or len(self._frames) >= self.max_frames:
                     self.dropped += 1
                     continue
                 self._frames.append(item)
@@ -135,7 +137,7 @@ class Aggregator:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._intake_thread: Optional[threading.Thread] = None
-        self.intake = Intake(cfg.max_intake_bytes)
+        self.intake = Intake(cfg.max_intake_bytes, cfg.max_intake_frames)
         self._overload_counted = 0
         self._ctx: Optional[zmq.Context] = None
         self._sock = None

@@ -21,7 +21,7 @@ from gradwatch import wire
 from gradwatch.agent.config import AgentConfig, job_key
 from gradwatch.aggregator.checks import Thresholds
 from gradwatch.aggregator.config import load
-from gradwatch.aggregator.daemon import Aggregator
+from gradwatch.aggregator.daemon import Aggregator, Intake
 from gradwatch.aggregator.state import SERIES_PER_LAYER, SERIES_PER_MODULE, State
 
 from .conftest import samples, wait_for
@@ -536,7 +536,7 @@ def test_memory_under_overload_is_bounded_for_all_agents_together():
     import threading
 
     cfg = load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
-               max_intake_bytes=1 << 20, rcv_hwm=100_000)
+               max_message_bytes=1 << 20, max_intake_bytes=1 << 20, max_intake_frames=1_000_000, rcv_hwm=100_000)
     agg = Aggregator(cfg)
     stalled, handled = threading.Event(), [0]
     go = threading.Event()
@@ -579,6 +579,11 @@ def test_memory_under_overload_is_bounded_for_all_agents_together():
                  what="overload counted by the writer")
         m = samples(requests.get(agg.metrics_url, timeout=5).text, "gradwatch_messages_rejected_total")
         assert m[(("reason", "overload"),)] == agg.intake.dropped > 0
+        # and at most max_intake_frames wait: how far behind what /metrics shows may fall
+        assert Intake(1 << 30, 3).put([(b"x", None)] * 5) is None
+        small = Intake(1 << 30, 3)
+        small.put([(b"x", None)] * 5)
+        assert (len(small.take(10)), small.dropped, small.bytes) == (3, 2, 0)
     finally:
         go.set()
         for p in peers:

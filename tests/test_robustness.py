@@ -279,3 +279,10 @@ def test_an_agent_that_never_reached_an_aggregator_says_so_at_close():
     opt.step()
     with pytest.warns(RuntimeWarning, match="never connected"):
         monitor.close()
+
+
+def test_an_intake_smaller_than_the_largest_message_fails_at_start_naming_it():
+    from gradwatch.aggregator import ConfigError, load
+
+    with pytest.raises(ConfigError, match="max_intake_bytes"):
+        load(max_message_bytes=32 << 20, max_intake_bytes=16 << 20)
