@@ -33,7 +33,8 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
 * **Slots.** A job takes one of ``max_jobs`` slots only once it sent a schema and a report using
   it; until then it is *pending*, one of at most ``max_pending_jobs`` evicted least recently
   heard first, so invented job ids cannot squat slots; a pending job holds at most
-  ``max_pending_ranks`` ranks (``pending_ranks``).
+  ``max_pending_ranks`` ranks (``pending_ranks``) and twice as many schemas: those of ranks it
+  has no room for are kept for them to use once the job has its slot.
 * **Series.** Module paths longer than ``max_label_len`` are cut, keeping a digest of the whole
   path so that labels stay distinct; a job's latest round exports at most
   ``max_series_per_job`` per-layer series (the first layers in forward order), and all jobs
@@ -307,7 +308,15 @@ class State:
             job.admitted = True
         if r is None and not job.admitted and len(job.ranks) >= self.max_pending_ranks:
             # a job without a slot holds few ranks (state and series); the others are heard
-            # again, each within a heartbeat, once it has one
+            # again, each within a heartbeat, once it has one. Their schemas are kept (content-
+            # addressed, at most 2 x max_pending_ranks in all): a large job sends every schema
+            # before its first report, and a rank resends its own only every schema_every_s
+            if isinstance(msg, wire.Schema) and (msg.hash in job.schemas or len(job.schemas) < 2 * self.max_pending_ranks):
+                if msg.hash not in job.schemas:
+                    job.schemas[msg.hash] = self._short_names(msg)
+                    self.version += 1
+                self.received["schema"] += 1
+                return
             self.reject("pending_ranks")
             return
         job.touched = now
@@ -350,6 +359,8 @@ class State:
                 self.runner.dispatch("on_heartbeat", job, r, msg)
         else:
             self.received["report"] += 1
+            if not r.schema and msg.schema in job.schemas:
+                r.schema = msg.schema  # its schema came while the job had no room for the rank
             if msg.grad_sq is None:
                 self._report(job, r, msg, now)
             else:  # sharded: applied once the shard group's global norm is known (.shards)

@@ -7,6 +7,7 @@ import math
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import requests
 import torch
@@ -252,6 +253,43 @@ def test_state_stays_bounded_whatever_job_ids_and_world_sizes_peers_claim():
     for rank in range(8):
         st.apply(wire.Heartbeat(wire.Header("wide", rank, 8, f"b{rank}", 3, 0.0), step=0, sent=0, drops=0, errors=0))
     assert sorted(st.jobs["wide"].ranks) == list(range(8))
+
+
+def test_a_large_jobs_schemas_sent_before_its_first_report_are_all_kept():
+    """Every rank of a job larger than max_pending_ranks sends its schema before any report. The
+    schemas of ranks the pending job has no room for are kept all the same (at most twice
+    max_pending_ranks distinct ones), so those ranks' first probes are reconciled at once rather
+    than after their next schema resend."""
+    def schema(job, r, world, mesh):
+        return wire.Schema(wire.Header(job, r, world, f"b{r}", 0, 0.0), "h", r, 1, (("w", (2,), "float32"),), (),
+                           mesh=wire.Mesh(("dp",), (world,), (r,)) if mesh else None)
+
+    def probe(job, r, world, sch):
+        return wire.Report(wire.Header(job, r, world, f"b{r}", 1, 0.0), sch.hash, 0, 0.01, 1.0, 0, probe=True,
+                           act=np.zeros((0, 6), np.float32), act_grad=np.zeros((0, 2), np.float32),
+                           param=np.ones((1, 3), np.float32), fp_grad=np.zeros(1, np.uint64), fp_weight=np.zeros(1, np.uint64))
+
+    # DDP: one schema for every rank
+    st = State(clock=Clock(), max_pending_ranks=4)
+    ddp = [schema("ddp", r, 8, mesh=False) for r in range(8)]
+    for sch in ddp:
+        st.apply(sch)
+    assert st.rejected["pending_ranks"] == 0 and st.received["schema"] == 8 and len(st.jobs["ddp"].schemas) == 1
+    for r, sch in enumerate(ddp):
+        st.apply(probe("ddp", r, 8, sch))
+    job = st.jobs["ddp"]
+    assert sorted(job.ranks) == list(range(8)) and all(x.schema == ddp[0].hash for x in job.ranks.values())
+    assert job.rounds_complete == 1 and st.rejected["unknown_schema"] == 0
+    # a schema per rank (mesh coordinates): 4 ranks held, 4 more schemas kept, the rest refused
+    st = State(clock=Clock(), max_pending_ranks=4)
+    own = [schema("fsdp", r, 12, mesh=True) for r in range(12)]
+    for sch in own:
+        st.apply(sch)
+    job = st.jobs["fsdp"]
+    assert len(job.ranks) == 4 and len(job.schemas) == 8 and st.rejected["pending_ranks"] == 4
+    for r in range(8):
+        st.apply(probe("fsdp", r, 12, own[r]))
+    assert all(job.ranks[r].schema == own[r].hash for r in range(8))
 
 
 def test_config_mistakes_are_named_where_they_come_from(monkeypatch):
