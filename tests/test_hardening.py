@@ -178,6 +178,8 @@ def test_forged_frames_with_the_public_job_id_and_world_leave_the_real_job_alone
     settle(agg, sock)
     before = rejected(scrape(agg))
     # the strongest forger also knows the key: each frame is still rejected by reason
+    for a in job.ranks:  # the real ranks are alive (their heartbeats come every second)
+        a.heartbeat()
     insider = Agent(sock, "none", 1, 3, key=job.key)
     insider.world = 4
     insider.heartbeat()
