@@ -40,6 +40,7 @@ class _State:
     steps: Optional[Steps] = None  # per-step norms only (gradient agreement)
     active: dict = field(default_factory=dict)  # finding key -> Finding (its first step's)
     last_bad: dict = field(default_factory=dict)  # finding key -> latest step that found it
+    norms_judged: bool = False  # a step's gradient norms were judged: that path speaks for the check
 
 
 class _Agreement(Check):
@@ -61,11 +62,15 @@ class _Agreement(Check):
 
     def on_round(self, job, r):
         fp, seen = getattr(r, self.fingerprints[0]), getattr(r, self.fingerprints[1])
+        st = self._state(job)
         if fp is None or len(r.ranks) < 2 or seen.sum(axis=0).max(initial=0) < 2:
-            return None if self._state(job).active else Evaluation.no_data()
+            if st.norms_judged:
+                return None
+            st.active.clear(), st.last_bad.clear()  # no data: the runner drops the findings too
+            return Evaluation.no_data()
         bad, tied = minority(fp, seen, getattr(r, "holders", None))
         found = self._findings(job.job, r.step, r.ranks, r.params, bad, tied, "fingerprints")
-        return self._judged(self._state(job), r.step, found)
+        return self._judged(st, r.step, found)
 
     def _findings(self, job_id: str, step: int, ranks, params, bad: dict, tied: list, evidence: str,
                   values=None) -> list[Finding]:
@@ -168,5 +173,6 @@ class GradientAgreement(_Agreement):
                 return {"module": sn.params[p].rpartition(".")[0] or sn.params[p], "grad_norm": x,
                         "majority_grad_norm": ref, "rel_diff": abs(x - ref) / ref if ref else float("inf")}
 
+            st.norms_judged = True
             ev = self._judged(st, step, self._findings(job.job, step, sn.ranks, sn.params, bad, tied, "grad_norms", values))
         return ev
