@@ -280,7 +280,7 @@ class Monitor:
             act=tuple((i, n) for i, n, _ in rec.act) if probe else (), grad=tuple(i for i, _ in rec.grad) if probe else (),
             calls=tuple((i, c, n) for i, (c, n) in rec.counts.items()) if probe else (),
             probe_interval=self.schedule.interval, over_budget=self.schedule.over_budget,
-            shard_dims=self.layout.dims,
+            shard_dims=self.layout.dims, norms=self.fingerprints.enabled,
         )
         # the sender polls ``ready`` rather than waiting: a collective stuck on the device must not
         # stop its heartbeats (they tell a hung rank from the peers waiting for it)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from . import register
-from .grad_agreement import GradientAgreement
+from .grad_agreement import _Agreement
 
 
 @register
-class ReplicaDrift(GradientAgreement):
+class ReplicaDrift(_Agreement):
     name = "replica_drift"
     severity = "critical"
     description = (
@@ -16,4 +16,6 @@ class ReplicaDrift(GradientAgreement):
         "replica that drifted from the majority and its parameters (silent data corruption, a "
         "non-deterministic optimizer, a missed broadcast)."
     )
+    dashboard = "consistency"
     fingerprints = ("fp_weight", "fp_weight_seen")
+    what = "weights"
