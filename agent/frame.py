@@ -39,7 +39,7 @@ class Section:
 
 
 SECTIONS: tuple[Section, ...] = (
-    Section("grad_norm", doc="L2 norm of each present parameter's gradient (float32 accumulation)"),
+    Section("grad_norm", doc="L2 norms of each present parameter's gradient chunks (stats.chunk_norms' layout)"),
     Section("bucket_norm", doc="L2 norm of each DDP bucket on this rank before all-reduce"),
     Section("loss", doc="each loss passed to observe_loss during the step"),
     Section("loss_scale", doc="the AMP loss scale (0 or 1 item)"),
@@ -68,7 +68,7 @@ def pack(sections: Mapping[str, Sequence[torch.Tensor]]) -> tuple[torch.Tensor, 
     Args:
         sections: for any names of :data:`SECTIONS`, a sequence of items: float32 tensors of
             ``width`` elements (0-d for width 1; other float dtypes are converted), or 0-d int64
-            tensors for bit sections. Items may sit on different devices; everything moves to the
+            tensors for bit sections; a width-1 section may also be one 1-D tensor of its items. Items may sit on different devices; everything moves to the
             first item's device.
 
     Returns:
@@ -77,7 +77,8 @@ def pack(sections: Mapping[str, Sequence[torch.Tensor]]) -> tuple[torch.Tensor, 
 
     Raises:
         KeyError: a name not in :data:`SECTIONS`.
-        TypeError: a bit section's items are not int64.
+        TypeError: a bit section's items are not int64, or a tensor is given for a section that
+            is not width 1.
     """
     if not _NAME_SET.issuperset(sections):
         raise KeyError(f"not a frame section: {sorted(set(sections) - _NAME_SET)}")
@@ -87,6 +88,18 @@ def pack(sections: Mapping[str, Sequence[torch.Tensor]]) -> tuple[torch.Tensor, 
     dev = None
     for s in SECTIONS:  # every step runs this loop: the sentinel's cost is mostly Python, keep it lean
         items = sections.get(s.name)
+        if isinstance(items, torch.Tensor):  # a width-1 run already stacked on the device
+            if s.width != 1 or s.bits or items.dim() != 1:
+                raise TypeError(f"frame section {s.name}: a tensor is taken only as a 1-D run of width-1 items")
+            if not items.numel():
+                continue
+            counts[s.name] = items.numel()
+            dev = items.device if dev is None else dev
+            if scalars:
+                parts.append(_floats(torch.stack(scalars)))
+                scalars = []
+            parts.append(_floats(items if items.device == dev else items.to(dev)))
+            continue
         if not items:
             continue
         if not isinstance(items, (list, tuple)):
@@ -113,7 +126,8 @@ def pack(sections: Mapping[str, Sequence[torch.Tensor]]) -> tuple[torch.Tensor, 
 
 
 def _floats(x: torch.Tensor) -> torch.Tensor:
-    return (x if x.dtype == torch.float32 else x.float()).reshape(-1)
+    x = x if x.dtype == torch.float32 else x.float()
+    return x if x.dim() == 1 else x.reshape(-1)
 
 
 def to_host(flat: torch.Tensor) -> tuple[torch.Tensor, Optional[Callable[[], bool]]]:

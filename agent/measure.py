@@ -20,7 +20,7 @@ import torch
 
 from .fingerprint import Fingerprints
 from .hooks import ProbeRecorder
-from .stats import l2_norms, nonfinite_count
+from .stats import NORM_CHUNK, chunk_norms, l2_norms, nonfinite_count
 
 _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
@@ -58,7 +58,7 @@ def dense_values(g: torch.Tensor) -> torch.Tensor:
 
 
 def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], losses: Sequence[torch.Tensor],
-             scale: Optional[torch.Tensor], probing: bool, fingerprints: Fingerprints) -> tuple[list[int], dict]:
+             scale: Optional[torch.Tensor], probing: bool, fingerprints: Fingerprints) -> tuple[list[int], dict, tuple[int, ...]]:
     """Gradient statistics of one step, before the optimizer changes anything.
 
     Args:
@@ -70,22 +70,41 @@ def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], lo
         fingerprints: computes gradient fingerprints when there are replicas.
 
     Returns:
-        ``(present, sections)``: indices into ``params`` of those with a gradient, and frame
-        sections; without any gradient, no section at all (bucket norms, losses and the scale
-        only travel with gradients).
+        ``(present, sections, rows)``: indices into ``params`` of those with a gradient, frame
+        sections, and the chunks each present gradient has in the ``grad_norm`` section
+        (:func:`.stats.chunk_norms`; the sender combines them with :func:`.stats.combine_chunks`).
+        Without any gradient, no section at all (bucket norms, losses and the scale only travel
+        with gradients).
     """
-    present = [i for i, p in enumerate(params) if p.grad is not None]
-    grads = [dense_values(params[i].grad) for i in present]
+    present: list[int] = []
+    grads: list[torch.Tensor] = []
+    rows: list[int] = []
+    for i, p in enumerate(params):  # every step: one pass, no call per parameter that can be avoided
+        g = p.grad
+        if g is None:
+            continue
+        if g.layout != torch.strided or g.is_complex():
+            # sparse values vary in size from step to step, complex ones need their magnitude:
+            # l2_norms' one value each (rare, so its extra kernels do not matter)
+            g = l2_norms([dense_values(g)])[0].reshape(1)
+            k = 1
+        else:
+            n = g.numel()
+            k = 1 if n <= NORM_CHUNK else -(-n // NORM_CHUNK)
+        present.append(i)
+        grads.append(g)
+        rows.append(k)
     if not grads:
-        return present, {}
+        return present, {}, ()
     sections = {
-        "grad_norm": l2_norms(grads),
+        "grad_norm": chunk_norms(grads, rows),
         "bucket_norm": list(buckets), "loss": list(losses), "loss_scale": [] if scale is None else [scale],
     }
     if probing:
-        sections["grad_nonfinite"] = [nonfinite_count(g) for g in grads]
-        sections["grad_fp"] = fingerprints.of(grads)
-    return present, sections
+        dense = [dense_values(params[i].grad) for i in present]
+        sections["grad_nonfinite"] = [nonfinite_count(g) for g in dense]
+        sections["grad_fp"] = fingerprints.of(dense)
+    return present, sections, tuple(rows)
 
 
 def probe(params: Sequence[torch.Tensor], recorder: ProbeRecorder, fingerprints: Fingerprints) -> dict:

@@ -58,7 +58,8 @@ class Monitor:
     """Per-rank agent attached to one model and its optimizer; use :func:`gradwatch.agent.attach`.
 
     A context manager: leaving it (or :meth:`close`) removes every hook, stops the sender thread
-    and closes the socket. Attributes ``step`` (optimizer steps completed), ``probes`` (probed
+    and closes the socket; the goodbye says ``finished`` when the block ended normally, ``other``
+    when an exception left it, ``closed`` after :meth:`close`, ``exit`` at interpreter exit. Attributes ``step`` (optimizer steps completed), ``probes`` (probed
     steps submitted), ``errors``, ``disabled`` (parts switched off) and ``not_instrumented``
     (modules that refused hooks, case C17) are for inspection.
     """
@@ -87,7 +88,7 @@ class Monitor:
         self.step = self.probes = 0
         self._closed = self._forked = False
         self._close_reason = ""  # wire.CLOSE_REASONS, sent in the goodbye heartbeat
-        self._pre: Optional[tuple[list[int], dict]] = None  # the sentinel's (present, sections)
+        self._pre: Optional[tuple[list[int], dict, tuple]] = None  # the sentinel's (present, sections, rows)
         self._losses: list[torch.Tensor] = []
         self._last_step_end = self._acct_end = time.perf_counter()
         self._pre_s = self._carry_s = 0.0  # the agent's own host time in this step so far (budget)
@@ -143,7 +144,11 @@ class Monitor:
         if not self._forked:
             try:
                 self.sender.close()
-                if not self.sender.connected:  # a wrong endpoint must not go unnoticed
+                if self.sender.refused:  # wrong keys must not go unnoticed
+                    warnings.warn(f"gradwatch: the aggregator at {self.cfg.endpoint} refused this agent's CURVE "
+                                  f"handshake {self.sender.refused} time(s): no report reached it (check "
+                                  "GRADWATCH_SERVER_KEY and GRADWATCH_CLIENT_KEY)", RuntimeWarning, stacklevel=2)
+                elif not self.sender.connected:  # a wrong endpoint must not go unnoticed
                     warnings.warn(f"gradwatch: never connected to {self.cfg.endpoint}: no report reached an "
                                   "aggregator (is it running, and is GRADWATCH_ENDPOINT right?)", RuntimeWarning, stacklevel=2)
             except Exception:
@@ -152,8 +157,9 @@ class Monitor:
     def __enter__(self) -> "Monitor":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # leaving the block normally is the end of training; an exception out of it is not
+        self.close("finished" if exc_type is None else "other")
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Report ``loss`` (a scalar tensor, any dtype and device) with this step, without a host
@@ -249,7 +255,7 @@ class Monitor:
 
     def _submit(self, step: int, step_time: float, compute_time: float) -> None:
         pre, self._pre = self._pre, None
-        present, sections = pre if pre is not None else ([], {})
+        present, sections, rows = pre if pre is not None else ([], {}, ())
         probe, rec = self.recorder.probing, self.recorder
         if probe:
             if self._schema is None or len(rec.slots) != len(self._slots):
@@ -268,13 +274,13 @@ class Monitor:
         layout = functools.partial(
             report.StepLayout, step=step, step_time=step_time, compute_time=compute_time,
             skipped=self.scaler.take_skipped() if self.scaler is not None else 0,
-            schema=self._schema.hash if self._schema is not None else "", present=tuple(present), counts=counts,
+            schema=self._schema.hash if self._schema is not None else "", present=tuple(present), rows=rows, counts=counts,
             probe=probe, burst=probe and not self.schedule.on_cadence(step), batch=batch if probe else 0,
             micro=rec.micro if probe else 0, n_params=len(self._params), n_slots=len(self._slots),
             act=tuple((i, n) for i, n, _ in rec.act) if probe else (), grad=tuple(i for i, _ in rec.grad) if probe else (),
             calls=tuple((i, c, n) for i, (c, n) in rec.counts.items()) if probe else (),
             probe_interval=self.schedule.interval, over_budget=self.schedule.over_budget,
-            shard_dims=self.layout.dims,
+            shard_dims=self.layout.dims, norms=self.fingerprints.enabled,
         )
         # the sender polls ``ready`` rather than waiting: a collective stuck on the device must not
         # stop its heartbeats (they tell a hung rank from the peers waiting for it)

@@ -17,7 +17,7 @@ import numpy as np
 from gradwatch import wire
 
 from . import frame
-from .stats import combine_moments
+from .stats import combine_chunks, combine_moments
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class StepLayout:
         present: indices (into the model's parameters) of the parameters that had a gradient, in
             the order of the frame's ``grad_norm``, ``grad_nonfinite`` and ``grad_fp`` sections.
         counts: items per frame section, from :func:`frame.pack`.
+        rows: chunks of each present parameter's gradient in the ``grad_norm`` section
+            (:func:`.stats.chunk_norms`); empty: one value each.
         probe: a probed step; the fields below only matter then.
         burst: probed because of a burst rather than the cadence.
         batch: samples seen in the step (0 when unknown).
@@ -48,6 +50,8 @@ class StepLayout:
         over_budget: the budget cannot be met even at the longest interval.
         shard_dims: per parameter (all of them, schema order), the mesh dims it is sharded along;
             empty without a mesh (DDP). With it, the report carries ``grad_sq``.
+        norms: the report carries each parameter's gradient norm (wire ``grad_norms``), every
+            step: the rank has replicas the aggregator compares them with.
     """
 
     step: int
@@ -57,6 +61,7 @@ class StepLayout:
     schema: str
     present: tuple[int, ...]
     counts: dict = field(default_factory=dict)
+    rows: tuple[int, ...] = ()
     probe: bool = False
     burst: bool = False
     batch: int = 0
@@ -70,6 +75,7 @@ class StepLayout:
     probe_interval: int = 0
     over_budget: bool = False
     shard_dims: tuple[tuple[int, ...], ...] = ()
+    norms: bool = False
 
 
 def grad_sq(sq: np.ndarray, present, shard_dims) -> tuple[tuple[tuple[int, ...], float], ...]:
@@ -94,7 +100,9 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
         drops: reports the sender dropped so far.
 
     Returns:
-        A sentinel report, or with ``L.probe`` a probe report whose ``param`` is float32
+        A sentinel report (with ``L.norms`` and gradients, ``grad_norms`` float32 [n_params]: the
+        sentinel's norms as measured, NaN where a parameter had no gradient), or with ``L.probe``
+        a probe report whose ``param`` is float32
         [n_params, 3] (gradient norm, weight norm, non-finite count; NaN where a parameter had no
         gradient), ``act`` float32 [n_slots, 6] (NaN where no call output an element),
         ``act_grad`` float32 [n_slots, 2], ``act_count`` float32 [n_slots, 2] (calls, elements;
@@ -104,7 +112,7 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
         ValueError: ``host`` does not match ``L.counts``.
     """
     f = frame.unpack(host, L.counts)
-    norms = f["grad_norm"]
+    norms = combine_chunks(f["grad_norm"], L.rows) if L.rows else f["grad_norm"]
     sq = norms * norms
     has_grads = len(norms) > 0  # the sentinel sends bucket norms, losses and scale only with gradients
     grad_norm = math.sqrt(sq.sum()) if has_grads else math.nan  # NaN or Inf when a parameter's is
@@ -117,8 +125,12 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
         # the comm hook and output tensor hooks saw gradients multiplied by the loss scale; the
         # optimizer pre-hook sees them unscaled (case C10)
         local_norm /= loss_scale
+    grad_norms = None
+    if L.norms and has_grads:
+        grad_norms = np.full(L.n_params, np.nan, np.float32)
+        grad_norms[np.asarray(L.present)] = norms
     common = dict(
-        grad_sq=grad_sq(sq, L.present, L.shard_dims) if L.shard_dims else None,
+        grad_sq=grad_sq(sq, L.present, L.shard_dims) if L.shard_dims else None, grad_norms=grad_norms,
         drops=drops, local_grad_norm=local_norm, compute_time=L.compute_time, loss=loss,
         loss_scale=loss_scale, skipped=L.skipped,
         agent_cost=L.agent_cost, probe_interval=L.probe_interval, over_budget=L.over_budget,

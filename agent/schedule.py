@@ -37,10 +37,12 @@ START_INTERVAL = 8  # budget mode, until the first probe has been measured
 WARMUP_STEPS = 3  # steps whose cost is not measured (first-call allocations, lazy imports, the schema)
 OVER_BUDGET = 3.0  # at the ceiling, a cost above this many budgets is flagged
 HYSTERESIS = 1.25  # the ideal interval must move this far past a power of two to change the interval
-ALPHA_STEP = 0.05  # EWMA weight of one unprobed step (many samples, noisy)
-ALPHA_PROBE = 0.3  # EWMA weight of one probed step (few samples)
-CLIP = 4.0  # a sample above this many times its average counts as this many: a pause (evaluation, a
-# checkpoint, the OS preempting the process on a busy machine) is not the agent's cost
+STEP_WINDOW = 64  # unprobed steps behind the step and sentinel medians
+PROBE_WINDOW = 9  # probed steps behind the probe medians
+REFRESH = 16  # unprobed samples between two recomputations of their medians (a sort costs the training thread)
+CLIP = 4.0  # a probed step's wall-time excess counts as at most this many times its own agent host time
+# (or 1% of a step): a pause in a probed step (evaluation, a checkpoint, the OS preempting the
+# process on a busy machine) is not the agent's cost
 
 
 def _pow2_at_least(x: float) -> int:
@@ -52,44 +54,53 @@ def _pow2_at_most(x: float) -> int:
 
 
 class Cost:
-    """The agent's measured cost, as exponentially weighted moving averages (seconds), each sample
-    clipped at :data:`CLIP` times the average so far (a probed step's wall time: its excess over
-    an unprobed step, at :data:`CLIP` times the probe's average excess).
+    """The agent's measured cost (seconds), as medians of recent samples.
+
+    Medians, not running means: a pause (evaluation, a checkpoint, the OS preempting the process)
+    is one sample among many and moves a median not at all, and nothing ratchets: a median never
+    leaves the range of its window. A probed step's wall time is also clipped, per sample, at the
+    unprobed median plus :data:`CLIP` times that step's own extra agent host time, so pauses that
+    fall on every probed step (a benchmark's interleaving, evaluation aligned with the cadence)
+    overstate a probe at most :data:`CLIP`-fold. Medians of unprobed steps are recomputed every
+    :data:`REFRESH` samples (and on each of the first), of probed steps on every sample.
 
     Attributes:
         sentinel_s: agent host time on an unprobed step (sentinel, step hooks, pack, submit).
         step_s: wall time of an unprobed step, agent included.
         probe_host_s: agent host time on a probed step (module and tensor hooks included).
         probe_step_s: wall time of a probed step.
-        probes, steps: samples behind the probe and the unprobed averages.
+        probes, steps: samples behind the probe and the unprobed figures.
     """
 
     def __init__(self):
         self.sentinel_s = self.step_s = self.probe_host_s = self.probe_step_s = math.nan
         self.probes = self.steps = 0
-
-    @staticmethod
-    def _ewma(old: float, new: float, alpha: float) -> float:
-        if math.isnan(old):
-            return new
-        return old + alpha * (min(new, CLIP * old) - old)
+        self._sentinel: collections.deque = collections.deque(maxlen=STEP_WINDOW)
+        self._step: collections.deque = collections.deque(maxlen=STEP_WINDOW)
+        self._probe_host: collections.deque = collections.deque(maxlen=PROBE_WINDOW)
+        self._probe_step: collections.deque = collections.deque(maxlen=PROBE_WINDOW)
 
     def add(self, probed: bool, agent_s: float, step_s: float) -> None:
+        """One step's agent host time and wall time, seconds; non-finite or negative samples are
+        ignored."""
         if not (math.isfinite(agent_s) and math.isfinite(step_s)) or agent_s < 0 or step_s <= 0:
             return
         if probed:
-            if self.steps and not math.isnan(self.probe_step_s):
-                # a probed step's wall time counts through its excess over an unprobed step, so a
-                # pause is clipped against what a probe adds, not against the whole step
-                excess = max(self.probe_step_s - self.step_s, self.probe_host_s - self.sentinel_s, 0.01 * self.step_s)
-                step_s = min(step_s, self.step_s + CLIP * excess)
-            self.probe_host_s = self._ewma(self.probe_host_s, agent_s, ALPHA_PROBE)
-            self.probe_step_s = self._ewma(self.probe_step_s, step_s, ALPHA_PROBE)
+            if self.steps:
+                own = max(agent_s - self.sentinel_s, 0.01 * self.step_s)
+                step_s = min(step_s, self.step_s + CLIP * own)
+            self._probe_host.append(agent_s)
+            self._probe_step.append(step_s)
+            self.probe_host_s = statistics.median(self._probe_host)
+            self.probe_step_s = statistics.median(self._probe_step)
             self.probes += 1
         else:
-            self.sentinel_s = self._ewma(self.sentinel_s, agent_s, ALPHA_STEP)
-            self.step_s = self._ewma(self.step_s, step_s, ALPHA_STEP)
+            self._sentinel.append(agent_s)
+            self._step.append(step_s)
             self.steps += 1
+            if self.steps <= REFRESH or self.steps % REFRESH == 0:
+                self.sentinel_s = statistics.median(self._sentinel)
+                self.step_s = statistics.median(self._step)
 
     @property
     def probe_extra_s(self) -> float:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -69,6 +70,81 @@ def l2_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if out[i] is None:
             out[i] = _chunked_norm(t)
     return out
+
+
+#: a tensor of up to this many chunks joins :func:`chunk_norms`'s one ``_foreach_norm`` call as views;
+#: a larger one takes one ``vector_norm`` over its rows (a view per chunk would cost Python per chunk)
+SPLIT_MAX = 64
+
+
+def chunks_of(numel: int) -> int:
+    """Chunks of :data:`NORM_CHUNK` elements :func:`chunk_norms` gives a tensor of ``numel``
+    elements (1 for at most one chunk, an empty tensor included)."""
+    return 1 if numel <= NORM_CHUNK else -(-numel // NORM_CHUNK)
+
+
+def chunk_norms(tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.Tensor:
+    """float32 L2 norms of the chunks of each tensor, as one flat tensor; no host sync.
+
+    The sentinel's every-step form of :func:`l2_norms`, with the float64 sum across chunks left to
+    the host (:func:`combine_chunks`): tensors of at most :data:`SPLIT_MAX` chunks are split into
+    views and normed by one ``torch._foreach_norm`` with everything else, so a step costs a split
+    per large tensor, one foreach and one stack instead of five kernels per large tensor.
+
+    Args:
+        tensors: strided floating tensors, any device (the first one's receives the result).
+        rows: ``chunks_of(t.numel())`` of each tensor (precomputed by the caller: a parameter's
+            gradient keeps its size).
+
+    Returns:
+        float32 [sum(rows)]: the chunk norms of the tensors with at most :data:`SPLIT_MAX` chunks,
+        in order, then those of the larger ones, in order (the layout :func:`combine_chunks` reads).
+    """
+    views: list[torch.Tensor] = []
+    huge: list[torch.Tensor] = []
+    for t, k in zip(tensors, rows):
+        if k == 1:
+            views.append(t)
+        elif k <= SPLIT_MAX:
+            views.extend(t.reshape(-1).split(NORM_CHUNK))
+        else:
+            x = t.detach().reshape(-1)
+            m = x.numel() // NORM_CHUNK * NORM_CHUNK
+            huge.append(torch.linalg.vector_norm(x[:m].view(-1, NORM_CHUNK), dim=1, dtype=torch.float32))
+            if m < x.numel():
+                huge.append(torch.linalg.vector_norm(x[m:], dtype=torch.float32).reshape(1))
+    out = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)) if views else None
+    if not huge:
+        return out if out is not None else torch.empty(0)
+    return torch.cat(([out] if out is not None else []) + [h.to(huge[0].device) for h in huge])
+
+
+def combine_chunks(values: np.ndarray, rows: Sequence[int]) -> np.ndarray:
+    """Host side of :func:`chunk_norms`: each tensor's L2 norm, ``sqrt(sum of squared chunk
+    norms)`` in float64 (NaN and Inf propagate).
+
+    Args:
+        values: [sum(rows)] chunk norms in :func:`chunk_norms`'s layout.
+        rows: chunks of each tensor.
+
+    Returns:
+        float64 [len(rows)].
+
+    Raises:
+        ValueError: ``values`` does not hold ``sum(rows)`` norms.
+    """
+    v = np.asarray(values, np.float64).reshape(-1)
+    if v.size != sum(rows):
+        raise ValueError(f"{v.size} chunk norms for {sum(rows)} chunks")
+    if v.size == len(rows):
+        return v
+    k = np.asarray(rows, np.int64)
+    order = np.concatenate((np.flatnonzero(k <= SPLIT_MAX), np.flatnonzero(k > SPLIT_MAX)))
+    seg = np.repeat(order, k[order])
+    sq = np.zeros(len(k))
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.add.at(sq, seg, v * v)
+    return np.sqrt(sq)
 
 
 def _chunked_norm(t: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,9 @@ import time
 from typing import Callable, Optional
 
 import zmq
+import zmq.utils.monitor
 
-from gradwatch import wire
+from gradwatch import auth, wire
 
 log = logging.getLogger("gradwatch.agent")
 
@@ -116,7 +117,10 @@ class Sender:
         # instead of waiting out TCP's retransmission backoff after the network heals
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        # connections, and with CURVE the handshakes the aggregator refuses (said once, counted)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | (auth.REFUSED_EVENTS if keys is not None else 0))
+        self._endpoint = endpoint
+        self.refused = 0  # CURVE handshakes the aggregator refused
         self._sock.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name="gradwatch-sender", daemon=True)
 
@@ -211,13 +215,23 @@ class Sender:
         return True
 
     def _reconnected(self) -> bool:
+        """Whether the socket (re)connected since the last turn; counts refused CURVE handshakes
+        in ``refused`` and warns at the first one (nothing this agent sends would arrive)."""
         seen = False
         while self._monitor.poll(0):
             try:
-                self._monitor.recv_multipart(zmq.NOBLOCK)
-                seen = self.connected = True
-            except zmq.ZMQError:
+                event = zmq.utils.monitor.parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except (zmq.ZMQError, ValueError, KeyError):
                 break
+            if event == zmq.EVENT_CONNECTED:
+                seen = self.connected = True
+            elif event & auth.REFUSED_EVENTS:
+                self.refused += 1
+                if self.refused == 1:
+                    log.warning(
+                        "gradwatch: the aggregator at %s refused this agent's CURVE handshake: no report "
+                        "reaches it (is GRADWATCH_SERVER_KEY the aggregator's public key, and this agent's "
+                        "client key among its --client-keys?)", self._endpoint)
         return seen
 
     def _blocked(self, now: float) -> None:

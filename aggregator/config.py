@@ -48,6 +48,7 @@ class AggregatorConfig(BaseSettings):
     max_names: int = Field(10_000, ge=1, le=1_000_000, description="Most parameters, and most slots (leaf module outputs), one schema may list; larger schemas are rejected (bad_field).")
     max_label_len: int = Field(200, ge=32, le=4096, description="Longest module path (or host name) exported as a label value, characters; longer ones are cut, keeping a digest of the whole so they stay distinct.")
     max_step_jump: int = Field(1000, ge=1, description="Steps a rank may advance at once beyond max_step_jump's floor of 10x what its observed step rate explains; larger jumps are rejected (step_jump).")
+    boot_takeover_s: float = Field(3.0, gt=0, description="Seconds a rank's agent must have been silent (or have said goodbye) before a message under another boot id may take the rank over; earlier ones are rejected (boot_conflict).")
     restart_grace_s: float = Field(30.0, gt=0, description="Seconds a rank's vote to restart its job (a report from a new boot at an earlier step, or another world size) counts; a restart needs votes from half the world, or the other ranks silent this long.")
     max_world: int = Field(65_536, ge=1, description="Largest world size accepted; larger claims are rejected (world_too_large), bounding per-rank state.")
     rank_ttl_s: float = Field(600.0, gt=0, description="Seconds after which a silent rank's series are no longer exported (case C34).")
@@ -63,7 +64,9 @@ class AggregatorConfig(BaseSettings):
         description="Agents' CURVE public keys admitted with --server-key: a directory of .key files (gradwatch keys' "
         "DIR/clients), one .key file, or one 40-character Z85 public key. Read at start-up.",
     )
-    rcv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive high-water mark, messages per connected agent: queued memory is at most agents x rcv_hwm x message size under overload (further messages wait in the agents' own bounded queues, where they are dropped and counted).")
+    rcv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive high-water mark, messages per connected agent. The intake thread keeps ZeroMQ's queues near empty; this bounds them should it fall behind.")
+    max_intake_bytes: int = Field(64 * 1024 * 1024, ge=1024 * 1024, description="Bytes of received frames waiting for the writer thread, all agents together; beyond it frames are dropped and counted (rejected, reason overload), so the aggregator's memory does not grow with the number of agents under overload. At least max_message_bytes.")
+    max_intake_frames: int = Field(50_000, ge=100, description="Frames waiting for the writer thread, all agents together; beyond it frames are dropped and counted (reason overload). Bounds how stale what the aggregator shows gets under overload: at most this many frames behind (~3 s at the writer's rate on a small core).")
     publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read; when building one takes longer than a quarter of that (jobs of thousands of ranks), 4x its build time instead, so the receive thread spends at most a quarter of its time on them.")
     events_path: str = Field("", description="JSON-lines file findings are appended to as they are raised and resolved ('' for none).")
     grafana_url: str = Field("", description="Grafana base URL (http[s]://host[:port][/path]) to post each raised finding to as an annotation ('' for none).")
@@ -91,6 +94,14 @@ class AggregatorConfig(BaseSettings):
     def _grafana_url(cls, v: str) -> str:
         if v and not v.startswith(("http://", "https://")):
             raise ValueError(f"must look like http[s]://host[:port], got {v!r}")
+        return v
+
+    @field_validator("max_intake_bytes")
+    @classmethod
+    def _intake_holds_a_message(cls, v: int, info) -> int:
+        most = info.data.get("max_message_bytes")
+        if most is not None and v < most:
+            raise ValueError(f"must be at least max_message_bytes ({most}), got {v}: the largest message would never fit")
         return v
 
     @field_validator("listen")

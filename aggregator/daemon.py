@@ -1,14 +1,20 @@
-"""The aggregator daemon: a PULL socket, one receive thread that owns the state, an HTTP server.
+"""The aggregator daemon: a PULL socket drained by an intake thread, one writer thread that owns
+the state, an HTTP server.
 
-The receive thread is the single writer: it decodes frames (:mod:`gradwatch.wire`, with explicit
-limits), applies them to :class:`~.state.State`, closes rounds whose grace period ran out, and
-publishes an immutable snapshot at most every ``publish_interval_s``. The HTTP server's threads
-only read the published snapshot. A peer's bytes can fail one frame, never the loop: every
-failure is counted in ``gradwatch_messages_rejected_total{reason}``.
+The intake thread only receives: it moves frames from ZeroMQ into :class:`Intake`, a queue bounded
+in bytes over all agents together (``max_intake_bytes``; beyond it frames are dropped and counted,
+reason ``overload``), so that under overload memory does not grow with the number of connected
+agents times ZeroMQ's per-connection high-water mark. The writer thread decodes frames
+(:mod:`gradwatch.wire`, with explicit limits), applies them to :class:`~.state.State`, closes
+rounds whose grace period ran out, and publishes an immutable snapshot at most every
+``publish_interval_s``. The HTTP server's threads only read the published snapshot. A peer's bytes
+can fail one frame, never the loop: every failure is counted in
+``gradwatch_messages_rejected_total{reason}``.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import signal
@@ -40,6 +46,51 @@ class _HTTPServer(ThreadingMixIn, WSGIServer):
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format, *args):  # scrapes every few seconds would flood the log
         log.debug("http: " + format, *args)
+
+
+class Intake:
+    """Received frames waiting for the writer: the intake thread puts, the writer takes.
+
+    Args:
+        max_bytes: most bytes of frames held (memory).
+        max_frames: most frames held (how far behind the writer may fall).
+        A frame that would pass either is dropped and counted.
+
+    Attributes:
+        bytes: bytes of frames held now.
+        dropped: frames dropped for lack of room (the writer counts them as ``overload``).
+        ready: set when frames are waiting.
+    """
+
+    def __init__(self, max_bytes: int, max_frames: int):
+        self.max_bytes, self.max_frames = max_bytes, max_frames
+        self.bytes = 0
+        self.dropped = 0
+        self.ready = threading.Event()
+        self._frames: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+
+    def put(self, batch: list) -> None:
+        """Intake thread: hold ``(frame bytes, CURVE user id or None)`` items while room lasts."""
+        with self._lock:
+            for item in batch:
+                n = len(item[0])
+                if self.bytes + n > self.max_bytes or len(self._frames) >= self.max_frames:
+                    self.dropped += 1
+                    continue
+                self._frames.append(item)
+                self.bytes += n
+        self.ready.set()
+
+    def take(self, most: int) -> list:
+        """Writer thread: up to ``most`` items, oldest first; ``ready`` stays set while more wait."""
+        with self._lock:
+            n = min(most, len(self._frames))
+            items = [self._frames.popleft() for _ in range(n)]
+            self.bytes -= sum(len(f) for f, _ in items)
+            if not self._frames:
+                self.ready.clear()
+        return items
 
 
 class Aggregator:
@@ -77,6 +128,7 @@ class Aggregator:
             max_series_per_job=cfg.max_series_per_job, max_series_total=cfg.max_series_total,
             max_pending_bytes=cfg.max_pending_bytes, max_label_len=cfg.max_label_len,
             max_step_jump=cfg.max_step_jump, restart_grace_s=cfg.restart_grace_s,
+            boot_takeover_s=cfg.boot_takeover_s,
         )
         self._snapshot = Snapshot()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
@@ -84,6 +136,9 @@ class Aggregator:
                                                  cfg.rank_series_max))
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._intake_thread: Optional[threading.Thread] = None
+        self.intake = Intake(cfg.max_intake_bytes, cfg.max_intake_frames)
+        self._overload_counted = 0
         self._ctx: Optional[zmq.Context] = None
         self._sock = None
         self._auth = None  # zmq.auth.thread.ThreadAuthenticator with CURVE
@@ -147,7 +202,9 @@ class Aggregator:
             ) from None
         self.metrics_port = self._http.server_port
         threading.Thread(target=self._http.serve_forever, name="gradwatch-http", daemon=True).start()
-        self._thread = threading.Thread(target=self._loop, name="gradwatch-receive", daemon=True)
+        self._intake_thread = threading.Thread(target=self._receive, name="gradwatch-intake", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="gradwatch-writer", daemon=True)
+        self._intake_thread.start()
         self._thread.start()
         log.info("gradwatch aggregator: listening on %s%s, metrics at %s", self.endpoint,
                  " (CURVE)" if keys else "", self.metrics_url)
@@ -225,31 +282,48 @@ class Aggregator:
     def publish(self) -> None:
         self._snapshot = snapshot(self.state, time.time())
 
-    def _loop(self) -> None:
+    def _receive(self) -> None:
+        """Intake thread: the only user of the PULL socket; moves frames into :attr:`intake`."""
         sock = self._sock
+        curve = self._refused is not None
+        intake = self.intake
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100):
+                    continue
+                batch = []
+                for _ in range(1000):
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK, copy=not curve)
+                    except zmq.Again:
+                        break
+                    # with CURVE the ZAP handler set User-Id to the peer's public key
+                    batch.append((frame.bytes, frame.get("User-Id")) if curve else (frame, None))
+                intake.put(batch)
+        except Exception as e:  # never expected: the writer's /healthz reports a dead intake
+            log.exception("gradwatch aggregator: intake thread stopped: %r", e)
+        finally:
+            if curve:
+                sock.disable_monitor()
+            sock.close(linger=0)
+
+    def _loop(self) -> None:
         published = -1
         last_pub = last_tick = 0.0
         interval = wait = self.cfg.publish_interval_s
         tick_wait = 0.1
-        curve = self._refused is not None
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        if curve:
-            poller.register(self._refused, zmq.POLLIN)
+        intake = self.intake
         try:
             while not self._stop.is_set():
-                ready = dict(poller.poll(int(min(interval, 0.1) * 1000)))
-                if sock in ready:
-                    for _ in range(1000):
-                        try:
-                            frame = sock.recv(zmq.NOBLOCK, copy=not curve)
-                        except zmq.Again:
-                            break
-                        if curve:  # the ZAP handler set User-Id to the peer's public key
-                            self.handle(frame.bytes, frame.get("User-Id"))
-                        else:
-                            self.handle(frame)
-                if curve and self._refused in ready:
+                if intake.ready.wait(min(interval, 0.1)):
+                    for frame, key in intake.take(1000):
+                        self.handle(frame, key)
+                dropped = intake.dropped  # read once: the intake thread may add more meanwhile
+                if dropped != self._overload_counted:
+                    self.state.rejected["overload"] += dropped - self._overload_counted
+                    self.state.version += 1
+                    self._overload_counted = dropped
+                if self._refused is not None and self._refused.poll(0):
                     self._count_refused()
                 now = self.clock()
                 if now - last_tick >= tick_wait:
@@ -275,10 +349,10 @@ class Aggregator:
                     last_pub = now
         finally:
             self.publish()
-            if curve:
-                sock.disable_monitor()
+            if self._intake_thread is not None:
+                self._intake_thread.join(5)  # it closes the PULL socket (and disables its monitor)
+            if self._refused is not None:
                 self._refused.close(linger=0)
-            sock.close(linger=0)
 
     def _count_refused(self) -> None:
         """One rejection (``unauthenticated``) per refused CURVE handshake: a peer without keys,
@@ -307,9 +381,9 @@ class Aggregator:
             status = [dict(job_id=j, check=c, status=o) for j, c, o in (view.status if view else ())]
             return self._json(start_response, {"checks": status})
         if path == "/healthz":
-            ok = self._thread is not None and self._thread.is_alive()
+            ok = all(t is not None and t.is_alive() for t in (self._thread, self._intake_thread))
             body = json.dumps({"ok": ok}).encode()
-            # 503 when the receive loop died, so a liveness probe restarts the aggregator
+            # 503 when the writer or the intake thread died, so a liveness probe restarts the aggregator
             start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "application/json")])
             return [body]
         start_response("404 Not Found", [("Content-Type", "text/plain")])

@@ -21,7 +21,7 @@ import numpy as np
 
 from gradwatch import statistics, wire
 
-from .shards import combine_params, global_norms, parts
+from .shards import combine_params, global_norms, holders, parts
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -119,6 +119,55 @@ def _rank_totals(arrays: dict[str, np.ndarray]) -> np.ndarray:
     )
 
 
+def _param_columns(schemas: dict[str, wire.Schema]) -> tuple[tuple[str, ...], dict[str, np.ndarray]]:
+    """The union of the schemas' parameter names (first use order) and, per schema digest, int64
+    [its parameters]: their columns in that union."""
+    params = _union([[p[0] for p in s.params] for s in schemas.values()])
+    pidx = {n: i for i, n in enumerate(params)}
+    return params, {h: np.array([pidx[p[0]] for p in s.params], dtype=np.int64) for h, s in schemas.items()}
+
+
+@dataclass(frozen=True)
+class StepNorms:
+    """Every rank's per-parameter gradient norms of one step (wire ``grad_norms``, sent every step).
+
+    Attributes:
+        step: optimizer step index.
+        ranks: ranks whose report carried norms under a known schema, ascending.
+        params: parameter names, union of their schemas in first-use order.
+        norms: float64 [n_ranks, n_params], the float32 wire values; NaN where the rank does not
+            hold the parameter or it had no gradient.
+        holders: int64 [n_ranks, n_params], :func:`.shards.holders`: ranks with equal numbers in a
+            column hold the same bytes of that parameter.
+    """
+
+    step: int
+    ranks: tuple[int, ...]
+    params: tuple[str, ...]
+    norms: np.ndarray
+    holders: np.ndarray
+
+
+def step_norms(schemas: dict, step: int, reports: dict[int, wire.Report]) -> Optional[StepNorms]:
+    """Line up the ``grad_norms`` of one step's reports (rank -> report) by parameter name, as
+    :func:`reconcile` lines up a probed step's arrays. Reports without norms, under a schema not
+    (or no longer) known, or whose norms do not match their schema's length are left out; None
+    when none is left."""
+    ranks = tuple(sorted(r for r, x in reports.items() if x.grad_norms is not None and x.schema in schemas
+                         and len(x.grad_norms) == len(schemas[x.schema].params)))
+    if not ranks:
+        return None
+    used = {reports[r].schema: schemas[reports[r].schema] for r in ranks}
+    params, pcols = _param_columns(used)
+    norms = np.full((len(ranks), len(params)), np.nan)
+    for k, r in enumerate(ranks):
+        norms[k, pcols[reports[r].schema]] = reports[r].grad_norms
+    sch = [schemas[reports[r].schema] for r in ranks]
+    return StepNorms(step, ranks, params, norms,
+                     holders([x.mesh for x in sch], [x.shard for x in sch], [pcols[reports[r].schema] for r in ranks],
+                             len(params)))
+
+
 def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Report], complete: bool) -> RoundResult:
     ranks = tuple(sorted(reports))
     sch = [schemas[reports[r].schema] for r in ranks]
@@ -131,8 +180,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
     slot_names = {h: [m + o for m, o, _, _ in schemas[h].slots] for h in by_schema}
     layers = _union(slot_names.values())
     modules = _union([[_owner(p[0]) for p in s.params] for s in distinct])
-    params = _union([[p[0] for p in s.params] for s in distinct])
-    pidx = {n: i for i, n in enumerate(params)}
+    params, param_cols = _param_columns({h: schemas[h] for h in by_schema})
     types: dict[str, str] = {}
     for s in distinct:
         for m, o, typ, _ in s.slots:
@@ -153,7 +201,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         # the ranks of one schema at once: their rows go to the same columns
         s = schemas[digest]
         cols = np.array([lidx[n] for n in slot_names[digest]], dtype=np.int64)
-        pcols = np.array([pidx[p[0]] for p in s.params], dtype=np.int64)
+        pcols = param_cols[digest]
         reps_g = [reports[ranks[k]] for k in ks]
         kk = np.array(ks, dtype=np.int64)[:, None]
         act[kk, cols] = np.stack([x.act for x in reps_g])

@@ -10,8 +10,8 @@ global norm exactly (never an average of norms): ``||g||^2 = sum over shards of 
 Ranks hold the same bytes of such a parameter when their coordinates agree on ``D``: the replicas
 of one shard across HSDP's replicate dimension, every rank for a parameter ``Replicate``d over a
 tensor-parallel group; under pipeline parallelism also on the stage dims (ranks of different
-stages hold different parameters, even under equal names). :func:`combine_params` numbers those
-sets so fingerprints are compared within them only (:mod:`.checks._fingerprints`). The global
+stages hold different parameters, even under equal names). :func:`holders` numbers those sets
+so fingerprints and gradient norms are compared within them only (:mod:`.checks._fingerprints`). The global
 norm under pipeline parallelism adds the stages' totals (:func:`global_norms`).
 
 Pure functions and one small buffer; no torch.
@@ -134,6 +134,31 @@ def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float
     return out
 
 
+def holders(meshes: list, shards: list, pcols: list, n_params: int) -> np.ndarray:
+    """Which ranks hold the same bytes of each parameter.
+
+    Args:
+        meshes: per rank, its schema's mesh (None: every parameter whole).
+        shards: per rank, its schema's ``shard`` (``((dims, numel), ...)`` per schema parameter).
+        pcols: per rank, int64 [its schema's parameters]: their columns among ``n_params``.
+
+    Returns:
+        int64 [R, n_params]: ranks with equal numbers in a column hold the same bytes of that
+        parameter: equal coordinates on the dims it is sharded along and on the pipeline-stage
+        dims (0 for a parameter every rank holds whole, and everywhere without a mesh).
+    """
+    out = np.zeros((len(meshes), n_params), np.int64)
+    ids: dict[tuple, int] = {(): 0}
+    for k, (mesh, shard) in enumerate(zip(meshes, shards)):
+        if mesh is None or not shard:
+            continue
+        staged = bool(wire.stage_dims(mesh))
+        for j, (dims, _) in zip(pcols[k], shard):
+            if dims or staged:
+                out[k, j] = ids.setdefault((int(j), _on(mesh, dims)), len(ids))
+    return out
+
+
 def combine_params(meshes: list, shards: list, pcols: list, param: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-parameter rows of a round with each shard group combined into the global figures.
 
@@ -148,22 +173,17 @@ def combine_params(meshes: list, shards: list, pcols: list, param: np.ndarray) -
         ``(param, holders)``: float64 [R, P, 3] with every sharded parameter's row replaced, on
         every member of a complete shard group, by the group's global figures (norms: sqrt of the
         summed squares; non-finite counts: summed); NaN on members of an incomplete group. And
-        int64 [R, P]: ranks with equal numbers in a column hold the same bytes of that parameter
-        (0 everywhere without a mesh).
+        :func:`holders` int64 [R, P].
     """
     R, P = param.shape[:2]
     out = param.copy()
-    holders = np.zeros((R, P), np.int64)
     groups: dict[tuple, list[int]] = {}
     need: dict[tuple, int] = {}
-    ids: dict[tuple, int] = {(): 0}
     for k in range(R):
         mesh, shard = meshes[k], shards[k]
         if mesh is None or not shard:
             continue
-        staged = bool(wire.stage_dims(mesh))
         for j, (dims, _) in zip(pcols[k], shard):
-            holders[k, j] = ids.setdefault((int(j), _on(mesh, dims)), len(ids)) if dims or staged else 0
             if dims:
                 key = (int(j), dims, _off(mesh, dims))
                 groups.setdefault(key, []).append(k)
@@ -179,7 +199,7 @@ def combine_params(meshes: list, shards: list, pcols: list, param: np.ndarray) -
             out[members, j, 0] = norms[0]
             out[members, j, 1] = norms[1]
             out[members, j, 2] = key_rows[:, 2].sum()
-    return out, holders
+    return out, holders(meshes, shards, pcols, P)
 
 
 class ShardNorms:

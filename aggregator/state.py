@@ -16,6 +16,10 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   live job under an id is labelled with the id, a later one with ``id~`` and the first 4 (8, 16
   on a clash) hex chars of its key; ``State.jobs`` is keyed by that label. (With CURVE on, the
   authenticated client key belongs in the same tuple: :meth:`State.identity`.)
+* **One boot per live rank.** A message for a rank under another boot id than the one it speaks
+  under is rejected (``boot_conflict``) while that agent is alive: heard within
+  ``boot_takeover_s`` and without a goodbye. A real restart comes after the old process died
+  (silent) or closed its agent (goodbye); a forged frame for a live rank changes nothing.
 * **Restart by majority.** A job's state starts over only when at least half of its world's
   ranks vote for it from new boot ids (a report resuming at an earlier step, or a frame of
   another world size; votes agree on the world and expire after ``restart_grace_s``), or when
@@ -29,7 +33,8 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
 * **Slots.** A job takes one of ``max_jobs`` slots only once it sent a schema and a report using
   it; until then it is *pending*, one of at most ``max_pending_jobs`` evicted least recently
   heard first, so invented job ids cannot squat slots; a pending job holds at most
-  ``max_pending_ranks`` ranks (``pending_ranks``).
+  ``max_pending_ranks`` ranks (``pending_ranks``) and twice as many schemas: those of ranks it
+  has no room for are kept for them to use once the job has its slot.
 * **Series.** Module paths longer than ``max_label_len`` are cut, keeping a digest of the whole
   path so that labels stay distinct; a job's latest round exports at most
   ``max_series_per_job`` per-layer series (the first layers in forward order), and all jobs
@@ -154,7 +159,7 @@ class State:
         clock: monotonic clock, seconds.
         runner: the checks' ``Runner`` (events on_report, on_heartbeat, on_round, on_tick), or None.
         max_jobs, max_world, max_pending_jobs, max_pending_ranks, max_series_per_job,
-        max_series_total, max_pending_bytes, max_label_len, max_step_jump, restart_grace_s:
+        max_series_total, max_pending_bytes, max_label_len, max_step_jump, restart_grace_s, boot_takeover_s:
             the bounds of the module docstring; each is an aggregator setting of the same name
             (:class:`~.config.AggregatorConfig`, which documents units and defaults).
     """
@@ -176,6 +181,7 @@ class State:
         max_label_len: int = 200,
         max_step_jump: int = 1000,
         restart_grace_s: float = 30.0,
+        boot_takeover_s: float = 3.0,
     ):
         import time
 
@@ -189,6 +195,7 @@ class State:
         self.max_label_len = max_label_len
         self.max_step_jump = max_step_jump
         self.restart_grace_s = restart_grace_s
+        self.boot_takeover_s = boot_takeover_s
         self.labels: dict[tuple[str, str], str] = {}  # identity (job id, key) -> label, State.jobs' key
         self.jobs_evicted = 0  # pending jobs evicted to make room for another
         self.grace_s = grace_s
@@ -258,6 +265,12 @@ class State:
             job.peer_key = peer_key
         r = job.ranks.get(h.rank)
         new_boot = r is None or h.boot != r.boot
+        if new_boot and r is not None and r.boot and not r.closing and now - r.last_seen < self.boot_takeover_s:
+            # a rank speaks under one boot at a time: while its agent is alive (heard within
+            # boot_takeover_s, no goodbye) another boot claiming the rank is forged or misrouted,
+            # and may neither restart the job nor count as the agent's restart
+            self.reject("boot_conflict")
+            return
         if h.world != job.world:
             # another world size: a restarted job (elastic), or a forged or misrouted frame
             if not job.ranks:
@@ -295,7 +308,15 @@ class State:
             job.admitted = True
         if r is None and not job.admitted and len(job.ranks) >= self.max_pending_ranks:
             # a job without a slot holds few ranks (state and series); the others are heard
-            # again, each within a heartbeat, once it has one
+            # again, each within a heartbeat, once it has one. Their schemas are kept (content-
+            # addressed, at most 2 x max_pending_ranks in all): a large job sends every schema
+            # before its first report, and a rank resends its own only every schema_every_s
+            if isinstance(msg, wire.Schema) and (msg.hash in job.schemas or len(job.schemas) < 2 * self.max_pending_ranks):
+                if msg.hash not in job.schemas:
+                    job.schemas[msg.hash] = self._short_names(msg)
+                    self.version += 1
+                self.received["schema"] += 1
+                return
             self.reject("pending_ranks")
             return
         job.touched = now
@@ -338,6 +359,8 @@ class State:
                 self.runner.dispatch("on_heartbeat", job, r, msg)
         else:
             self.received["report"] += 1
+            if not r.schema and msg.schema in job.schemas:
+                r.schema = msg.schema  # its schema came while the job had no room for the rank
             if msg.grad_sq is None:
                 self._report(job, r, msg, now)
             else:  # sharded: applied once the shard group's global norm is known (.shards)

@@ -35,7 +35,11 @@ rank processed this step, summed over micro-steps; 0 when unknown), ``drops`` (r
 dropped so far), ``burst`` (probed out of cadence after an anomaly), ``agent_cost`` (the agent's
 measured average cost as a fraction of the training step time, NaN until measured; optional),
 ``probe_interval`` (the probe interval in use, steps; optional, 0 when unknown), ``over_budget``
-(even the longest probe interval costs over 3 budgets; optional) and, when ``probe`` is true,
+(even the longest probe interval costs over 3 budgets; optional), ``grad_norms`` (optional, sent
+on every report, probed or not, by an agent with replicas to compare with: raw little-endian
+float32 [n_params], each parameter's gradient L2 norm after all-reduce, as the optimizer's
+pre-step hook measures it, of what this rank holds; NaN where the parameter had no gradient, a
+non-finite norm as it is) and, when ``probe`` is true,
 arrays of raw little-endian bytes, row-major (columns declared once in :mod:`gradwatch.statistics`):
 
     act        float32 [n_slots, 6]   activation mean, std, min, max, zero ratio, non-finite count
@@ -240,6 +244,7 @@ class Report:
     over_budget: bool = False
     #: sharded layouts: ``((mesh dims, sum of squared local gradient elements), ...)``; None under DDP
     grad_sq: tuple[tuple[tuple[int, ...], float], ...] | None = None
+    grad_norms: np.ndarray | None = field(default=None, compare=False)  # [n_params] float32, optional
 
 
 @dataclass(frozen=True)
@@ -345,6 +350,8 @@ def encode(msg: Message) -> bytes:
         )
         if msg.grad_sq is not None:
             m["grad_sq"] = [[list(d), float(v)] for d, v in msg.grad_sq]
+        if msg.grad_norms is not None:
+            m["grad_norms"] = np.ascontiguousarray(msg.grad_norms, dtype=_F32).reshape(-1).tobytes()
         if msg.probe:
             for key, arr in statistics.ARRAYS.items():
                 a, cols = getattr(msg, key), len(statistics.fields(key))
@@ -499,6 +506,17 @@ def _ints(x, n: int | None = None, bound: int = 1 << 20) -> tuple[int, ...]:
     return tuple(x)
 
 
+def _grad_norms(m: dict, rows: int | None) -> np.ndarray | None:
+    """float32 [n_params] from the optional ``grad_norms`` bytes; ``rows``: the schema's count, or
+    None when unknown (then any whole number of floats)."""
+    if "grad_norms" not in m:
+        return None
+    raw = _get(m, "grad_norms", bytes)
+    if len(raw) % 4 or (rows is not None and len(raw) != 4 * rows):
+        raise WireError("bad_array", f"grad_norms: {len(raw)} bytes for {rows} parameters")
+    return np.frombuffer(raw, dtype=_F32)
+
+
 def _mesh(m: dict) -> Mesh | None:
     if "mesh" not in m:
         return None
@@ -599,6 +617,9 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
     if fast is not None and not fast["probe"]:
         # a sentinel (every step of every rank): no arrays; grad_sq checked last, as below
         fast.update(header=h, grad_sq=_grad_sq(m))
+        if "grad_norms" in m:
+            n = schema_sizes(h, fast["schema"])[0] if schema_sizes else None
+            fast["grad_norms"] = _grad_norms(m, n)
         return _build(Report, _REPORT_DEFAULTS, fast)
     probe = _get(m, "probe", bool)
     step = _get(m, "step", int, nonneg=True)
@@ -618,8 +639,12 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
             rows[a.rows] = arrays[key].shape[0]
         fp_grad = _fingerprints(m, "fp_grad", rows["params"])
         fp_weight = _fingerprints(m, "fp_weight", rows["params"])
+        grad_norms = _grad_norms(m, rows["params"])
+    else:
+        grad_norms = _grad_norms(m, schema_sizes(h, schema)[0] if schema_sizes and "grad_norms" in m else None)
     if fast is not None:  # the scalars were checked above; only the arrays were left to check
-        fast.update(arrays, header=h, fp_grad=fp_grad, fp_weight=fp_weight, grad_sq=_grad_sq(m))
+        fast.update(arrays, header=h, fp_grad=fp_grad, fp_weight=fp_weight, grad_sq=_grad_sq(m),
+                    grad_norms=grad_norms)
         return _build(Report, _REPORT_DEFAULTS, fast)
     return Report(
         header=h,
@@ -646,6 +671,7 @@ def _report(m: dict, h: Header, schema_sizes) -> Report:
         probe_interval=_get(m, "probe_interval", int, nonneg=True) if "probe_interval" in m else 0,
         over_budget=_get(m, "over_budget", bool) if "over_budget" in m else False,
         grad_sq=_grad_sq(m),
+        grad_norms=grad_norms,
     )
 
 
@@ -673,7 +699,8 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None, known_sch
         frame: the bytes of one ZeroMQ frame.
         limits: size caps; a frame over ``limits.max_message_bytes`` is rejected unread.
         schema_sizes: optional ``(header, schema_hash) -> (n_params, n_slots)`` callable; when
-            given, a probe report's arrays must have exactly those row counts (it may return
+            given, a probe report's arrays, and any report's ``grad_norms``, must have exactly
+            those row counts (it may return
             ``(None, None)`` for an unknown schema).
         known_schema: optional ``(header, schema_hash) -> Schema | None``; a schema message whose
             hash it knows reuses that schema's lists instead of parsing its own.

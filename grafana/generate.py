@@ -216,7 +216,8 @@ def variables(*names: str) -> list[dict]:
          "includeAll": False, "multi": False, "options": [], "regex": ""},
         {"type": "query", "name": "job_id", "label": "job", "datasource": q,
          "description": "Training job: the aggregator's job_id label (TORCHELASTIC_RUN_ID or GRADWATCH_JOB).",
-         "query": "label_values(gradwatch_rank_step, job_id)", "refresh": 2, "sort": 1,
+         # a gauge every job has: above --rank-series-max, per-rank series exist only for named ranks
+         "query": "label_values(gradwatch_job_world_size, job_id)", "refresh": 2, "sort": 1,
          "includeAll": False, "multi": False, "options": [], "regex": ""},
     ]
     picks = {
@@ -276,13 +277,17 @@ def overview(t: Thresholds) -> dict:
         stat("Ranks reporting", "Ranks of the job the aggregator currently hears from; compare with the world size.",
              [target(f"gradwatch_job_ranks_reporting{{{J}}}")]),
         stat("World size", "World size the job's ranks report.", [target(f"gradwatch_job_world_size{{{J}}}")]),
-        stat("Step", "Latest optimizer step of the most advanced rank.", [target(f"max(gradwatch_rank_step{{{J}}})")]),
+        # job-level series first: above --rank-series-max ranks the per-rank ones cover named ranks only
+        stat("Step", "Latest optimizer step of the most advanced rank.",
+             [target(f'max(gradwatch_job_rank_step{{{J}, agg="max"}}) or max(gradwatch_rank_step{{{J}}})')]),
         stat("Steps per second", "Optimizer steps per second, averaged over ranks.",
-             [target(f"avg(rate(gradwatch_rank_steps_total{{{J}}}[$__rate_interval]))")], unit="short"),
+             [target(f"sum(rate(gradwatch_job_steps_total{{{J}}}[$__rate_interval])) / sum(gradwatch_job_ranks_reporting{{{J}}})"
+                     f" or avg(rate(gradwatch_rank_steps_total{{{J}}}[$__rate_interval]))")], unit="short"),
         stat("Checks with a finding", "Checks whose latest evaluation found a problem (see the check status below).",
              [target(f'sum(gradwatch_check_status{{{J}, status="finding"}})')], steps=((1, "red"),)),
         stat("Non-finite steps", "Steps in the time range whose gradient held NaN or Inf, summed over ranks.",
-             [target(f"sum(increase(gradwatch_rank_nonfinite_steps_total{{{J}}}[$__range]))")], steps=((1, "red"),)),
+             [target(f"sum(increase(gradwatch_job_nonfinite_steps_total{{{J}}}[$__range]))"
+                     f" or sum(increase(gradwatch_rank_nonfinite_steps_total{{{J}}}[$__range]))")], steps=((1, "red"),)),
         timeseries("Global gradient norm", (
             "L2 norm of all gradients after all-reduce (every rank holds the same one), before the optimizer "
             f"step; log scale. Dashed lines: vanish_below ({t.vanish_below:g}) and explode_above "

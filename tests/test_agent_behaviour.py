@@ -595,3 +595,30 @@ def test_disabled_agent_is_a_null_monitor_that_attaches_nothing(monkeypatch, how
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
     assert monitor.step == 0
+
+
+@pytest.mark.parametrize("ending, reason", [("normal", "finished"), ("exception", "other"), ("close", "closed")])
+def test_the_goodbye_says_how_training_ended(collector, ending, reason):
+    """Leaving ``with attach(...)`` normally says ``finished``, an exception out of the block
+    ``other``, an explicit close() ``closed``: the aggregator's rank_silent quotes it."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def train(monitor):
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        collector.wait_steps(2)  # connected: the goodbye has a peer to go to
+        if ending == "exception":
+            raise KeyboardInterrupt
+        if ending == "close":
+            monitor.close()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        with agent.attach(model, opt, endpoint=collector.endpoint, every=1) as monitor:
+            train(monitor)
+    bye = collector.wait(lambda: [m for m in collector.msgs if isinstance(m, wire.Heartbeat) and m.closing],
+                         what="the goodbye heartbeat")
+    assert {m.reason for m in bye} == {reason}  # the last turns may both say goodbye

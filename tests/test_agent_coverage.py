@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from gradwatch import agent
-from gradwatch.agent.stats import NORM_CHUNK, l2_norms, Reducer
+from gradwatch.agent.stats import NORM_CHUNK, SPLIT_MAX, chunk_norms, chunks_of, combine_chunks, l2_norms, Reducer
 from gradwatch.agent.measure import dense_values
 
 from .test_agent_stats import Probe, assert_act, assert_norm, ref_norm, seeded, twin, train  # noqa: F401
@@ -118,6 +118,32 @@ def test_l2_norms_within_1e6_of_float64(log2):
         assert n.item() == pytest.approx(ref64(t), rel=1e-6)
     assert torch.isnan(l2_norms([torch.full((NORM_CHUNK + 5,), float("nan"))])[0])
     assert torch.isinf(l2_norms([torch.tensor([1.0] * NORM_CHUNK + [float("inf")])])[0])
+
+
+@pytest.mark.parametrize("log2", [10, 13, 14, 20, 24])
+def test_chunk_norms_combined_on_the_host_within_1e6_of_float64(log2):
+    """The sentinel's pair: chunk norms on the device (views of tensors up to SPLIT_MAX chunks in
+    one foreach, larger ones by rows, the latter at the end), float64 across chunks on the host;
+    each tensor's norm within rel 1e-6 of float64, in the tensors' order, non-finite values kept."""
+    g = torch.Generator().manual_seed(log2)
+    x = torch.randn(1 << log2, generator=g) + 0.5
+    small = torch.randn(7, 3, generator=g)
+    split = torch.randn(3 * NORM_CHUNK + 11, generator=g)  # views, with a short last chunk
+    nan = torch.full((NORM_CHUNK + 5,), float("nan"))
+    inf = torch.tensor([1.0] * NORM_CHUNK + [float("inf")])
+    ts = [x, small, split, x[:-3], nan, inf, x.reshape(-1, 1 << (log2 // 2))]
+    rows = [chunks_of(t.numel()) for t in ts]
+    assert (rows[1], rows[2]) == (1, 4) and (max(rows) > SPLIT_MAX) == (log2 > 19)
+    flat = chunk_norms(ts, rows)
+    assert flat.dtype == torch.float32 and flat.shape == (sum(rows),)
+    got = combine_chunks(flat.numpy(), rows)
+    assert got.dtype == np.float64 and got.shape == (len(ts),)
+    for t, n in zip(ts, got):
+        if torch.isfinite(t).all():
+            assert n == pytest.approx(ref64(t), rel=1e-6)
+    assert np.isnan(got[4]) and np.isinf(got[5])
+    with pytest.raises(ValueError, match="chunk norms"):
+        combine_chunks(flat.numpy()[:-1], rows)
 
 
 def test_output_grad_norm_of_complex_is_by_magnitude():

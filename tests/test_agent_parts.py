@@ -239,3 +239,21 @@ def test_report_from_a_probe_frame():
     sentinel, counts = frame.pack({})  # a step without gradients: NaN statistics, nothing else
     s = report.build(h, report.StepLayout(4, 0.5, math.nan, 0, "s", (), counts), sentinel.numpy(), drops=0)
     assert not s.probe and math.isnan(s.grad_norm) and math.isnan(s.loss) and s.grad_nonfinite == 0
+    assert r.grad_norms is None  # nobody to compare them with (StepLayout.norms)
+
+
+def test_sentinel_report_carries_each_parameters_gradient_norm_when_there_are_replicas():
+    """The norms as measured (float32, not re-derived from squares), NaN for a parameter without a
+    gradient, on an unprobed step; none without gradients."""
+    norm = torch.tensor(0.1, dtype=torch.float32)  # not exactly sqrt(0.1 ** 2) in float32 after squaring
+    flat, counts = frame.pack({"grad_norm": [torch.tensor(3.0), norm]})
+    h = wire.Header("j", 1, 2, "b", 1, 0.0)
+    L = report.StepLayout(7, 0.5, math.nan, 0, "s", (0, 2), counts, n_params=3, norms=True)
+    r = report.build(h, L, flat.numpy(), drops=0)
+    assert not r.probe and r.grad_norms.dtype == np.float32
+    assert np.array_equal(r.grad_norms, np.array([3.0, np.nan, norm.item()], np.float32), equal_nan=True)
+    got = wire.decode(wire.encode(r))
+    assert got.grad_norms.tobytes() == r.grad_norms.tobytes()  # bit for bit through the wire
+    empty, counts = frame.pack({})
+    assert report.build(h, report.StepLayout(8, 0.5, math.nan, 0, "s", (), counts, n_params=3, norms=True),
+                        empty.numpy(), drops=0).grad_norms is None

@@ -306,3 +306,27 @@ def test_wide_bind_with_curve_does_not_warn(keys, caplog):
     with caplog.at_level(logging.WARNING, logger="gradwatch.aggregator"):
         Aggregator(cfg).start().stop()
     assert not [r for r in caplog.records if "no CURVE" in r.getMessage()]
+
+
+def test_a_refused_agent_says_so_once_and_at_close(keys, curve_aggregator, caplog):
+    """An agent whose client key the aggregator does not admit is told so by the handshake: it
+    counts the refusals, logs one warning naming the settings to check, and warns again at close
+    (instead of the silent "never connected"); training is unaffected."""
+    agg = curve_aggregator
+    stranger_pub, stranger_sec = zmq.curve_keypair()
+    server_pub = auth.load_public(str(keys / "server.key"))
+    model, opt = small_model()
+    caplog.set_level("WARNING", logger="gradwatch.agent")
+    monitor = agent.attach(model, opt, endpoint=agg.endpoint, every=1, job="refused", heartbeat_s=0.05,
+                           server_key=server_pub.decode(), client_key=stranger_sec.decode())
+    assert isinstance(monitor, agent.Monitor)
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    wait_for(lambda: monitor.sender.refused >= 1, what="the refused handshake counted")
+    said = [r for r in caplog.records if "refused this agent's CURVE handshake" in r.getMessage()]
+    assert len(said) == 1 and "GRADWATCH_SERVER_KEY" in said[0].getMessage()
+    with pytest.warns(RuntimeWarning, match="refused this agent's CURVE handshake"):
+        monitor.close()
+    assert monitor.step == 5 and "refused" not in agg.state.jobs

@@ -1,5 +1,6 @@
-"""Gradient agreement and replica drift: pure-function tier on recorded rounds, then fault injection
-on real 3-rank gloo DDP runs against a real aggregator process."""
+"""Gradient agreement and replica drift: pure-function tier on recorded rounds, the per-step
+gradient norms through real wire frames into a real State and Runner, then fault injection on
+real 3-rank gloo DDP runs against a real aggregator process."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from gradwatch import wire
 from gradwatch.aggregator.checks import Outcome, Thresholds
 from gradwatch.aggregator.checks._fingerprints import minority
 from gradwatch.aggregator.checks.grad_agreement import GradientAgreement
 from gradwatch.aggregator.checks.replica_drift import ReplicaDrift
 
 from .conftest import run_demo, start_aggregator, wait_for
+from .test_checks_gradients import PARAMS, PIDX, SLOTS, Job, probe
 
 CONSISTENCY = {"grad_agreement", "replica_drift"}
 
@@ -50,7 +53,8 @@ def test_grad_agreement_outcomes_on_recorded_rounds():
     assert ev.outcome == Outcome.FINDING
     (f,) = ev.findings
     assert (f.check, f.rank, f.step, f.details["params"]) == ("grad_agreement", 5, 7, ["p1"])
-    tie = check.on_round(JOB, _round([[1, 2], [1, 3]]))
+    # a later step judged without rank 5 resolves its finding; the same step again would fold into it
+    tie = check.on_round(JOB, _round([[1, 2], [1, 3]], step=8))
     assert [(f.rank, f.details["params"]) for f in tie.findings] == [(None, ["p1"])]
 
 
@@ -59,6 +63,127 @@ def test_replica_drift_reads_weight_fingerprints():
     r.fp_weight = np.array([[1, 2], [1, 2], [8, 2]], np.uint64)
     (f,) = ReplicaDrift(Thresholds()).on_round(JOB, r).findings
     assert (f.check, f.rank, f.details["params"]) == ("replica_drift", 2, ["p0"])
+
+
+def test_minority_with_a_tolerance_groups_close_values():
+    v = np.array([[1.0, 2.0], [1.0 + 1e-7, 2.0], [1.0, 2.002], [1.1, 2.0]])
+    bad, tied = minority(v, np.ones(v.shape, bool), rtol=1e-5)
+    assert bad == {2: [1], 3: [0]} and tied == []  # 1e-7 apart is the same value, 1e-3 is not
+    assert minority(v[:2], np.ones((2, 2), bool), rtol=0.0) == ({}, [0])  # exact: the two split
+
+
+# --- every step's gradient norms, through the wire into a real State and Runner ---------------------
+
+CHECKS = ("grad_agreement", "replica_drift")
+#: healthy per-parameter gradient norms after all-reduce, float32 as on the wire
+NORMS = np.float32([0.75, 1.25, 0.0625, 3.5, 0.3])
+
+
+def sentinel(job: Job, rank: int, step: int, norms=NORMS, digest=None, fp=None) -> None:
+    """Rank ``rank``'s report of ``step`` with per-parameter gradient norms ``norms``; with ``fp``
+    (uint64 gradient fingerprints) a probe report."""
+    extra = {}
+    if fp is not None:
+        extra = dict(probe=True, fp_grad=np.asarray(fp, np.uint64), fp_weight=np.zeros(len(PARAMS), np.uint64), **probe())
+    job.send(wire.Report(job.header(rank), digest or job.digest, step, 0.01, 1.0, 0, local_grad_norm=1.0 + rank,
+                         grad_norms=np.asarray(norms, np.float32), **extra))
+
+
+def altered(param: str, factor: float) -> np.ndarray:
+    out = NORMS.copy()
+    out[PIDX[param]] *= np.float32(factor)
+    return out
+
+
+def test_grad_agreement_names_the_rank_and_parameter_whose_norm_differs_on_an_unprobed_step():
+    job = Job(CHECKS, world=3)
+    bad = altered("fc1.bias", 1.001)  # a gradient altered after all-reduce, 1e-3 relative
+    for step in range(6):
+        for r in range(3):
+            sentinel(job, r, step, bad if (step, r) == (3, 1) else NORMS)
+        if step == 3:  # found at the step itself, from the sentinels alone: no probe at step 3
+            (f,) = job.active("grad_agreement")
+            x, ref = float(bad[PIDX["fc1.bias"]]), float(NORMS[PIDX["fc1.bias"]])  # the float32 wire values
+            assert (f.rank, f.step, f.layer) == (1, 3, None)
+            assert f.details["params"] == ["fc1.bias"] and f.details["module"] == "fc1"
+            assert f.details["evidence"] == ["grad_norms"] and f.details["ranks"] == [0, 1, 2]
+            assert (f.details["grad_norm"], f.details["majority_grad_norm"]) == (x, ref)
+            assert f.details["rel_diff"] == pytest.approx(abs(x - ref) / ref, rel=1e-12)  # float64 reference
+            assert "rank 1" in f.summary and "fc1.bias" in f.summary
+    # one finding, resolved by the next step judged without it; the drift check saw no probe
+    assert job.events("grad_agreement") == [("raised", 3, 1, None), ("resolved", 3, 1, None)]
+    assert job.events("replica_drift") == [] and job.status("grad_agreement") == "healthy"
+
+
+@pytest.mark.parametrize("factor", [1.0, 1 + 4e-6], ids=["equal_bits", "within_tolerance"])
+def test_grad_agreement_no_finding_when_norms_agree_to_the_bit_or_within_tolerance(factor):
+    job = Job(CHECKS, world=3)
+    close = altered("fc2.weight", factor)  # 4e-6: a reduction-order difference, not a fault
+    assert factor == 1.0 or close[PIDX["fc2.weight"]] != NORMS[PIDX["fc2.weight"]]
+    for step in range(5):
+        for r in range(3):
+            sentinel(job, r, step, close if r == 2 else NORMS)
+    assert job.events("grad_agreement") == [] and job.status("grad_agreement") == "healthy"
+
+
+def test_grad_agreement_never_compares_missing_or_non_finite_norms():
+    job = Job(CHECKS, world=3)
+    odd = NORMS.copy()
+    odd[PIDX["emb.weight"]] = np.nan  # no gradient on this rank
+    odd[PIDX["head.weight"]] = np.inf  # the nonfinite check's
+    for r in range(3):
+        sentinel(job, r, 0, odd if r == 0 else NORMS)
+    job.send(wire.Report(job.header(0), job.digest, 1, 0.01, 1.0, 0))  # an agent without norms
+    for r in (1, 2):
+        sentinel(job, r, 1)
+    assert job.events("grad_agreement") == []
+
+
+def test_grad_agreement_two_ranks_split_without_a_majority():
+    job = Job(CHECKS, world=2)
+    for r in range(2):
+        sentinel(job, r, 0, altered("head.weight", 1.01) if r else NORMS)
+    (f,) = job.active("grad_agreement")
+    assert (f.rank, f.step, f.details["params"]) == (None, 0, ["head.weight"])
+
+
+def test_grad_agreement_one_finding_when_norms_and_fingerprints_see_the_same_fault():
+    job = Job(CHECKS, world=3)
+    fp = np.arange(1, len(PARAMS) + 1, dtype=np.uint64)
+    odd = fp.copy()
+    odd[PIDX["head.weight"]] += np.uint64(1)
+    for step in (9, 10, 11):  # 10 is probed: the sentinels and the round both see rank 2
+        for r in range(3):
+            faulty = step == 10 and r == 2
+            sentinel(job, r, step, altered("head.weight", 1.5) if faulty else NORMS,
+                     fp=(odd if faulty else fp) if step == 10 else None)
+        if step == 10:
+            (f,) = job.active("grad_agreement")
+            assert f.details["evidence"] == ["fingerprints", "grad_norms"] and f.step == 10
+    assert job.events("grad_agreement") == [("raised", 10, 2, None), ("resolved", 10, 2, None)]
+
+
+def test_grad_agreement_compares_replicas_of_a_shard_never_the_shards_of_a_group():
+    # HSDP: 3 replicas x 2 shards; every parameter sharded along "shard": ranks 0, 2, 4 hold one
+    # half, 1, 3, 5 the other, so the halves' norms differ by design
+    world = 6
+    job = Job(CHECKS, world=world)
+    digests = {}
+    for r in range(world):
+        mesh = wire.Mesh(("replicate", "shard"), (3, 2), (r // 2, r % 2))
+        s = wire.Schema(job.header(r), "node", r, 10, PARAMS, SLOTS, mesh=mesh, shard=tuple(((1,), 4) for _ in PARAMS))
+        job.send(s)
+        digests[r] = s.hash
+    half = {0: NORMS, 1: NORMS * np.float32(0.5)}
+    for step in range(3):
+        for r in range(world):
+            norms = half[r % 2]
+            if (step, r) == (1, 3):
+                norms = norms * np.float32(np.array([1, 1, 1, 1.01, 1], np.float32))  # fc2.weight, second half
+            sentinel(job, r, step, norms, digest=digests[r])
+    assert job.events("grad_agreement") == [("raised", 1, 3, None), ("resolved", 1, 3, None)]
+    (ev,) = [e for e in job.runner.events if e.check == "grad_agreement" and e.event == "raised"]
+    assert ev.details["params"] == ["fc2.weight"] and ev.details["ranks"] == list(range(world))
 
 
 def _raised(agg, job):
@@ -90,6 +215,21 @@ def test_desync_after_all_reduce_is_named_with_rank_step_and_parameter(agg):
     assert _raised(agg, "desync") == [("grad_agreement", 2, 20), ("replica_drift", 2, 20)]
     grad = next(e for e in agg.findings("desync") if e["check"] == "grad_agreement")
     assert grad["details"]["params"] == ["head.weight"] and grad["severity"] == "critical"
+
+
+@pytest.mark.ddp
+def test_desync_on_an_unprobed_step_is_named_at_that_step_from_the_sentinel_norms(agg):
+    run_demo(agg.endpoint, ranks=3, steps=35, every=10, inject=["desync@23:rank=2"], job="desync_unprobed")
+    _settled(agg, "desync_unprobed", [0, 10, 20, 30])
+    # step 23 is not probed: the per-step gradient norms name rank 2 there; its weights, updated
+    # with the perturbed gradient, differ from then on and the next probe (30) finds the drift
+    assert _raised(agg, "desync_unprobed") == [("grad_agreement", 2, 23), ("replica_drift", 2, 30)]
+    grad = next(e for e in agg.findings("desync_unprobed") if e["check"] == "grad_agreement")
+    assert grad["details"]["params"] == ["head.weight"] and grad["details"]["module"] == "head"
+    assert grad["details"]["evidence"] == ["grad_norms"] and grad["details"]["rel_diff"] > 1e-5
+    # resolved at the next step: the gradients after all-reduce agree again
+    events = [(e["event"], e["step"]) for e in agg.findings("desync_unprobed") if e["check"] == "grad_agreement"]
+    assert sorted(events) == [("raised", 23), ("resolved", 23)]
 
 
 @pytest.mark.ddp
@@ -131,7 +271,7 @@ def test_replica_drift_breaks_a_tie_of_two_holders_by_their_weight_norm_history(
     check.on_round(JOB, _drift_round(10, [[2, 5], [2, 5]], [[1.9, 3.0], [1.9, 3.0]]))
     (f,) = check.on_round(JOB, _drift_round(20, [[3, 5], [4, 5]], [[1.8, 3.0], [1.4, 3.0]])).findings
     assert (f.rank, f.details["params"], f.details["candidates"]) == (1, ["p0"], [0, 1])
-    ev = f.details["evidence"]["p0"]
+    ev = f.details["norms"]["p0"]
     assert ev["moved"] == {"0": pytest.approx(0.1), "1": pytest.approx(0.5)} and ev["steps"] == [0, 10]
     # the verdict stands while the pair disagrees, whatever the norms do next (one fault, one finding)
     (g,) = check.on_round(JOB, _drift_round(30, [[5, 5], [6, 5]], [[1.7, 3.0], [1.65, 3.0]])).findings
@@ -154,4 +294,4 @@ def test_replica_drift_without_history_lists_both_candidates():
     check = ReplicaDrift(Thresholds())
     (f,) = check.on_round(JOB, _drift_round(0, [[3, 5], [4, 5]], [[1.8, 3.0], [0.5, 3.0]])).findings
     assert (f.rank, f.details["candidates"]) == (None, [0, 1])
-    assert "2 needed" in f.details["evidence"]["0,1"]["history"]
+    assert "2 needed" in f.details["norms"]["0,1"]["history"]

@@ -160,7 +160,7 @@ def test_measured_sections_through_the_frame(probing, world_size):
     params = list(net.parameters())
     fps = Fingerprints(world_size)
     losses, scale = [torch.tensor(0.25), torch.tensor(0.75)], torch.tensor(1024.0)
-    present, sections = measure.sentinel(params, [], losses, scale, probing, fps)
+    present, sections, rows = measure.sentinel(params, [], losses, scale, probing, fps)
     if probing:
         sections.update(measure.probe(params, rec, fps))
         rec.remove()
@@ -169,6 +169,7 @@ def test_measured_sections_through_the_frame(probing, world_size):
 
     with_grad = [p for p in params if p.grad is not None]
     assert [params[i] for i in present] == with_grad and len(with_grad) == 4
+    assert rows == (1, 1, 1, 1)  # all within one chunk: one norm each (tests/test_agent_coverage.py: more)
     assert np.array_equal(got["grad_norm"], [torch.linalg.vector_norm(p.grad).item() for p in with_grad], equal_nan=True)
     assert got["loss"].tolist() == [0.25, 0.75] and got["loss_scale"].tolist() == [1024.0]
     assert len(got["bucket_norm"]) == 0
@@ -184,3 +185,19 @@ def test_measured_sections_through_the_frame(probing, world_size):
     else:
         assert got["grad_fp"].tolist() == [fingerprint(p.grad).item() & (2**64 - 1) for p in with_grad]
         assert got["weight_fp"].tolist() == [fingerprint(p).item() & (2**64 - 1) for p in params]
+
+
+def test_a_width1_section_may_come_stacked():
+    """The sentinel hands ``grad_norm`` over as one 1-D tensor (stats.chunk_norms): it packs like
+    the same items one by one, beside 0-d items of the neighbouring sections; a tensor for a
+    wider or bit section is refused."""
+    norms = torch.tensor([1.0, 2.0, 3.0])
+    flat, counts = frame.pack({"grad_norm": norms, "loss": [torch.tensor(0.5)], "act": [torch.arange(6.0)]})
+    same, same_counts = frame.pack({"grad_norm": list(norms), "loss": [torch.tensor(0.5)], "act": [torch.arange(6.0)]})
+    assert torch.equal(flat, same) and counts == same_counts and counts["grad_norm"] == 3
+    got = frame.unpack(flat.numpy(), counts)
+    assert got["grad_norm"].tolist() == [1.0, 2.0, 3.0] and got["loss"].tolist() == [0.5]
+    alone, _ = frame.pack({"grad_norm": norms})
+    assert alone is norms  # an unprobed step's whole frame: no kernel at all
+    with pytest.raises(TypeError, match="1-D run"):
+        frame.pack({"act": torch.zeros(6)})

@@ -157,7 +157,7 @@ def test_template_variables_datasource_job_rank_layer():
         defined = [v["name"] for v in d["templating"]["list"]]
         assert defined[:2] == ["datasource", "job_id"], uid
         job = d["templating"]["list"][1]
-        assert job["query"] == "label_values(gradwatch_rank_step, job_id)" and not job["multi"]
+        assert job["query"] == "label_values(gradwatch_job_world_size, job_id)" and not job["multi"]
         used = set()
         for p, t in panel_queries(d):
             assert t["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, (uid, p["title"])

@@ -21,7 +21,7 @@ from gradwatch import wire
 from gradwatch.agent.config import AgentConfig, job_key
 from gradwatch.aggregator.checks import Thresholds
 from gradwatch.aggregator.config import load
-from gradwatch.aggregator.daemon import Aggregator
+from gradwatch.aggregator.daemon import Aggregator, Intake
 from gradwatch.aggregator.state import SERIES_PER_LAYER, SERIES_PER_MODULE, State
 
 from .conftest import samples, wait_for
@@ -101,7 +101,7 @@ class Job:
 def agg():
     cfg = load(
         listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
-        round_grace_s=0.5, max_series_per_job=120, max_series_total=300, max_pending_jobs=8, max_jobs=4,
+        round_grace_s=0.5, boot_takeover_s=2.0, max_series_per_job=120, max_series_total=300, max_pending_jobs=8, max_jobs=4,
         checks=Thresholds(silent_after_s=3, skew_steps=5, skew_for_s=0),
     )
     with Aggregator(cfg) as a:
@@ -178,6 +178,8 @@ def test_forged_frames_with_the_public_job_id_and_world_leave_the_real_job_alone
     settle(agg, sock)
     before = rejected(scrape(agg))
     # the strongest forger also knows the key: each frame is still rejected by reason
+    for a in job.ranks:  # the real ranks are alive (their heartbeats come every second)
+        a.heartbeat()
     insider = Agent(sock, "none", 1, 3, key=job.key)
     insider.world = 4
     insider.heartbeat()
@@ -198,7 +200,7 @@ def test_forged_frames_with_the_public_job_id_and_world_leave_the_real_job_alone
     r = rejected(m)
     assert r.get("retired_boot", 0) == 0
     delta = {k: v - before.get(k, 0) for k, v in r.items() if v != before.get(k, 0)}
-    assert delta == {"world_mismatch": 1, "restart_unconfirmed": 1, "step_jump": 1, "foreign_goodbye": 1}
+    assert delta == {"boot_conflict": 4}  # rank 1 is alive: no other boot may speak for it
     # the key-less forger's frames made a job of their own, labelled apart from the real one
     assert sorted(dict(k)["job_id"] for k in m["gradwatch_job_world_size"] if dict(k)["job_id"].startswith("none")) == [
         "none", label("none", "")]
@@ -241,6 +243,7 @@ def test_a_real_restart_of_most_ranks_is_believed_and_an_elastic_shrink_too(agg,
     job = Job(sock, "elastic", world=3)
     job.steps(20)
     settle(agg, sock)
+    time.sleep(agg.cfg.boot_takeover_s)  # the old processes died
     for a in job.ranks:  # torchelastic restarts every rank from the checkpoint at step 10
         a.restart()
         a.schema()
@@ -251,6 +254,7 @@ def test_a_real_restart_of_most_ranks_is_believed_and_an_elastic_shrink_too(agg,
     assert m["gradwatch_job_restarts_total"][(("job_id", "elastic"),)] == 1
     assert {dict(k)["rank"]: v for k, v in m["gradwatch_rank_step"].items() if ("job_id", "elastic") in k} == {"0": 14, "1": 14, "2": 14}
     # the job comes back with two ranks (a node lost): both new ranks agree on world 2
+    time.sleep(agg.cfg.boot_takeover_s)
     job.ranks = [Agent(sock, "elastic", r, 2, job.key) for r in range(2)]
     for a in job.ranks:
         a.schema()
@@ -361,11 +365,13 @@ def test_restart_needs_half_the_world_or_the_old_ranks_silent():
     for s in range(20):
         for r in range(4):
             st.apply(_rep(r, s, f"old{r}", world=4, seq=s))
+    clock.t += st.boot_takeover_s  # the old processes died
     st.apply(_rep(0, 3, "new0", world=4))
     assert st.jobs["j"].restarts == 0 and st.rejected["restart_unconfirmed"] == 1
     st.apply(_rep(1, 3, "new1", world=4))  # half of 4: believed
     assert st.jobs["j"].restarts == 1 and st.jobs["j"].retired == {"old0", "old1", "old2", "old3"}
     # one rank alone resumes earlier, the others silent past the grace: believed too
+    clock.t += st.boot_takeover_s
     for r in range(4):
         st.apply(_rep(r, 10, f"mid{r}", world=4, seq=1))
     clock.t += 6
@@ -374,6 +380,9 @@ def test_restart_needs_half_the_world_or_the_old_ranks_silent():
     # a job only one live rank of which was heard yet: a forged vote for that rank is no restart
     st = State(clock=clock, restart_grace_s=5)
     st.apply(_rep(0, 10, "real0", world=4))
+    st.apply(_rep(0, 0, "forged", world=4))
+    assert st.jobs["j"].restarts == 0 and st.rejected["boot_conflict"] == 1  # real0 is alive
+    clock.t += st.boot_takeover_s  # silent, but not yet for restart_grace_s
     st.apply(_rep(0, 0, "forged", world=4))
     assert st.jobs["j"].restarts == 0 and st.rejected["restart_unconfirmed"] == 1
 
@@ -485,11 +494,13 @@ def test_a_rank_back_from_a_long_gap_or_catching_up_with_its_peers_is_no_step_ju
     assert st.rejected["step_jump"] == 2
 
 
-def test_a_forged_majority_restart_locks_the_real_ranks_out_for_the_grace_only():
-    """A forger who knows the key can forge votes from half the ranks; the real ranks, still
-    speaking after restart_grace_s, are heard again (a dead incarnation falls silent)."""
+def test_a_forged_majority_restart_of_a_live_job_changes_nothing():
+    """A forger who knows the key forges restart votes from half the ranks: the real ranks are
+    alive, so every forged frame is a boot_conflict, no restart happens and the real ranks are
+    never locked out. Should the forged votes come while the ranks are silent (but not dead for
+    restart_grace_s), the ranks returning under their own boots are heard again after the grace."""
     clock = Clock()
-    st = State(clock=clock, restart_grace_s=5)
+    st = State(clock=clock, restart_grace_s=5, boot_takeover_s=3)
     seq = [0, 0, 0, 0]
 
     def real(step):
@@ -502,12 +513,82 @@ def test_a_forged_majority_restart_locks_the_real_ranks_out_for_the_grace_only()
         clock.t += 0.1
     st.apply(_rep(0, 0, "forged0", world=4))
     st.apply(_rep(1, 0, "forged1", world=4))
-    assert st.jobs["j"].restarts == 1
+    assert st.jobs["j"].restarts == 0 and st.rejected["boot_conflict"] == 2
     real(50)
+    assert {r: x.step for r, x in st.jobs["j"].ranks.items()} == {0: 50, 1: 50, 2: 50, 3: 50}
+    clock.t += 3.5  # a pause in which the ranks said nothing (a long checkpoint)
+    st.apply(_rep(0, 0, "forged0", world=4))
+    st.apply(_rep(1, 0, "forged1", world=4))
+    assert st.jobs["j"].restarts == 1
+    real(51)
     assert st.rejected["retired_boot"] == 4
     clock.t += 6
-    for s in range(51, 55):
+    for s in range(52, 56):
         real(s)
     job = st.jobs["j"]
-    assert {r: x.step for r, x in job.ranks.items()} == {0: 54, 1: 54, 2: 54, 3: 54}
+    assert {r: x.step for r, x in job.ranks.items()} == {0: 55, 1: 55, 2: 55, 3: 55}
     assert st.rejected["retired_boot"] == 4 and st.rejected["step_jump"] == 0
+
+
+def test_memory_under_overload_is_bounded_for_all_agents_together():
+    """The writer stalls (a slow disk, a huge scrape) while 16 agents flood it: received frames
+    wait in the intake, which never holds more than max_intake_bytes whatever the number of
+    connections; the excess is dropped and counted (reason overload), and once the writer is back
+    every frame kept is handled: handled + overload = every frame ZeroMQ delivered."""
+    import threading
+
+    cfg = load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
+               max_message_bytes=1 << 20, max_intake_bytes=1 << 20, max_intake_frames=1_000_000, rcv_hwm=100_000)
+    agg = Aggregator(cfg)
+    stalled, handled = threading.Event(), [0]
+    go = threading.Event()
+    real_handle = agg.handle
+
+    def slow_handle(frame, key=None):
+        if not go.is_set():
+            stalled.set()
+            go.wait(60)
+        handled[0] += 1
+        real_handle(frame, key)
+
+    agg.handle = slow_handle
+    agg.start()
+    ctx = zmq.Context()
+    peers, sent = [], 0
+    try:
+        for i in range(16):
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 100_000)
+            s.connect(agg.endpoint)
+            peers.append(Agent(s, f"flood{i}", 0, 1, ""))
+        peers[0].heartbeat()
+        assert stalled.wait(10), "the writer never took the first frame"
+        peak = 0
+        for _ in range(200):
+            for p in peers:
+                for _ in range(10):
+                    p.heartbeat()  # ~150 bytes each: 16 x 2,000 x 150 = 4.8 MB offered
+                    sent += 1
+            peak = max(peak, agg.intake.bytes)
+        wait_for(lambda: agg.intake.dropped > 0, what="frames dropped past the intake's budget")
+        time.sleep(0.5)  # whatever ZeroMQ still buffers reaches the intake
+        peak = max(peak, agg.intake.bytes)
+        assert peak <= 1 << 20
+        go.set()
+        wait_for(lambda: handled[0] + agg.intake.dropped == sent + 1, 30, what="every frame handled or counted")
+        wait_for(lambda: agg.state.rejected["overload"] == agg.intake.dropped and agg.state.received["heartbeat"] == handled[0],
+                 what="overload counted by the writer")
+        m = samples(requests.get(agg.metrics_url, timeout=5).text, "gradwatch_messages_rejected_total")
+        assert m[(("reason", "overload"),)] == agg.intake.dropped > 0
+        # and at most max_intake_frames wait: how far behind what /metrics shows may fall
+        assert Intake(1 << 30, 3).put([(b"x", None)] * 5) is None
+        small = Intake(1 << 30, 3)
+        small.put([(b"x", None)] * 5)
+        assert (len(small.take(10)), small.dropped, small.bytes) == (3, 2, 0)
+    finally:
+        go.set()
+        for p in peers:
+            p.sock.close(0)
+        ctx.term()
+        agg.stop()

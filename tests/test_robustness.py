@@ -7,6 +7,7 @@ import math
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import requests
 import torch
@@ -46,8 +47,10 @@ def test_c28_first_contact_mid_stream_counts_no_loss_but_later_gaps_do():
 
 
 def test_agent_counters_stay_monotonic_across_agent_restarts():
-    st = State(clock=Clock())
+    clock = Clock()
+    st = State(clock=clock)
     st.apply(wire.Heartbeat(_hdr(seq=0, boot="a"), step=3, sent=10, drops=7, errors=2))
+    clock.t += st.boot_takeover_s  # the old process died: silent since
     st.apply(wire.Heartbeat(_hdr(seq=0, boot="b"), step=0, sent=1, drops=1, errors=0))
     (view,) = snapshot(st, time.time()).jobs[0].ranks
     assert (view.agent_drops, view.agent_errors, view.restarts) == (8, 2, 1)
@@ -180,6 +183,7 @@ def test_a_job_resuming_from_an_earlier_checkpoint_starts_over_and_old_messages_
         for rank in (0, 1):
             st.apply(_report(step, header=_hdr(rank=rank, world=2, seq=step, boot=f"old{rank}")))
     assert st.jobs["j"].ranks[0].step == 49
+    clock.t += st.boot_takeover_s  # the old incarnation died
     # rank 0 comes back first (a heartbeat, then step 40 from its checkpoint); rank 1 follows
     st.apply(wire.Heartbeat(_hdr(rank=0, world=2, seq=0, boot="new0"), step=-1, sent=0, drops=0, errors=0))
     st.apply(_report(40, header=_hdr(rank=0, world=2, seq=1, boot="new0")))
@@ -193,11 +197,33 @@ def test_a_job_resuming_from_an_earlier_checkpoint_starts_over_and_old_messages_
 
 
 def test_a_rank_restart_that_resumes_forward_keeps_the_job():
-    st = State(clock=Clock())
+    clock = Clock()
+    st = State(clock=clock)
     st.apply(_report(5, header=_hdr(seq=0, boot="a")))
-    st.apply(_report(6, header=_hdr(seq=0, boot="b")))
+    st.apply(wire.Heartbeat(_hdr(seq=1, boot="a"), step=5, sent=2, drops=0, errors=0, closing=True, reason="closed"))
+    st.apply(_report(6, header=_hdr(seq=0, boot="b")))  # re-attached in the same process: a goodbye first
     job = st.jobs["j"]
     assert job.restarts == 0 and job.ranks[0].restarts == 1 and job.ranks[0].steps == 2
+
+
+def test_a_live_ranks_boot_cannot_be_taken_over():
+    """While a rank's agent is alive (heard within boot_takeover_s, no goodbye) a message under
+    another boot is rejected (boot_conflict): it restarts nothing and counts as no agent restart,
+    however often it comes; once the agent has been silent that long, a new boot takes over."""
+    clock = Clock()
+    st = State(clock=clock, boot_takeover_s=3.0)
+    for s in range(5):
+        st.apply(_report(s, header=_hdr(seq=s, boot="real")))
+        for forged in range(10):  # a forger who knows the job key, alternating boots
+            st.apply(wire.Heartbeat(_hdr(seq=0, boot=f"f{forged}"), step=0, sent=0, drops=0, errors=0, closing=True))
+            st.apply(_report(0, header=_hdr(seq=0, boot=f"f{forged}")))
+        clock.t += 1.0
+    r = st.jobs["j"].ranks[0]
+    assert (r.boot, r.restarts, r.step, r.closing, st.jobs["j"].restarts) == ("real", 0, 4, False, 0)
+    assert st.rejected["boot_conflict"] == 100
+    clock.t += 2.1  # 3.1 s without a word from "real": a new boot may take the rank over
+    st.apply(_report(5, header=_hdr(seq=0, boot="next")))
+    assert (r.boot, r.restarts, r.step) == ("next", 1, 5)
 
 
 def test_state_stays_bounded_whatever_job_ids_and_world_sizes_peers_claim():
@@ -229,6 +255,43 @@ def test_state_stays_bounded_whatever_job_ids_and_world_sizes_peers_claim():
     assert sorted(st.jobs["wide"].ranks) == list(range(8))
 
 
+def test_a_large_jobs_schemas_sent_before_its_first_report_are_all_kept():
+    """Every rank of a job larger than max_pending_ranks sends its schema before any report. The
+    schemas of ranks the pending job has no room for are kept all the same (at most twice
+    max_pending_ranks distinct ones), so those ranks' first probes are reconciled at once rather
+    than after their next schema resend."""
+    def schema(job, r, world, mesh):
+        return wire.Schema(wire.Header(job, r, world, f"b{r}", 0, 0.0), "h", r, 1, (("w", (2,), "float32"),), (),
+                           mesh=wire.Mesh(("dp",), (world,), (r,)) if mesh else None)
+
+    def probe(job, r, world, sch):
+        return wire.Report(wire.Header(job, r, world, f"b{r}", 1, 0.0), sch.hash, 0, 0.01, 1.0, 0, probe=True,
+                           act=np.zeros((0, 6), np.float32), act_grad=np.zeros((0, 2), np.float32),
+                           param=np.ones((1, 3), np.float32), fp_grad=np.zeros(1, np.uint64), fp_weight=np.zeros(1, np.uint64))
+
+    # DDP: one schema for every rank
+    st = State(clock=Clock(), max_pending_ranks=4)
+    ddp = [schema("ddp", r, 8, mesh=False) for r in range(8)]
+    for sch in ddp:
+        st.apply(sch)
+    assert st.rejected["pending_ranks"] == 0 and st.received["schema"] == 8 and len(st.jobs["ddp"].schemas) == 1
+    for r, sch in enumerate(ddp):
+        st.apply(probe("ddp", r, 8, sch))
+    job = st.jobs["ddp"]
+    assert sorted(job.ranks) == list(range(8)) and all(x.schema == ddp[0].hash for x in job.ranks.values())
+    assert job.rounds_complete == 1 and st.rejected["unknown_schema"] == 0
+    # a schema per rank (mesh coordinates): 4 ranks held, 4 more schemas kept, the rest refused
+    st = State(clock=Clock(), max_pending_ranks=4)
+    own = [schema("fsdp", r, 12, mesh=True) for r in range(12)]
+    for sch in own:
+        st.apply(sch)
+    job = st.jobs["fsdp"]
+    assert len(job.ranks) == 4 and len(job.schemas) == 8 and st.rejected["pending_ranks"] == 4
+    for r in range(8):
+        st.apply(probe("fsdp", r, 12, own[r]))
+    assert all(job.ranks[r].schema == own[r].hash for r in range(8))
+
+
 def test_config_mistakes_are_named_where_they_come_from(monkeypatch):
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -254,3 +317,10 @@ def test_an_agent_that_never_reached_an_aggregator_says_so_at_close():
     opt.step()
     with pytest.warns(RuntimeWarning, match="never connected"):
         monitor.close()
+
+
+def test_an_intake_smaller_than_the_largest_message_fails_at_start_naming_it():
+    from gradwatch.aggregator import ConfigError, load
+
+    with pytest.raises(ConfigError, match="max_intake_bytes"):
+        load(max_message_bytes=32 << 20, max_intake_bytes=16 << 20)

@@ -417,6 +417,29 @@ def test_bad_report_fields_are_rejected_with_reason(change, want):
     assert reason_of(pack(m), schema_sizes=sizes()) == want
 
 
+@pytest.mark.parametrize("probe", [False, True], ids=["sentinel", "probe"])
+def test_grad_norms_round_trip_bit_for_bit_and_are_checked_against_the_schema(probe):
+    norms = np.array([0.1, np.nan, np.inf, 3e-39, 1e30][:N_PARAMS] + [2.5] * max(0, N_PARAMS - 5), np.float32)
+    r = report(probe=probe, grad_norms=norms)
+    got = wire.decode(wire.encode(r), schema_sizes=sizes())
+    assert got.grad_norms.dtype == np.dtype("<f4") and got.grad_norms.tobytes() == norms.tobytes()
+    assert wire.decode(wire.encode(report(probe=probe)), schema_sizes=sizes()).grad_norms is None  # optional
+    m = raw(r)
+    m["grad_norms"] = m["grad_norms"][:-4]  # one parameter short of the schema
+    assert reason_of(pack(m), schema_sizes=sizes()) == "bad_array"
+    def unknown(h, d):
+        return None, None
+
+    if probe:  # without a schema the probe's param rows set the count
+        assert reason_of(pack(m), schema_sizes=unknown) == "bad_array"
+    else:  # unchecked here; the check leaves norms that do not match their schema out
+        assert wire.decode(pack(m), schema_sizes=unknown).grad_norms.shape == (N_PARAMS - 1,)
+    m["grad_norms"] = b"\x00" * 3  # not whole floats
+    assert reason_of(pack(m)) == "bad_array"
+    m["grad_norms"] = [1.0] * N_PARAMS  # not bytes
+    assert reason_of(pack(m), schema_sizes=sizes()) == "bad_field"
+
+
 def test_probe_row_counts_are_checked_only_against_a_known_schema():
     """Row counts come from the schema_sizes callable; an unknown schema leaves them unchecked here
     (the aggregator then counts the report as unknown_schema)."""

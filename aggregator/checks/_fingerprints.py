@@ -1,46 +1,76 @@
-"""Majority vote over per-rank fingerprints, shared by the gradient-agreement and drift checks."""
+"""Majority vote over per-rank values of each parameter, shared by the gradient-agreement and drift
+checks: fingerprints, compared bit for bit, and gradient norms, compared within a relative tolerance."""
 
 from __future__ import annotations
 
 import collections
+from typing import Optional
 
 import numpy as np
 
 
-def minority(fp: np.ndarray, seen: np.ndarray, holders: np.ndarray | None = None) -> tuple[dict[int, list[int]], list[int]]:
-    """Find ranks whose fingerprint differs from the majority, per parameter.
+def close(a: np.ndarray, b: np.ndarray, rtol: float) -> np.ndarray:
+    """bool, broadcast: ``a == b``, or both finite with ``|a - b| <= rtol * max(|a|, |b|)``."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (a == b) | (np.isfinite(a) & np.isfinite(b) & (np.abs(a - b) <= rtol * np.maximum(np.abs(a), np.abs(b))))
+
+
+def _clusters(values: np.ndarray, rtol: Optional[float]) -> np.ndarray:
+    """int64 [n]: a cluster id per value; equal values (``rtol`` None) or, ascending, values
+    within ``rtol`` of their cluster's smallest share one."""
+    if rtol is None:
+        return np.unique(values, return_inverse=True)[1].reshape(-1)
+    order = np.argsort(values, kind="stable")
+    ids = np.empty(len(values), np.int64)
+    cid, first = -1, None
+    for i in order:
+        if first is None or not close(values[i], first, rtol):
+            cid, first = cid + 1, values[i]
+        ids[i] = cid
+    return ids
+
+
+def minority(fp: np.ndarray, seen: np.ndarray, holders: np.ndarray | None = None,
+             rtol: Optional[float] = None) -> tuple[dict[int, list[int]], list[int]]:
+    """Find ranks whose value differs from the majority, per parameter.
 
     Args:
-        fp: uint64 [n_ranks, n_params] fingerprints.
+        fp: [n_ranks, n_params] values: uint64 fingerprints (``rtol`` None: equal bit for bit), or
+            float64 norms (``rtol``: equal within it, :func:`close`).
         seen: bool [n_ranks, n_params]: which entries exist.
         holders: int64 [n_ranks, n_params], or None: ranks are only compared with ranks of an
             equal number in the column, those holding the same bytes (sharded parameters:
-            :func:`gradwatch.aggregator.shards.combine_params`). None: all ranks hold the same.
+            :func:`gradwatch.aggregator.shards.holders`). None: all ranks hold the same.
+        rtol: relative tolerance for float values; None compares exactly.
 
     Returns:
         ``{rank index: [parameter indices where it is in the minority]}``, and the parameter
-        indices whose values split with no strict majority (e.g. two ranks that disagree).
+        indices whose values split with no single largest group (e.g. two ranks that disagree).
+        With ``rtol``, groups are formed in ascending order, each value joining the group of the
+        smallest value within ``rtol`` of it.
     """
     if holders is not None and holders.any():
         out: dict[int, list[int]] = collections.defaultdict(list)
         tied: list[int] = []
         for h in np.unique(holders):
-            bad, t = minority(fp, seen & (holders == h))
+            bad, t = minority(fp, seen & (holders == h), rtol=rtol)
             for k, ps in bad.items():
                 out[k].extend(ps)
             tied.extend(t)
         return {k: sorted(v) for k, v in out.items()}, sorted(set(tied))
     ref = fp[np.argmax(seen, axis=0), np.arange(fp.shape[1])]
-    suspect = np.flatnonzero(((fp != ref) & seen).any(axis=0))  # fast path: usually empty
+    differ = (fp != ref) if rtol is None else ~close(fp, ref, rtol)
+    suspect = np.flatnonzero((differ & seen).any(axis=0))  # fast path: usually empty
     out: dict[int, list[int]] = collections.defaultdict(list)
     tied: list[int] = []
     for p in suspect:
         rows = np.flatnonzero(seen[:, p])
-        counts = collections.Counter(fp[rows, p].tolist())
+        ids = _clusters(fp[rows, p], rtol)
+        counts = collections.Counter(ids.tolist())
         (top, n), *rest = counts.most_common()
         if rest and rest[0][1] == n:
             tied.append(int(p))
             continue
-        for r in rows[fp[rows, p] != top]:
+        for r in rows[ids != top]:
             out[int(r)].append(int(p))
     return dict(out), tied

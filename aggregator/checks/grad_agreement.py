@@ -1,51 +1,178 @@
-"""After all-reduce every rank must hold the same gradient, bit for bit."""
+"""After all-reduce every rank must hold the same gradient, bit for bit.
+
+Two pieces of evidence, judged with one majority vote (:func:`._fingerprints.minority`) among the
+ranks that hold the same bytes of a parameter (DDP replicas; the replicas of one shard across
+HSDP's replicate dimension; never the members of one shard group, never two pipeline stages:
+:func:`gradwatch.aggregator.shards.holders`):
+
+* every step, each parameter's gradient L2 norm after all-reduce, which the agent measures in the
+  optimizer's pre-step hook and sends with every report (wire ``grad_norms``), equal within
+  ``norm_rtol``;
+* every probed step, each parameter's gradient fingerprint, equal bit for bit.
+
+Local (pre-all-reduce) norms differ between ranks by design and are never compared. Non-finite
+norms are left to the ``nonfinite`` check.
+
+One fault, one finding. A finding is keyed by the rank it names (none for a split without a
+majority); it opens at the first step where the rank is in the minority, later evidence for the
+same key (the fingerprints of that step, a later step) is folded into it (``last_step``,
+``evidence``), and it resolves once a later step is judged without it. A perturbed gradient
+applied once thus gives one finding, at its step, and the weights it leaves different are
+``replica_drift``'s.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import numpy as np
+from pydantic import Field
+
+from ..reconcile import step_norms
 from . import Check, Evaluation, Finding, register
 from ._fingerprints import minority
+from ._steps import Steps
 
 
-@register
-class GradientAgreement(Check):
-    name = "grad_agreement"
-    severity = "critical"
-    description = (
-        "Compares each parameter's gradient fingerprint across ranks at every probed step; after "
-        "all-reduce they must be equal bit for bit. Names the ranks that differ from the majority and "
-        "the parameters affected (a faulty device or a broken communication hook)."
-    )
-    dashboard = "consistency"
+@dataclass
+class _State:
+    steps: Optional[Steps] = None  # per-step norms only (gradient agreement)
+    active: dict = field(default_factory=dict)  # finding key -> Finding (its first step's)
+    last_bad: dict = field(default_factory=dict)  # finding key -> latest step that found it
+    norms_judged: bool = False  # a step's gradient norms were judged: that path speaks for the check
 
-    fingerprints = ("fp_grad", "fp_grad_seen")
+
+class _Agreement(Check):
+    """Majority vote over fingerprints at probed steps, one finding per fault (module docstring)."""
+
+    #: the RoundResult attributes compared: fingerprints uint64 [R, P] and which exist, bool [R, P]
+    fingerprints: tuple[str, str] = ("fp_grad", "fp_grad_seen")
+    what = "gradients"
+
+    def __init__(self, t):
+        super().__init__(t)
+        self._jobs: dict[str, _State] = {}
+
+    def _state(self, job) -> _State:
+        return self._jobs.setdefault(job.job, _State())
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
 
     def on_round(self, job, r):
         fp, seen = getattr(r, self.fingerprints[0]), getattr(r, self.fingerprints[1])
+        st = self._state(job)
         if fp is None or len(r.ranks) < 2 or seen.sum(axis=0).max(initial=0) < 2:
+            if st.norms_judged:
+                return None
+            st.active.clear(), st.last_bad.clear()  # no data: the runner drops the findings too
             return Evaluation.no_data()
         bad, tied = minority(fp, seen, getattr(r, "holders", None))
-        findings = self.minority_findings(job, r, bad)
-        if tied:
-            names = [r.params[p] for p in tied]
-            findings.append(Finding(
-                self.name, job.job, r.step,
-                f"ranks disagree on the gradients of {len(tied)} parameter(s) with no majority, first {names[0]} "
-                f"(step {r.step}; with 2 ranks the faulty one cannot be told apart)",
-                details={"params": names[:50], "n_params": len(tied), "ranks": list(r.ranks)},
-            ))
-        return Evaluation.found(*findings)
+        found = self._findings(job.job, r.step, r.ranks, r.params, bad, tied, "fingerprints")
+        return self._judged(st, r.step, found)
 
-    def minority_findings(self, job, r, bad: dict[int, list[int]]) -> list[Finding]:
-        """One finding per rank in the minority: ``bad`` maps rank indices to parameter indices
-        (:func:`._fingerprints.minority`)."""
-        findings = []
-        what = "gradients" if self.name == "grad_agreement" else "weights"
+    def _findings(self, job_id: str, step: int, ranks, params, bad: dict, tied: list, evidence: str,
+                  values=None) -> list[Finding]:
+        """One finding per rank in the minority, and one for the parameters without a majority."""
+        out = []
         for k, ps in sorted(bad.items()):
-            names = [r.params[p] for p in ps]
-            findings.append(Finding(
-                self.name, job.job, r.step,
-                f"rank {r.ranks[k]}'s {what} differ from the majority of ranks in {len(ps)} parameter(s), "
-                f"first {names[0]} (step {r.step})",
-                rank=r.ranks[k], details={"params": names[:50], "n_params": len(ps), "ranks": list(r.ranks)},
+            names = [params[p] for p in ps]
+            extra = values(k, ps[0]) if values is not None else {}
+            norm = (f": norm {extra['grad_norm']:.7g}, majority {extra['majority_grad_norm']:.7g}"
+                    if "grad_norm" in extra else "")
+            out.append(Finding(
+                self.name, job_id, step,
+                f"rank {ranks[k]}'s {self.what} differ from the majority of ranks in {len(ps)} parameter(s), "
+                f"first {names[0]}{norm} (step {step}, {evidence})",
+                rank=ranks[k],
+                details={"params": names[:50], "n_params": len(ps), "ranks": list(ranks), "evidence": [evidence],
+                         "last_step": step, **extra},
             ))
-        return findings
+        if tied:
+            names = [params[p] for p in tied]
+            out.append(Finding(
+                self.name, job_id, step,
+                f"ranks disagree on the {self.what} of {len(tied)} parameter(s) with no majority, first {names[0]} "
+                f"(step {step}, {evidence}; with 2 ranks the faulty one cannot be told apart)",
+                details={"params": names[:50], "n_params": len(tied), "ranks": list(ranks), "evidence": [evidence],
+                         "last_step": step},
+            ))
+        return out
+
+    @staticmethod
+    def _judged(st: _State, step: int, found: list[Finding]) -> Evaluation:
+        """Fold one judged step's findings into the job's active ones; a finding not seen again at
+        a later step resolves."""
+        for f in found:
+            old = st.active.get(f.key)
+            if old is None:
+                st.active[f.key] = f
+            else:  # the same fault seen again: evidence for the finding already raised
+                ev = sorted(set(old.details.get("evidence", [])) | set(f.details["evidence"]))
+                st.active[f.key] = replace(old, details={**old.details, "evidence": ev,
+                                                         "last_step": max(old.details.get("last_step", old.step), step)})
+            st.last_bad[f.key] = max(st.last_bad.get(f.key, step), step)
+        keys = {f.key for f in found}
+        for key in [k for k in st.active if k not in keys and st.last_bad[k] < step]:
+            del st.active[key], st.last_bad[key]
+        return Evaluation.found(*st.active.values())
+
+
+@register
+class GradientAgreement(_Agreement):
+    name = "grad_agreement"
+    severity = "critical"
+    description = (
+        "Compares each parameter's gradient after all-reduce across the ranks holding the same bytes: its "
+        "L2 norm at every step (within norm_rtol) and its fingerprint at every probed step (bit for bit). "
+        "Names the rank that differs from the majority and the parameters affected, at the step it "
+        "happened (a faulty device, a broken communication hook, a gradient altered after all-reduce). "
+        "One finding per fault."
+    )
+    dashboard = "consistency"
+
+    class Thresholds(Check.Thresholds):
+        # Replicas hold the same bits after all-reduce, so the same kernel gives them the same norm
+        # and the float32 values on the wire are equal. Only a different reduction order (another
+        # device type, another CPU thread count) can make them differ: each norm is within rel 1e-6
+        # of its float64 value (agent/stats.py, issue 11), two replicas' within 2e-6; 1e-5 leaves a
+        # 5x margin and still sees a change of 1e-5 in one parameter's gradient norm.
+        norm_rtol: float = Field(1e-5, ge=0, le=1e-2, description=(
+            "Relative tolerance between two ranks' gradient norms of one parameter after all-reduce "
+            "(equal bits give equal norms; this absorbs reduction-order differences, within 2e-6)."))
+
+    def on_report(self, job, rank, report):
+        st = self._state(job)
+        if st.steps is None or st.steps.world != job.world:
+            st.steps = Steps(job.world)
+        return self._norms(job, st, st.steps.add(rank.rank, report))
+
+    def on_tick(self, job, now):
+        st = self._jobs.get(job.job)
+        return self._norms(job, st, st.steps.tick(now)) if st is not None and st.steps is not None else None
+
+    def _norms(self, job, st: _State, released) -> Optional[Evaluation]:
+        """Judge each released step's per-parameter gradient norms; None when none could be."""
+        ev = None
+        for step, reports in released:
+            sn = step_norms(job.schemas, step, reports)
+            if sn is None or len(sn.ranks) < 2:
+                continue
+            seen = np.isfinite(sn.norms)
+            if seen.sum(axis=0).max(initial=0) < 2:
+                continue
+            bad, tied = minority(sn.norms, seen, sn.holders, rtol=self.t.norm_rtol)
+
+            def values(k: int, p: int, sn=sn, seen=seen, bad=bad) -> dict:
+                # the majority's value: the median of the holders of the same bytes not in the minority
+                peers = seen[:, p] & (sn.holders[:, p] == sn.holders[k, p])
+                peers &= ~np.isin(np.arange(len(sn.ranks)), [j for j, ps in bad.items() if p in ps])
+                ref = float(np.median(sn.norms[peers, p]))
+                x = float(sn.norms[k, p])
+                return {"module": sn.params[p].rpartition(".")[0] or sn.params[p], "grad_norm": x,
+                        "majority_grad_norm": ref, "rel_diff": abs(x - ref) / ref if ref else float("inf")}
+
+            st.norms_judged = True
+            ev = self._judged(st, step, self._findings(job.job, step, sn.ranks, sn.params, bad, tied, "grad_norms", values))
+        return ev

@@ -36,9 +36,9 @@ from pydantic import Field
 
 from gradwatch import wire
 
-from . import Evaluation, Finding, register
+from . import Check, Evaluation, Finding, register
 from ._fingerprints import minority
-from .grad_agreement import GradientAgreement
+from .grad_agreement import _Agreement
 
 _WEIGHT = wire.PARAM_FIELDS.index("weight_norm")
 _FLOOR = 1e-6  # of |w0|: ten times float32's relative resolution, below which norms do not differ
@@ -69,7 +69,7 @@ def _weights(r):
 
 
 @register
-class ReplicaDrift(GradientAgreement):
+class ReplicaDrift(_Agreement):
     name = "replica_drift"
     severity = "critical"
     description = (
@@ -79,9 +79,11 @@ class ReplicaDrift(GradientAgreement):
         "non-deterministic optimizer, a missed broadcast); between two holders, the one whose weight norm "
         "jumped beyond drift_tie_ratio times the other's and its own previous move."
     )
+    dashboard = "consistency"
     fingerprints = ("fp_weight", "fp_weight_seen")
+    what = "weights"
 
-    class Thresholds(GradientAgreement.Thresholds):
+    class Thresholds(Check.Thresholds):
         drift_tie_ratio: float = Field(2.0, gt=1, description="Two holders that disagree: a rank is named when its weight norm moved more than this many times both the other holder's move and the parameter's move over the previous probe interval.")
 
     def __init__(self, t):
@@ -93,11 +95,13 @@ class ReplicaDrift(GradientAgreement):
 
     def on_round(self, job, r):
         fp, seen = r.fp_weight, r.fp_weight_seen
+        st = self._state(job)
         if fp is None or len(r.ranks) < 2 or seen.sum(axis=0).max(initial=0) < 2:
+            st.active.clear(), st.last_bad.clear()  # no data: the runner drops the findings too
             return Evaluation.no_data()
         holders = getattr(r, "holders", None)
         bad, tied = minority(fp, seen, holders)
-        findings = self.minority_findings(job, r, bad)
+        findings = self._findings(job.job, r.step, r.ranks, r.params, bad, [], "fingerprints")
         hist = self._hist.setdefault(job.job, collections.deque(maxlen=2))
         verdicts = self._verdict.setdefault(job.job, {})
         by_pair: dict[tuple[int, int], list[int]] = {}
@@ -132,7 +136,8 @@ class ReplicaDrift(GradientAgreement):
                 f"{named}'s weight norm jumped, the other's moved as the optimizer moves it (step {r.step})",
                 rank=named,
                 details={"params": names[:50], "n_params": len(ps), "ranks": list(r.ranks), "candidates": [a, b],
-                         **({"evidence": evidence} if evidence else {})},
+                         "evidence": ["fingerprints", "weight norms"], "last_step": r.step,
+                         **({"norms": evidence} if evidence else {})},
             ))
         ps = sorted({p for v in undecided.values() for p in v} | set(loose_params))
         if ps:
@@ -143,7 +148,7 @@ class ReplicaDrift(GradientAgreement):
                 f"ranks disagree on the weights of {len(ps)} parameter(s) with no majority, first {names[0]} "
                 f"(step {r.step}; candidates {candidates}: their weight norms do not tell the faulty one apart)",
                 details={"params": names[:50], "n_params": len(ps), "ranks": list(r.ranks), "candidates": candidates,
-                         **({"evidence": why} if why else {})},
+                         "evidence": ["fingerprints"], "last_step": r.step, **({"norms": why} if why else {})},
             ))
         ok = seen.copy()  # agreed with every holder of the same bytes: a baseline for later ties
         for k, v in bad.items():
@@ -151,7 +156,7 @@ class ReplicaDrift(GradientAgreement):
         ok[:, tied] = False
         hist.append((r.step, {k: i for i, k in enumerate(r.ranks)}, {n: i for i, n in enumerate(r.params)},
                      _weights(r), ok))
-        return Evaluation.found(*findings)
+        return self._judged(st, r.step, findings)
 
     def _decide(self, r, hist, a: int, b: int, ps: list[int]) -> tuple[int | None, dict]:
         """The rank of pair ``(a, b)`` whose weight norm jumped on tied columns ``ps`` (module
@@ -187,5 +192,6 @@ class ReplicaDrift(GradientAgreement):
         return (decisive.pop() if len(decisive) == 1 else None), evidence
 
     def forget(self, job_id):
+        super().forget(job_id)
         self._hist.pop(job_id, None)
         self._verdict.pop(job_id, None)
