@@ -27,18 +27,20 @@ latest ``straggler_windows`` of its windows pooled (its *span*; fewer windows be
 * individual score = this rank's best (smallest) window median time so far / its current one, in
   (0, 1], below 1 when the rank got slower than it used to be.
 
-A rank straggles when, at the close of one of its windows, it has ``straggler_windows`` windows
-and its relative score is below ``straggler_score`` *and* its excess at least
-``straggler_min_s``: slower than its typical peer by both margins at most of the span's steps.
-Descheduling pauses on a loaded host (a few steps of any rank, heavy-tailed in length) move
-neither median, and one slow window (a checkpoint) is at most a third of the span, while a
-persistent shift moves both. Pooling the span's steps, rather than asking each window to be slow
-on its own, halves the median's noise against per-step jitter of some ten percent (3 x 16 steps
-against 16), so the threshold can sit midway between a clean rank (near 1) and a 30 % straggler
-(about 0.77 before jitter) with a margin of several standard deviations on either side. The
-absolute floor keeps systematic sub-millisecond differences on very short steps (one rank
-logging) from counting. The finding resolves at the first window close where the span is back in
-line (about half a span after the rank recovers). The individual score is exported only: when
+A rank straggles when, at the close of one of its windows, it has ``straggler_windows`` windows,
+its relative score is below ``straggler_score`` *and* its excess at least ``straggler_min_s``
+(slower than its typical peer by both margins at most of the span's steps), and all but one of the
+span's windows pass the same test on their own steps. Descheduling pauses on a loaded host (a few
+steps of any rank, heavy-tailed in length) move neither median, and one long pause fills at most
+one window, while a persistent shift moves every window. Pooling the span's steps, rather than
+asking each window to be slow on its own, shrinks the median's noise against per-step jitter of
+some ten percent by about sqrt(3) (3 x 16 steps against 16), so the threshold can sit between a
+clean rank (near 1) and a 30 % straggler (about 0.77 before jitter) with a margin of several
+standard deviations on either side. The absolute floor keeps systematic sub-millisecond
+differences on very short steps (one rank logging) from counting. Once named, a rank is back in
+line only when its span's relative score reaches the midpoint between ``straggler_score`` and 1 or
+its excess falls below half the floor (hysteresis: a rank near the threshold is one finding, not
+several); the finding then resolves, about half a span after the rank recovers. The individual score is exported only: when
 every rank slows down together the job got slower (input pipeline, thermal limits), which is not
 a straggler. Fewer than two ranks with a complete window: no data; fewer than two that have not
 said goodbye: healthy (the job is ending).
@@ -123,7 +125,8 @@ class Straggler(Check):
         "rank cancels out. Names a rank when, over its latest straggler_windows windows of straggler_window "
         "steps pooled, the median of the per-step ratios (peers' median / own: the relative score, as NVIDIA's "
         "resiliency extension scores against the fastest rank) is below straggler_score and the median excess "
-        "over the peers is at least straggler_min_s; descheduling pauses of a few steps move neither median."
+        "over the peers is at least straggler_min_s, and all but one of those windows are slow on their own; "
+        "descheduling pauses of a few steps move neither median."
     )
     dashboard = "rank_health"
 
@@ -200,10 +203,17 @@ class Straggler(Check):
             r.best = r.current
         r.windows += 1
         r.step, r.source = step, source
-        slow = r.relative < self.t.straggler_score and r.excess_s >= self.t.straggler_min_s
+        if r.below >= self.t.straggler_windows:  # named: back in line only past the midpoint to 1, so a rank near the threshold does not flap
+            slow = r.relative < (1 + self.t.straggler_score) / 2 and r.excess_s >= self.t.straggler_min_s / 2
+        else:  # and all but one of the span's windows slow on their own: one long pause is not a persistent shift
+            alone = sum(self._slow(min(1.0, float(np.median(x))), float(np.median(e))) for x, e in r.span)
+            slow = self._slow(r.relative, r.excess_s) and alone >= len(r.span) - 1
         r.below = len(r.span) if slow else 0
         for buf in (r.times, r.ratios, r.excess):
             buf.clear()
+
+    def _slow(self, relative: float, excess_s: float) -> bool:
+        return relative < self.t.straggler_score and excess_s >= self.t.straggler_min_s
 
     def _timed(self, job, st: _Job) -> dict[int, _Rank]:
         """Ranks of the job with a complete window (forgotten ranks dropped)."""
