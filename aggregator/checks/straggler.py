@@ -35,8 +35,10 @@ steps of any rank, heavy-tailed in length) move neither median, and one long pau
 one window, while a persistent shift moves every window. Pooling the span's steps, rather than
 asking each window to be slow on its own, shrinks the median's noise against per-step jitter of
 some ten percent by about sqrt(3) (3 x 16 steps against 16), so the threshold can sit between a
-clean rank (near 1) and a 30 % straggler (about 0.77 before jitter) with a margin of several
-standard deviations on either side. The absolute floor keeps systematic sub-millisecond
+clean rank (near 1) and a 30 % straggler (about 0.77 before jitter), 0.85, with a margin of
+several standard deviations on either side against jitter. The defaults (0.7, 10 ms) stay
+conservative: on CPUs shared with other work a rank that shares its core with a busy process is
+persistently slower for tens of steps, in wall time just like a slow device, and 0.85 names it. The absolute floor keeps systematic sub-millisecond
 differences on very short steps (one rank logging) from counting. Once named, a rank is back in
 line only when its span's relative score reaches the midpoint between ``straggler_score`` and 1 or
 its excess falls below half the floor (hysteresis: a rank near the threshold is one finding, not
@@ -131,10 +133,10 @@ class Straggler(Check):
     dashboard = "rank_health"
 
     class Thresholds(Check.Thresholds):
-        straggler_score: float = Field(0.85, gt=0, lt=1, description="Relative straggler score (0-1: median over the latest straggler_windows windows' steps of the peers' median time at the step / the rank's; 1 = no slower than its typical peer) below which a rank straggles. 0.85 is about 18 % slower; a 30 % straggler scores 0.77.")
+        straggler_score: float = Field(0.7, gt=0, lt=1, description="Relative straggler score (0-1: median over the latest straggler_windows windows' steps of the peers' median time at the step / the rank's; 1 = no slower than its typical peer) below which a rank straggles. 0.7 is about 43 % slower; a 30 % straggler scores 0.77 and needs 0.85, which on CPUs shared with other work also names ranks that merely got a smaller CPU share (README, Detection quality).")
         straggler_window: int = Field(16, ge=2, description="Judged steps per window of the straggler medians.")
         straggler_windows: int = Field(3, ge=1, description="Windows pooled for the relative score and excess (the span), and the windows a rank needs before it can be named.")
-        straggler_min_s: float = Field(0.002, ge=0, description="Seconds by which a rank's time must exceed its peers' median at the same step (median over the span's steps) for it to straggle, so systematic sub-millisecond differences on very short steps are not named.")
+        straggler_min_s: float = Field(0.01, ge=0, description="Seconds by which a rank's time must exceed its peers' median at the same step (median over the span's steps) for it to straggle, so scheduling jitter and systematic differences on very short steps are not named (0.002 suffices against jitter: the medians ignore pauses).")
 
     metrics = {
         "rank_straggler_relative_score": (
