@@ -35,17 +35,19 @@ steps of any rank, heavy-tailed in length) move neither median, and one long pau
 one window, while a persistent shift moves every window. Pooling the span's steps, rather than
 asking each window to be slow on its own, shrinks the median's noise against per-step jitter of
 some ten percent by about sqrt(3) (3 x 16 steps against 16), so the threshold can sit between a
-clean rank (near 1) and a 30 % straggler (about 0.77 before jitter), 0.85, with a margin of
-several standard deviations on either side against jitter. The defaults (0.7, 10 ms) stay
-conservative: on CPUs shared with other work a rank that shares its core with a busy process is
-persistently slower for tens of steps, in wall time just like a slow device, and 0.85 names it. The absolute floor keeps systematic sub-millisecond
-differences on very short steps (one rank logging) from counting. Once named, a rank is back in
-line only when its span's relative score reaches the midpoint between ``straggler_score`` and 1 or
-its excess falls below half the floor (hysteresis: a rank near the threshold is one finding, not
-several); the finding then resolves, about half a span after the rank recovers. The individual score is exported only: when
-every rank slows down together the job got slower (input pipeline, thermal limits), which is not
-a straggler. Fewer than two ranks with a complete window: no data; fewer than two that have not
-said goodbye: healthy (the job is ending).
+clean rank (near 1) and a 30 % straggler (about 0.77 before jitter), 0.85, with a margin of several
+standard deviations on either side against jitter. The defaults (0.7, 10 ms) stay conservative: on
+CPUs shared with other work a rank that shares its core with a busy process is persistently slower
+for tens of steps, in wall time just like a slow device, and 0.85 names it. The absolute floor
+keeps systematic differences of a few milliseconds on very short steps (one rank logging) from
+counting. Once named, a rank is back in line only when its span's relative score reaches the
+midpoint between ``straggler_score`` and 1 or its excess falls below half the floor (hysteresis: a
+rank near the threshold is one finding, not several); the finding then resolves, about half a span
+after the rank recovers.
+
+The individual score is exported only: when every rank slows down together the job got slower
+(input pipeline, thermal limits), which is not a straggler. Fewer than two ranks with a complete
+window: no data; fewer than two that have not said goodbye: healthy (the job is ending).
 """
 
 from __future__ import annotations
