@@ -388,8 +388,9 @@ def rank_health(t: Thresholds) -> dict:
         timeseries("Step time per rank", "Wall time of each rank's latest optimizer step (waiting in all-reduce included).",
                    [target(f"gradwatch_rank_step_seconds{{{JR}}}", "rank {{rank}}")], unit="s", minimum=0),
         timeseries("Straggler score per rank (relative)", (
-            "Median over the latest window's steps of the fastest rank's compute time at the step divided by "
-            "this rank's: 1 is as fast as the fastest rank. Dashed line: straggler_score "
+            "Median over the latest straggler_windows windows' steps of the other ranks' median compute time at "
+            "the step divided by this rank's, capped at 1: 1 is no slower than its typical peer. Dashed line: "
+            "straggler_score "
             f"({t.straggler_score:g})."),
             [target(f"gradwatch_rank_straggler_relative_score{{{JR}}}", "rank {{rank}}")],
             unit="percentunit", minimum=0, maximum=1, lines=((t.straggler_score, "red"),)),

@@ -9,30 +9,45 @@ loading, but no waiting for peers. At a step where some reporting rank's agent c
 (no DDP communication hook; NaN) the ranks are compared by their step times instead. Step 0
 (start-up) is left out.
 
-Scores follow NVIDIA's resiliency extension (nvidia-resiliency-ext, straggler detection), with no
-collective needed (the aggregator sees every rank), but every comparison is made *within a step*:
-a step is judged once every rank has reported it (see :mod:`._steps`), each rank's time against
-the fastest rank's time at that same step. Load that slows every rank together for a while (a busy
-host, a garbage collection in every process) thus cancels out, where comparing windows that close
-at different moments would not. Per rank, over windows of ``straggler_window`` of its judged steps:
+Every comparison is made *within a step*: a step is judged once every rank has reported it (see
+:mod:`._steps`), each rank's time against the median of the other ranks' times at that same step.
+Load that slows every rank together for a while (a busy host, a garbage collection in every
+process) thus cancels out, where comparing windows that close at different moments would not; and
+the peers' median is the typical peer, where the fastest rank (NVIDIA's resiliency extension's
+reference, straggler detection) is on a loaded host a lucky outlier that makes every other rank
+look slow. Per rank, over windows of ``straggler_window`` of its judged steps, and over the
+latest ``straggler_windows`` of its windows pooled (its *span*; fewer windows before it has them):
 
-* relative score = median over the window's steps of (fastest rank's time at the step / this
-  rank's), in (0, 1], 1 for a rank that is the fastest at most steps;
-* excess = median over the window's steps of (this rank's time - the median of the other ranks'
-  times at the step), seconds: against the typical peer, not the luckiest one;
+* relative score = min(1, median over the span's steps of (peers' median time at the step /
+  this rank's)), in (0, 1], 1 for a rank no slower than its typical peer (NVIDIA's relative
+  score, with the peers' median in place of the fastest rank and no collective needed: the
+  aggregator sees every rank);
+* excess = median over the span's steps of (this rank's time - the peers' median at the step),
+  seconds;
 * individual score = this rank's best (smallest) window median time so far / its current one, in
   (0, 1], below 1 when the rank got slower than it used to be.
 
-A step is slow for a rank when both margins hold at that step: its ratio to the fastest rank is
-below ``straggler_score`` *and* it exceeds the other ranks' median by at least ``straggler_min_s``
-(so scheduler jitter on very short steps is not a straggler). A window is slow when more than half
-of its steps are: a rank descheduled for a few steps on a loaded machine does not make a slow
-window, while a rank that is slower at every step does. A rank straggles after
-``straggler_windows`` consecutive slow windows: one slow window (a checkpoint) is not enough. The finding resolves at its
-first window back in line. The individual score is exported only: when every rank slows down
-together the job got slower (input pipeline, thermal limits), which is not a straggler. Fewer than
-two ranks with a complete window: no data; fewer than two that have not said goodbye: healthy (the
-job is ending).
+A rank straggles when, at the close of one of its windows, it has ``straggler_windows`` windows,
+its relative score is below ``straggler_score`` *and* its excess at least ``straggler_min_s``
+(slower than its typical peer by both margins at most of the span's steps), and all but one of the
+span's windows pass the same test on their own steps. Descheduling pauses on a loaded host (a few
+steps of any rank, heavy-tailed in length) move neither median, and one long pause fills at most
+one window, while a persistent shift moves every window. Pooling the span's steps, rather than
+asking each window to be slow on its own, shrinks the median's noise against per-step jitter of
+some ten percent by about sqrt(3) (3 x 16 steps against 16), so the threshold can sit between a
+clean rank (near 1) and a 30 % straggler (about 0.77 before jitter), 0.85, with a margin of several
+standard deviations on either side against jitter. The defaults (0.7, 10 ms) stay conservative: on
+CPUs shared with other work a rank that shares its core with a busy process is persistently slower
+for tens of steps, in wall time just like a slow device, and 0.85 names it. The absolute floor
+keeps systematic differences of a few milliseconds on very short steps (one rank logging) from
+counting. Once named, a rank is back in line only when its span's relative score reaches the
+midpoint between ``straggler_score`` and 1 or its excess falls below half the floor (hysteresis: a
+rank near the threshold is one finding, not several); the finding then resolves, about half a span
+after the rank recovers.
+
+The individual score is exported only: when every rank slows down together the job got slower
+(input pipeline, thermal limits), which is not a straggler. Fewer than two ranks with a complete
+window: no data; fewer than two that have not said goodbye: healthy (the job is ending).
 
 Under pipeline parallelism a rank is compared only with the ranks of its own stage (its peers,
 :func:`~..shards.part`): stages legitimately differ in work (embedding or loss layers, uneven
@@ -45,6 +60,7 @@ A stage of one rank has no peer and is not judged.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,15 +75,15 @@ from ._steps import Steps
 class _Rank:
     boot: str
     times: list = field(default_factory=list)  # this window: own times, seconds
-    ratios: list = field(default_factory=list)  # this window: fastest time at the step / own
+    ratios: list = field(default_factory=list)  # this window: peers' median time at the step / own
     excess: list = field(default_factory=list)  # this window: own time - peers' median at the step, seconds
-    slow: list = field(default_factory=list)  # this window: whether the step was slow (both margins)
     current: float = math.nan  # median own time over the latest complete window, seconds
     best: float = math.nan  # smallest window median so far, seconds
-    relative: float = math.nan  # relative score of the latest complete window
-    excess_s: float = math.nan  # excess of the latest complete window, seconds
+    span: deque = field(default_factory=deque)  # the latest windows' (ratios, excess) arrays, oldest first
+    relative: float = math.nan  # relative score over the span
+    excess_s: float = math.nan  # excess over the span, seconds
     windows: int = 0
-    below: int = 0  # consecutive slow windows
+    below: int = 0  # windows in the span when the span is slow, else 0
     source: str = "compute_time"
     step: int = -1  # last step of the latest complete window
 
@@ -117,24 +133,25 @@ class Straggler(Check):
     severity = "warning"
     description = (
         "Times each rank's own work per step (compute time: until its first gradient bucket is ready, "
-        "without waiting for peers) against the fastest rank's at the same step, so load slowing every rank "
-        "cancels out. A step is slow when the rank's ratio to the fastest (relative score, as NVIDIA's "
-        "resiliency extension scores, with no collective) is below straggler_score and it exceeds its peers' "
-        "median by straggler_min_s; a window of straggler_window steps is slow when most of its steps are. "
-        "Names a rank after straggler_windows consecutive slow windows."
+        "without waiting for peers) against the median of its peers' at the same step, so load slowing every "
+        "rank cancels out. Names a rank when, over its latest straggler_windows windows of straggler_window "
+        "steps pooled, the median of the per-step ratios (peers' median / own: the relative score, as NVIDIA's "
+        "resiliency extension scores against the fastest rank) is below straggler_score and the median excess "
+        "over the peers is at least straggler_min_s, and all but one of those windows are slow on their own; "
+        "descheduling pauses of a few steps move neither median."
     )
     dashboard = "rank_health"
 
     class Thresholds(Check.Thresholds):
-        straggler_score: float = Field(0.7, gt=0, lt=1, description="Relative straggler score (0-1, 1 = as fast as the fastest rank at the same step) below which a rank's step is slow.")
+        straggler_score: float = Field(0.7, gt=0, lt=1, description="Relative straggler score (0-1: median over the latest straggler_windows windows' steps of the peers' median time at the step / the rank's; 1 = no slower than its typical peer) below which a rank straggles. 0.7 is about 43 % slower; a 30 % straggler scores 0.77 and needs 0.85, which on CPUs shared with other work also names ranks that merely got a smaller CPU share (README, Detection quality).")
         straggler_window: int = Field(16, ge=2, description="Judged steps per window of the straggler medians.")
-        straggler_windows: int = Field(3, ge=1, description="Consecutive slow windows (most of their steps slow) before a rank is named as a straggler.")
-        straggler_min_s: float = Field(0.01, ge=0, description="Seconds by which a rank must exceed the median of its peers at the same step for the step to be slow, so scheduling jitter on very short steps is not named.")
+        straggler_windows: int = Field(3, ge=1, description="Windows pooled for the relative score and excess (the span), and the windows a rank needs before it can be named.")
+        straggler_min_s: float = Field(0.01, ge=0, description="Seconds by which a rank's time must exceed its peers' median at the same step (median over the span's steps) for it to straggle, so scheduling jitter and systematic differences on very short steps are not named (0.002 suffices against jitter: the medians ignore pauses).")
 
     metrics = {
         "rank_straggler_relative_score": (
-            "Median over the latest window's steps of the fastest rank's compute time at the step divided by "
-            "this rank's (0-1, 1 = as fast as the fastest rank).", ("rank",), "",
+            "Median over the latest straggler_windows windows' steps of the median of the other ranks' compute times at the step "
+            "divided by this rank's, capped at 1 (0-1, 1 = no slower than its typical peer).", ("rank",), "",
         ),
         "rank_straggler_individual_score": (
             "The rank's best window median compute time per step divided by its latest (0-1, 1 = as fast "
@@ -171,14 +188,11 @@ class Straggler(Check):
         for step, reports in released:
             reports = {k: m for k, m in reports.items() if k in st.ranks and m.header.boot == st.ranks[k].boot}
             source, times = _times(reports)
-            for k, x, fastest, peer in self._peers(job, times):
+            for k, x, peer in self._peers(job, times):
                 r = st.ranks[k]
-                ratio = fastest / x if x > 0 else 1.0
-                excess = x - peer
                 r.times.append(x)
-                r.ratios.append(ratio)
-                r.excess.append(excess)
-                r.slow.append(ratio < self.t.straggler_score and excess >= self.t.straggler_min_s)
+                r.ratios.append(peer / x if x > 0 else 1.0)
+                r.excess.append(x - peer)
                 if len(r.times) >= self.t.straggler_window:
                     self._close(r, step, source)
                     closed = True
@@ -189,28 +203,38 @@ class Straggler(Check):
 
     @staticmethod
     def _peers(job, times: dict[int, float]):
-        """``(rank, time, fastest peer's time, median of the other peers' times)`` of every rank
-        with at least one peer at the step (peers: the same :func:`~..shards.part_of`)."""
+        """``(rank, time, median of the other peers' times)`` of every rank with at least one peer
+        at the step (peers: the same :func:`~..shards.part_of`)."""
         groups: dict = {}
         for k, x in times.items():
             groups.setdefault(part_of(job, k), {})[k] = x
         for g in groups.values():
             if len(g) < 2:
                 continue
-            fastest = min(g.values())
-            yield from ((k, x, fastest, peer) for (k, x), peer in zip(g.items(), _peer_medians(list(g.values()))))
+            yield from ((k, x, peer) for (k, x), peer in zip(g.items(), _peer_medians(list(g.values()))))
 
     def _close(self, r: _Rank, step: int, source: str) -> None:
         r.current = float(np.median(r.times))
-        r.relative = float(np.median(r.ratios))
-        r.excess_s = float(np.median(r.excess))
+        r.span.append((np.asarray(r.ratios), np.asarray(r.excess)))
+        while len(r.span) > self.t.straggler_windows:
+            r.span.popleft()
+        r.relative = min(1.0, float(np.median(np.concatenate([x for x, _ in r.span]))))
+        r.excess_s = float(np.median(np.concatenate([e for _, e in r.span])))
         if math.isnan(r.best) or r.current < r.best:
             r.best = r.current
         r.windows += 1
         r.step, r.source = step, source
-        r.below = r.below + 1 if 2 * sum(r.slow) > len(r.slow) else 0
-        for buf in (r.times, r.ratios, r.excess, r.slow):
+        if r.below >= self.t.straggler_windows:  # named: back in line only past the midpoint to 1, so a rank near the threshold does not flap
+            slow = r.relative < (1 + self.t.straggler_score) / 2 and r.excess_s >= self.t.straggler_min_s / 2
+        else:  # and all but one of the span's windows slow on their own: one long pause is not a persistent shift
+            alone = sum(self._slow(min(1.0, float(np.median(x))), float(np.median(e))) for x, e in r.span)
+            slow = self._slow(r.relative, r.excess_s) and alone >= len(r.span) - 1
+        r.below = len(r.span) if slow else 0
+        for buf in (r.times, r.ratios, r.excess):
             buf.clear()
+
+    def _slow(self, relative: float, excess_s: float) -> bool:
+        return relative < self.t.straggler_score and excess_s >= self.t.straggler_min_s
 
     def _timed(self, job, st: _Job) -> dict[int, _Rank]:
         """Ranks of the job with a complete window (forgotten ranks dropped)."""
@@ -236,7 +260,7 @@ class Straggler(Check):
                 self.name, job.job, r.step,
                 f"rank {k} straggles: its {r.source.replace('_', ' ')} per step exceeds its peers' at the same step "
                 f"by {r.excess_s * 1e3:.1f} ms (median; {r.current * 1e3:.1f} ms against {fastest * 1e3:.1f} ms on the "
-                f"fastest rank, {fastest_rank}), relative score {r.relative:.2f} for {r.below} windows of "
+                f"fastest rank, {fastest_rank}), relative score {r.relative:.2f} against the peers' median over {r.below} windows of "
                 f"{self.t.straggler_window} steps (step {r.step})",
                 rank=k,
                 details={
