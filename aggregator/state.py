@@ -325,6 +325,7 @@ class State:
         if h.boot != r.boot:
             if r.boot:  # the agent restarted: its sequence and counters start over
                 r.restarts += 1
+                r.closing, r.close_reason = False, ""  # the new agent has not said goodbye
                 r.prev_boot = r.boot
                 r.boot_step = r.step
                 r.drops_base += r.agent_drops

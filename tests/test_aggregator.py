@@ -83,7 +83,9 @@ class FakeRank:
         self.send(wire.Report(self.header(), self.schema_hash, step, 0.05, grad_norm, grad_nonfinite, **arrays))
 
     def restart(self, **kw) -> None:
-        """A new agent instance: new boot id, sequence numbers from 0 again."""
+        """A new agent instance: the old one says goodbye (as at process exit), then a new boot id,
+        sequence numbers from 0 again."""
+        self.send(wire.Heartbeat(self.header(), -1, self.seq, 0, 0, closing=True, reason="exit"))
         for k, v in kw.items():
             setattr(self, k, v)
         self.schema_hash = wire.schema_hash(self.params, self.slots)
@@ -267,13 +269,13 @@ def test_C28_sequence_gaps_count_lost_messages_and_a_new_boot_counts_a_restart(a
     r.restart()
     r.schema()  # seq 0 of the new boot
     r.report(3)  # 1
-    text = scrape_until(aggregator, "gradwatch_rank_messages_received_total", 7.0, job_id="gaps", rank="0")
+    text = scrape_until(aggregator, "gradwatch_rank_messages_received_total", 8.0, job_id="gaps", rank="0")
     assert value(text, "gradwatch_rank_restarts_total", job_id="gaps", rank="0") == 1
     assert value(text, "gradwatch_rank_messages_lost_total", job_id="gaps", rank="0") == 2
     # ... while a gap within the new boot is one, counted from the new boot's numbers
     r.seq += 1
     r.report(4)  # 3: message 2 lost
-    text = scrape_until(aggregator, "gradwatch_rank_messages_received_total", 8.0, job_id="gaps", rank="0")
+    text = scrape_until(aggregator, "gradwatch_rank_messages_received_total", 9.0, job_id="gaps", rank="0")
     assert value(text, "gradwatch_rank_messages_lost_total", job_id="gaps", rank="0") == 3
     assert value(text, "gradwatch_rank_restarts_total", job_id="gaps", rank="0") == 1
     assert value(text, "gradwatch_rank_steps_total", job_id="gaps", rank="0") == 5

@@ -108,9 +108,11 @@ def _aggregator(pair, log: Path) -> subprocess.Popen:
 
 
 def _job(pair, tmp: Path, name: str, endpoint: str, steps: int) -> subprocess.Popen:
+    # each job its own rendezvous port: the previous job's listening socket may linger a while
+    port = GLOO_PORT + (0 if endpoint else 1)
     return subprocess.Popen(
         pair.cmd(pair.train, sys.executable, str(ROOT / "tests" / "faultjob.py"), "--endpoint", endpoint,
-                 "--port", str(GLOO_PORT), "--steps", str(steps), "--stop", str(tmp / f"{name}.stop"), "--job", "netns",
+                 "--port", str(port), "--steps", str(steps), "--stop", str(tmp / f"{name}.stop"), "--job", "netns",
                  "--progress", str(tmp / f"{name}.progress"), "--out", str(tmp / name), "--width", "64",
                  "--sleep-s", "0.01"),
         stdout=(tmp / f"{name}.log").open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
