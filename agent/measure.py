@@ -20,7 +20,7 @@ import torch
 
 from .fingerprint import Fingerprints
 from .hooks import ProbeRecorder
-from .stats import NORM_CHUNK, chunk_norms, l2_norms, nonfinite_count
+from .stats import chunk_norms, chunks_of, l2_norms, nonfinite_count
 
 _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
@@ -89,8 +89,7 @@ def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], lo
             g = l2_norms([dense_values(g)])[0].reshape(1)
             k = 1
         else:
-            n = g.numel()
-            k = 1 if n <= NORM_CHUNK else -(-n // NORM_CHUNK)
+            k = chunks_of(g.numel())
         present.append(i)
         grads.append(g)
         rows.append(k)

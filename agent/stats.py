@@ -113,10 +113,19 @@ def chunk_norms(tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.T
             huge.append(torch.linalg.vector_norm(x[:m].view(-1, NORM_CHUNK), dim=1, dtype=torch.float32))
             if m < x.numel():
                 huge.append(torch.linalg.vector_norm(x[m:], dtype=torch.float32).reshape(1))
-    out = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)) if views else None
+    out = _stack(torch._foreach_norm(views, 2, dtype=torch.float32)) if views else None
     if not huge:
         return out if out is not None else torch.empty(0)
-    return torch.cat(([out] if out is not None else []) + [h.to(huge[0].device) for h in huge])
+    dev = out.device if out is not None else huge[0].device
+    return torch.cat(([out] if out is not None else []) + [h.to(dev) for h in huge])
+
+
+def _stack(norms: list[torch.Tensor]) -> torch.Tensor:
+    try:
+        return torch.stack(norms)
+    except RuntimeError:  # a model spread over devices: everything to the first one's (rare, so not checked first)
+        dev = norms[0].device
+        return torch.stack([n.to(dev) for n in norms])
 
 
 def combine_chunks(values: np.ndarray, rows: Sequence[int]) -> np.ndarray:

@@ -320,8 +320,7 @@ class Aggregator:
                         self.handle(frame, key)
                 dropped = intake.dropped  # read once: the intake thread may add more meanwhile
                 if dropped != self._overload_counted:
-                    self.state.rejected["overload"] += dropped - self._overload_counted
-                    self.state.version += 1
+                    self.state.reject("overload", dropped - self._overload_counted)
                     self._overload_counted = dropped
                 if self._refused is not None and self._refused.poll(0):
                     self._count_refused()

@@ -212,8 +212,9 @@ class State:
 
     # --- inputs ---------------------------------------------------------------------------------
 
-    def reject(self, reason: str) -> None:
-        self.rejected[reason] += 1
+    def reject(self, reason: str, n: int = 1) -> None:
+        """Count ``n`` messages rejected for ``reason``."""
+        self.rejected[reason] += n
         self.version += 1
 
     @staticmethod

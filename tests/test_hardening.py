@@ -582,7 +582,6 @@ def test_memory_under_overload_is_bounded_for_all_agents_together():
         m = samples(requests.get(agg.metrics_url, timeout=5).text, "gradwatch_messages_rejected_total")
         assert m[(("reason", "overload"),)] == agg.intake.dropped > 0
         # and at most max_intake_frames wait: how far behind what /metrics shows may fall
-        assert Intake(1 << 30, 3).put([(b"x", None)] * 5) is None
         small = Intake(1 << 30, 3)
         small.put([(b"x", None)] * 5)
         assert (len(small.take(10)), small.dropped, small.bytes) == (3, 2, 0)
