@@ -265,7 +265,7 @@ class Aggregator:
         st = self.state
         t0 = time.perf_counter()
         try:
-            msg = wire.decode(frame, self.cfg.limits, st.schema_sizes, st.known_schema)
+            msg = wire.decode(frame, self.cfg.limits, st.schema_sizes)
         except wire.WireError as e:
             st.reject(e.reason)
         else:

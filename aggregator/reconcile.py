@@ -148,23 +148,22 @@ class StepNorms:
     holders: np.ndarray
 
 
-def step_norms(schemas: dict, step: int, reports: dict[int, wire.Report]) -> Optional[StepNorms]:
-    """Line up the ``grad_norms`` of one step's reports (rank -> report) by parameter name, as
-    :func:`reconcile` lines up a probed step's arrays. Reports without norms, under a schema not
-    (or no longer) known, or whose norms do not match their schema's length are left out; None
-    when none is left."""
-    ranks = tuple(sorted(r for r, x in reports.items() if x.grad_norms is not None and x.schema in schemas
-                         and len(x.grad_norms) == len(schemas[x.schema].params)))
+def step_norms(schemas: dict, step: int, norms: dict[int, tuple[str, np.ndarray]]) -> Optional[StepNorms]:
+    """Line up one step's per-parameter gradient norms (``rank -> (schema hash, float32
+    [n_params])``, wire ``grad_norms``) by parameter name, as :func:`reconcile` lines up a probed
+    step's arrays. Norms under a schema not (or no longer) known, or not matching their schema's
+    length, are left out; None when none is left."""
+    ranks = tuple(sorted(r for r, (h, row) in norms.items() if h in schemas and len(row) == len(schemas[h].params)))
     if not ranks:
         return None
-    used = {reports[r].schema: schemas[reports[r].schema] for r in ranks}
+    used = {norms[r][0]: schemas[norms[r][0]] for r in ranks}
     params, pcols = _param_columns(used)
-    norms = np.full((len(ranks), len(params)), np.nan)
+    out = np.full((len(ranks), len(params)), np.nan)
     for k, r in enumerate(ranks):
-        norms[k, pcols[reports[r].schema]] = reports[r].grad_norms
-    sch = [schemas[reports[r].schema] for r in ranks]
-    return StepNorms(step, ranks, params, norms,
-                     holders([x.mesh for x in sch], [x.shard for x in sch], [pcols[reports[r].schema] for r in ranks],
+        out[k, pcols[norms[r][0]]] = norms[r][1]
+    sch = [schemas[norms[r][0]] for r in ranks]
+    return StepNorms(step, ranks, params, out,
+                     holders([x.mesh for x in sch], [x.shard for x in sch], [pcols[norms[r][0]] for r in ranks],
                              len(params)))
 
 

@@ -14,13 +14,12 @@ stages hold different parameters, even under equal names). :func:`holders` numbe
 so fingerprints and gradient norms are compared within them only (:mod:`.checks._fingerprints`). The global
 norm under pipeline parallelism adds the stages' totals (:func:`global_norms`).
 
-Pure functions and one small buffer; no torch.
+Pure functions; no torch.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -200,37 +199,6 @@ def combine_params(meshes: list, shards: list, pcols: list, param: np.ndarray) -
             out[members, j, 1] = norms[1]
             out[members, j, 2] = key_rows[:, 2].sum()
     return out, holders(meshes, shards, pcols, P)
-
-
-class ShardNorms:
-    """Holds sharded ranks' step reports until their shard groups have all reported, then gives
-    them back with ``grad_norm`` the exact global norm (the figure DDP reports).
-
-    Args:
-        max_steps: steps held at most; the oldest is then released with a NaN ``grad_norm`` (a
-            group member never reported: the global norm is unknown).
-    """
-
-    def __init__(self, max_steps: int = 16):
-        self.max_steps = max_steps
-        self.pending: dict[int, dict[int, tuple[Optional[wire.Mesh], wire.Report]]] = {}
-
-    def add(self, rank: int, mesh: Optional[wire.Mesh], rep: wire.Report) -> list[tuple[int, wire.Report]]:
-        """Take ``rank``'s report; return ``(rank, report)`` pairs ready to apply, in order."""
-        if mesh is None:  # the schema (and its mesh) not known yet: the global norm is unknown
-            return [(rank, replace(rep, grad_norm=math.nan))]
-        step = self.pending.setdefault(rep.step, {})
-        step[rank] = (mesh, rep)
-        out = []
-        done = global_norms({r: (m, x.grad_sq) for r, (m, x) in step.items()})
-        for r, g in done.items():
-            out.append((r, replace(step.pop(r)[1], grad_norm=g)))
-        if not step:
-            del self.pending[rep.step]
-        while len(self.pending) > self.max_steps:
-            old = self.pending.pop(min(self.pending))
-            out.extend((r, replace(x, grad_norm=math.nan)) for r, (_, x) in old.items())
-        return out
 
 
 def mesh_of(job, rank: int) -> Optional[wire.Mesh]:

@@ -52,11 +52,15 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
+import msgspec
+import numpy as np
+
 from gradwatch import wire
 from gradwatch.statistics import ARRAYS, STATISTICS
 
 from .reconcile import RoundResult, reconcile
-from .shards import ShardNorms, mesh_of
+from .shards import global_norms, mesh_of
+from .steps import StepTable
 
 
 def _per(kind: str) -> int:
@@ -144,7 +148,7 @@ class JobState:
     last_report_at: float = 0.0  # aggregator clock of its latest report
     pending_bytes: int = 0  # array bytes of the reports its open rounds hold
     exported_series: int = 0  # per-layer series its last_round exports
-    shards: ShardNorms = field(default_factory=ShardNorms)  # sharded ranks' reports awaiting their group
+    table: Optional[StepTable] = None  # every rank's records of the steps not yet judged
     #: counters of ranks forgotten after rank_ttl_s, so the job's totals never decrease
     forgotten: collections.Counter = field(default_factory=collections.Counter)
 
@@ -231,10 +235,6 @@ class State:
         label = self.labels.get(self.identity(h))
         return self.jobs.get(label) if label is not None else None
 
-    def known_schema(self, h: wire.Header, digest: str):
-        job = self._job(h)
-        return job.schemas.get(digest) if job else None
-
     def schema_sizes(self, h: wire.Header, digest: str):
         job = self._job(h)
         s = job.schemas.get(digest) if job else None
@@ -281,11 +281,12 @@ class State:
             else:
                 self.reject("world_mismatch")
                 return
-        step = msg.step if isinstance(msg, (wire.Report, wire.Heartbeat)) else -1
-        if r is not None and isinstance(msg, wire.Report):
+        records = isinstance(msg, (wire.Steps, wire.Report))
+        first, step = _steps_of(msg)
+        if r is not None and records:
             # the rank's step before its agent restarted (-1 when it did not)
             before = r.step if new_boot else r.boot_step
-            if msg.step <= before:
+            if first <= before:
                 # a restarted rank resumes from an earlier step (a checkpoint): the whole job did
                 # (torchelastic restarts every rank under the same run id) once enough ranks say so.
                 # Its state, and the checks' step watermarks, start over rather than ignore every
@@ -301,7 +302,7 @@ class State:
         if step >= 0 and step > self._step_limit(job, r, now):
             self.reject("step_jump")
             return
-        if isinstance(msg, wire.Report) and not job.admitted and msg.schema in job.schemas:
+        if records and not job.admitted and msg.schema in job.schemas:
             # a schema and a step using it: the job takes a slot, if one is free
             if sum(j.admitted for j in self.jobs.values()) >= self.max_jobs:
                 self.reject("too_many_jobs")
@@ -357,18 +358,15 @@ class State:
             r.runnable = (msg.run_s - r.run_s) / dt if dt > 0 else math.nan  # NaN when either is unknown
             r.run_s, r.beat_time = msg.run_s, h.time
             r.close_reason = msg.reason if msg.closing else ""
+            if msg.schema and msg.schema in job.schemas:
+                r.schema = msg.schema  # the heartbeat names it: its full schema may have come from another rank
             if self.runner is not None:
                 self.runner.dispatch("on_heartbeat", job, r, msg)
         else:
-            self.received["report"] += 1
-            if not r.schema and msg.schema in job.schemas:
-                r.schema = msg.schema  # its schema came while the job had no room for the rank
-            if msg.grad_sq is None:
-                self._report(job, r, msg, now)
-            else:  # sharded: applied once the shard group's global norm is known (.shards)
-                for rank, rep in job.shards.add(h.rank, mesh_of(job, h.rank), msg):
-                    if rank in job.ranks:
-                        self._report(job, job.ranks[rank], rep, now)
+            self.received["report" if isinstance(msg, wire.Report) else "steps"] += 1
+            if msg.schema in job.schemas and r.schema != msg.schema:
+                r.schema = msg.schema  # its schema came while the job had no room for the rank, or from a peer
+            self._records(job, r, msg, now)
 
     def _new_job(self, h: wire.Header, now: float) -> JobState:
         """A pending job for a new identity, evicting the least recently heard pending job when
@@ -453,7 +451,7 @@ class State:
             return s
         params = tuple((param(a), b, c) for a, b, c in s.params)
         slots = tuple((*slot(a, b), c, d) for a, b, c, d in s.slots)
-        return replace(s, params=params, slots=slots, hash=s.hash)
+        return msgspec.structs.replace(s, params=params, slots=slots, hash=s.hash)
 
     def _restart(self, job: JobState, h: wire.Header, now: float) -> JobState:
         # the boots that spoke for the old incarnation: a rank whose agent restarted but did not
@@ -474,24 +472,41 @@ class State:
         self.version += 1
         return new
 
-    def _report(self, job: JobState, r: RankState, m: wire.Report, now: float) -> None:
+    def _records(self, job: JobState, r: RankState, m, now: float) -> None:
+        """A rank's per-step records (a ``steps`` batch, or a report's one record): its gauges and
+        counters, the job's step table (the checks judge the steps it releases), a probe's round."""
+        probe = isinstance(m, wire.Report) and m.probe
+        steps, values = _columns(m)
         r.boot_step = -1
         if r.steps == 0:
             r.first_report_at = now
-        job.max_step, job.last_report_at = max(job.max_step, m.step), now
-        r.step = max(r.step, m.step)
-        r.step_time, r.grad_norm, r.grad_nonfinite = m.step_time, m.grad_norm, m.grad_nonfinite
-        r.local_grad_norm, r.compute_time, r.loss, r.loss_scale = m.local_grad_norm, m.compute_time, m.loss, m.loss_scale
-        r.skipped_steps += m.skipped
+        last = int(steps[-1])
+        job.max_step, job.last_report_at = max(job.max_step, last), now
+        r.step = max(r.step, last)
+        r.step_time, r.compute_time = float(values["step_time"][-1]), float(values["compute_time"][-1])
+        r.loss, r.loss_scale = float(values["loss"][-1]), float(values["loss_scale"][-1])
+        sharded = m.grad_sq is not None
+        if not sharded:  # a sharded rank's global norm is known once its shard group reported (_released)
+            r.grad_norm, r.local_grad_norm = float(values["grad_norm"][-1]), float(values["local_grad_norm"][-1])
+            r.grad_nonfinite = int(values["grad_nonfinite"][-1])
+        else:
+            r.local_grad_norm = float(values["local_grad_norm"][-1])
+        r.skipped_steps += int(values["skipped"].sum())
         r.agent_drops = max(r.agent_drops, m.drops)
-        r.steps += 1
+        r.steps += len(steps)
         # a NaN norm with no non-finite parameter means "no gradients this step", not a fault
-        if m.grad_nonfinite or math.isinf(m.grad_norm):
-            r.nonfinite_steps += 1
+        r.nonfinite_steps += int(((values["grad_nonfinite"] > 0) | np.isinf(values["grad_norm"])).sum())
         r.last_report_at = now
-        if self.runner is not None:
-            self.runner.dispatch("on_report", job, r, m)
-        if not m.probe:
+        if job.table is None or job.table.world != job.world:
+            job.table = StepTable(job.world)
+        norms = None
+        if m.grad_norms is not None:
+            norms = (m.schema, m.grad_norms.reshape(len(steps), -1))
+        grad_sq = None
+        if sharded:
+            grad_sq = [m.grad_sq] if isinstance(m, wire.Report) else [tuple(zip(m.grad_sq_dims, row)) for row in m.grad_sq.tolist()]
+        self._released(job, job.table.add(r.rank, steps, values, norms, grad_sq))
+        if not probe:
             return
         r.probes += 1
         if m.schema not in job.schemas:
@@ -514,10 +529,31 @@ class State:
         while job.pending_bytes > self.max_pending_bytes and job.rounds:  # memory bounded per job
             self._close(job, job.rounds[min(job.rounds)], complete=False)
 
+    def _released(self, job: JobState, views: list) -> None:
+        """Steps the job's table released: sharded ranks' global norms filled in (and their gauges,
+        at the rank's latest step), then the checks judge them."""
+        if not views:
+            return
+        for v in views:
+            if v.grad_sq:
+                g = global_norms({k: (mesh_of(job, k), sq) for k, sq in v.grad_sq.items()
+                                  if mesh_of(job, k) is not None})
+                for i, k in enumerate(v.ranks.tolist()):
+                    if k in v.grad_sq:
+                        v.grad_norm[i] = g.get(k, math.nan)
+                        r = job.ranks.get(k)
+                        if r is not None and r.step == v.step:
+                            r.grad_norm, r.grad_nonfinite = v.grad_norm[i], int(v.grad_nonfinite[i])
+        if self.runner is not None:
+            self.runner.dispatch("on_steps", job, views)
+
     def tick(self) -> None:
-        """Close rounds past their grace period; forget ranks silent for longer than the TTL."""
+        """Close rounds past their grace period; release steps that waited long enough; forget
+        ranks silent for longer than the TTL."""
         now = self.clock()
         for job in list(self.jobs.values()):
+            if job.table is not None:
+                self._released(job, job.table.tick(now))
             for rnd in sorted(job.rounds.values(), key=lambda x: x.step):
                 if now - rnd.opened >= self.grace_s:
                     self._close(job, rnd, complete=False)
@@ -596,3 +632,24 @@ def cap_series(rr: RoundResult, budget: int) -> tuple[RoundResult, int]:
         layer_types=rr.layer_types[:kl], modules=rr.modules[:km], module=rr.module[:, :km], agg=agg,
     )
     return cut, total - kl * SERIES_PER_LAYER - km * SERIES_PER_MODULE
+
+
+def _steps_of(msg) -> tuple[int, int]:
+    """``(first, last)`` step a message speaks of: a batch's first and last record, a report's or
+    heartbeat's step (-1, -1 for a schema)."""
+    if isinstance(msg, wire.Steps):
+        return int(msg.step[0]), int(msg.step[-1])
+    step = msg.step if isinstance(msg, (wire.Report, wire.Heartbeat)) else -1
+    return step, step
+
+
+def _columns(m) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The records of ``m`` (a ``steps`` batch, or a report's one record) as ``(steps int64 [n],
+    {STEP_COLUMNS name or "probe": float64 [n]})``."""
+    if isinstance(m, wire.Steps):
+        values = {c.name: getattr(m, c.name) for c in wire.STEP_COLUMNS[1:]}
+        values["probe"] = np.zeros(len(m.step))
+        return m.step, values
+    values = {c.name: np.array([getattr(m, c.name)], np.float64) for c in wire.STEP_COLUMNS[1:]}
+    values["probe"] = np.array([1.0 if m.probe else 0.0])
+    return np.array([m.step], np.int64), values

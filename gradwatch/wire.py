@@ -314,7 +314,7 @@ _SENDER_FIELDS = (
 
 
 def _scalar(c: Column):
-    return Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)] if c.count else float
+    return _Nat if c.count else float
 
 
 #: The probed step's arrays beside :data:`gradwatch.statistics.ARRAYS`: ``key -> (dtype, columns,
@@ -401,7 +401,7 @@ Heartbeat = msgspec.defstruct(
     "Heartbeat",
     [
         ("header", Header),
-        ("step", Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)]),
+        ("step", Annotated[int, msgspec.Meta(ge=-1, le=(1 << 63) - 1)]),
         ("sent", _Nat),
         ("drops", _Nat),
         ("errors", _Nat),
@@ -436,7 +436,14 @@ def _mesh_map(mesh: Mesh | None):
 
 # --- encoding ------------------------------------------------------------------------------------
 
-_ENCODER = msgspec.msgpack.Encoder()
+def _plain(obj):
+    """msgspec's hook for values it does not know: numpy scalars (case C32) as Python numbers."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_plain)
 
 
 def _bytes(a, dtype: str, shape: tuple) -> bytes:
@@ -573,7 +580,7 @@ def _finish_steps(m, limits: Limits, sizes):
     n = len(step)
     if not 1 <= n <= MAX_STEPS:
         raise WireError("bad_array", f"step: {n} records (1 to {MAX_STEPS})")
-    if step[0] < 0 or step[-1] >= 1 << 62 or (n > 1 and not (np.diff(step) > 0).all()):
+    if step[0] < 0 or (n > 1 and not (np.diff(step) > 0).all()):
         raise WireError("bad_array", "step: not strictly increasing non-negative steps")
     out = {"step": step}
     for c in STEP_COLUMNS[1:]:
@@ -606,15 +613,29 @@ _FINISH: dict[type, Callable] = {Schema: _finish_schema, Report: _finish_report,
                                  Heartbeat: _finish_heartbeat}
 
 
+_WELL_FORMED = msgspec.msgpack.Decoder(msgspec.Raw)
+_MAP_TYPES = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))  # fixmap, map16, map32
+
+
+def _malformed(e: msgspec.DecodeError) -> WireError:
+    text = str(e)
+    return WireError("extra_data" if "trailing" in text else "malformed", text[:80])
+
+
 def _rejection(frame: bytes, e: msgspec.ValidationError) -> WireError:
-    """The reason a frame that msgpack parsed failed validation: its version first, then its kind."""
+    """The reason a frame of this protocol version failed validation."""
     text = str(e)
     try:
+        _WELL_FORMED.decode(frame)  # walks the frame without building it: a truncated one is malformed
+    except msgspec.DecodeError as d:
+        return _malformed(d)
+    except RecursionError:
+        return WireError("malformed", "nested too deeply")
+    try:
         env = _PEEK.decode(frame)
-    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
-        return WireError("not_a_map", text[:80])
-    if env.v != PROTOCOL_VERSION:
-        return WireError("version", f"got {env.v!r:.20}, speak {PROTOCOL_VERSION}")
+    except msgspec.ValidationError:  # a map whose keys are not strings, or no map at all
+        is_map = frame[0] in _MAP_TYPES
+        return WireError("malformed" if is_map else "not_a_map", text[:80])
     if "`$.kind`" in text or "field `kind`" in text:
         return WireError("unknown_kind", repr(env.kind)[:40])
     if text.startswith("Object missing required field"):
@@ -640,17 +661,20 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None) -> Messag
     """
     if len(frame) > limits.max_message_bytes:
         raise WireError("too_large", f"{len(frame)} bytes")
+    try:  # the version first: a frame of another protocol is "version", whatever else it holds
+        v = _PEEK.decode(frame).v
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        v = PROTOCOL_VERSION  # not a message at all: the full decode below says why
+    if v != PROTOCOL_VERSION:
+        raise WireError("version", f"got {v!r:.20}, speak {PROTOCOL_VERSION}")
     try:
         m = _DECODER.decode(frame)
     except msgspec.ValidationError as e:
         raise _rejection(frame, e) from None
     except msgspec.DecodeError as e:
-        text = str(e)
-        raise WireError("extra_data" if "trailing" in text else "malformed", text[:80]) from None
+        raise _malformed(e) from None
     except RecursionError:
         raise WireError("malformed", "nested too deeply") from None
-    if m.v != PROTOCOL_VERSION:
-        raise WireError("version", f"got {m.v!r:.20}, speak {PROTOCOL_VERSION}")
     _check_header(m.header)
     return _FINISH[type(m)](m, limits, schema_sizes)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from msgspec.structs import replace  # wire messages are msgspec Structs
 
 import numpy as np
 import pytest

@@ -86,7 +86,7 @@ class PipelineFrames:
 
     def apply(self, msg) -> None:
         st = self.state
-        self.state.apply(wire.decode(wire.encode(msg), schema_sizes=st.schema_sizes, known_schema=st.known_schema))
+        self.state.apply(wire.decode(wire.encode(msg), schema_sizes=st.schema_sizes))
 
     def step(self, step: int, local: list[float], compute: list[float], grad_sq: list[float]) -> None:
         """Every rank's probed report of ``step``: its local gradient norm, compute time (s), and

@@ -1,4 +1,5 @@
-"""The wire format (gradwatch.wire): round trips of every message kind, and malformed input.
+"""The wire format (gradwatch.wire, protocol 2): round trips of every message kind, plain msgpack
+both ways, the per-step columns declared once, and malformed input.
 
 Pure functions, no sockets: the aggregator-side view of the same frames is in test_aggregator.py.
 Cases: C30 (untrusted or oversized input), C32 (NaN/Inf transmitted as floats).
@@ -11,6 +12,7 @@ import random
 import tracemalloc
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 
@@ -61,6 +63,27 @@ def report(probe=True, **kw) -> wire.Report:
         base.update(probe_arrays())
     base.update(kw)
     return wire.Report(**base)
+
+
+def steps(n=5, first=20, **kw) -> wire.Steps:
+    """``n`` unprobed records of consecutive steps from ``first``, every column set."""
+    reps = [report(probe=False, step=first + i, grad_norm=3.5 + i, step_time=0.125 * (i + 1), grad_nonfinite=i % 2,
+                   local_grad_norm=2.25 + i, skipped=i, **kw) for i in range(n)]
+    return wire.Steps.of(reps)
+
+
+ARRAY_FIELDS = frozenset(wire.PROBE_ARRAYS) | {"grad_norms", "grad_sq"}
+
+
+def scalars(msg) -> dict:
+    """A message's fields without its arrays (reports compare by identity: they hold numpy arrays)."""
+    return {k: v for k, v in msgspec.structs.asdict(msg).items() if k not in ARRAY_FIELDS
+            and not isinstance(v, np.ndarray)}
+
+
+def same(a: dict, b: dict) -> bool:
+    """Equal field by field, NaN equal to NaN."""
+    return a.keys() == b.keys() and all(same_float(a[k], b[k]) if isinstance(a[k], float) else a[k] == b[k] for k in a)
 
 
 def heartbeat(**kw) -> wire.Heartbeat:
@@ -127,7 +150,7 @@ def test_probe_report_round_trip(with_sizes):
     r = report(probe=True)
     got = wire.decode(wire.encode(r), schema_sizes=sizes() if with_sizes else None)
     assert isinstance(got, wire.Report)
-    assert got == r  # the scalar fields; arrays are compared below
+    assert same(scalars(got), scalars(r))  # the scalar fields; arrays are compared below
     for name, want in probe_arrays().items():
         a = getattr(got, name)
         assert a.dtype == want.dtype.newbyteorder("<") and a.shape == want.shape, name
@@ -137,27 +160,31 @@ def test_probe_report_round_trip(with_sizes):
 def test_sentinel_report_round_trip_has_no_arrays():
     r = report(probe=False)
     frame = wire.encode(r)
-    assert not {"act", "act_grad", "param", "fp_grad", "fp_weight"} & set(msgpack.unpackb(frame))
+    assert all(msgpack.unpackb(frame)[k] is None for k in ("act", "act_grad", "param", "fp_grad", "fp_weight"))
     got = wire.decode(frame, schema_sizes=sizes())
-    assert got == r
+    assert same(scalars(got), scalars(r))
     assert got.act is None and got.act_grad is None and got.param is None and got.fp_grad is None
+    # arrays a report that is not a probe carries anyway are not read
+    m = raw(r)
+    m.update(act=b"\x00" * 5)
+    assert wire.decode(pack(m), schema_sizes=sizes()).act is None
 
 
 def test_heartbeat_round_trip():
-    hb = heartbeat()
+    hb = heartbeat(run_s=3.5)
     assert wire.decode(wire.encode(hb)) == hb
-    before_first = heartbeat(step=-1)  # -1: no step seen yet
-    assert wire.decode(wire.encode(before_first)) == before_first
+    before_first = heartbeat(step=-1)  # -1: no step seen yet; run_s unknown (NaN)
+    assert same(scalars(wire.decode(wire.encode(before_first))), scalars(before_first))
 
 
-def test_heartbeat_run_s_round_trips_and_is_optional():
-    from dataclasses import replace
-
-    hb = replace(heartbeat(), run_s=12.5)
-    assert wire.decode(wire.encode(hb)).run_s == 12.5
-    # unknown (NaN) is left off the wire, and a heartbeat without it decodes as unknown
-    assert b"run_s" not in wire.encode(heartbeat())
-    assert math.isnan(wire.decode(wire.encode(heartbeat())).run_s)
+def test_heartbeat_run_s_and_schema_round_trip_and_are_optional():
+    hb = msgspec.structs.replace(heartbeat(), run_s=12.5, schema=schema().hash)
+    got = wire.decode(wire.encode(hb))
+    assert got.run_s == 12.5 and got.schema == schema().hash
+    m = raw(heartbeat())
+    del m["run_s"], m["schema"]  # unknown, and before the first probe
+    got = wire.decode(pack(m))
+    assert math.isnan(got.run_s) and got.schema == ""
 
 
 def test_arrays_keep_nan_and_inf_bit_for_bit():
@@ -184,6 +211,7 @@ def test_nan_and_inf_scalars_are_transmitted_as_floats_C32(grad_norm, step_time)
     )
     frame = wire.encode(r)
     m = msgpack.unpackb(frame)
+    assert type(m["grad_norm"]) is float
     for key in ("grad_norm", "step_time", "local_grad_norm", "compute_time"):
         assert type(m[key]) is float, key
     assert type(m["grad_nonfinite"]) is int and m["grad_nonfinite"] == 3
@@ -195,12 +223,13 @@ def test_nan_and_inf_scalars_are_transmitted_as_floats_C32(grad_norm, step_time)
     assert math.copysign(1, got.grad_norm) == math.copysign(1, float(grad_norm)) or math.isnan(got.grad_norm)
 
 
-@pytest.mark.parametrize("msg", [schema(), report(), report(probe=False), heartbeat()], ids=["schema", "probe", "report", "heartbeat"])
+@pytest.mark.parametrize("msg", [schema(), report(), report(probe=False), steps(), heartbeat()],
+                         ids=["schema", "probe", "report", "steps", "heartbeat"])
 def test_every_message_carries_the_protocol_version_and_header(msg):
     m = raw(msg)
-    assert m["v"] == wire.PROTOCOL_VERSION
-    assert m["kind"] in ("schema", "report", "heartbeat")
-    assert {"job", "rank", "world", "boot", "seq", "time"} <= set(m)
+    assert m["v"] == wire.PROTOCOL_VERSION == 2
+    assert m["kind"] in ("schema", "steps", "report", "heartbeat")
+    assert set(m["header"]) == {"job", "rank", "world", "boot", "seq", "time", "key"}
 
 
 def test_encode_rejects_arrays_of_the_wrong_shape():
@@ -211,6 +240,10 @@ def test_encode_rejects_arrays_of_the_wrong_shape():
         wire.encode(report(param=a["param"].reshape(-1)))
     with pytest.raises(ValueError):
         wire.encode(report(fp_grad=a["fp_grad"][:-1]))
+    with pytest.raises(ValueError):
+        wire.encode(report(act=None))  # a probe carries its arrays
+    with pytest.raises(ValueError):
+        wire.encode(msgspec.structs.replace(steps(), loss=np.zeros(4)))  # a column per record
     with pytest.raises(TypeError):
         wire.encode({"v": 1})
 
@@ -276,7 +309,7 @@ def test_C30d_random_bytes_only_ever_raise_WireError():
 
 def test_C30d_mutated_valid_messages_only_ever_raise_WireError():
     """Bit flips, cuts and insertions in real frames reach the field checks, not just msgpack."""
-    frames = [wire.encode(m) for m in (schema(), report(), report(probe=False), heartbeat())]
+    frames = [wire.encode(m) for m in (schema(), report(), report(probe=False), steps(), heartbeat())]
     reasons = set()
     for seed in range(4000):
         rng = random.Random(seed)
@@ -294,8 +327,8 @@ def test_C30d_mutated_valid_messages_only_ever_raise_WireError():
         except wire.WireError as e:
             reasons.add(e.reason)
         else:
-            assert isinstance(msg, (wire.Schema, wire.Report, wire.Heartbeat))
-    assert {"malformed", "missing_field", "bad_field"} <= reasons
+            assert isinstance(msg, (wire.Schema, wire.Report, wire.Steps, wire.Heartbeat))
+    assert {"malformed", "missing_field", "bad_field", "bad_array"} <= reasons
 
 
 def test_C30d_deep_nesting_and_odd_top_level_values():
@@ -305,7 +338,11 @@ def test_C30d_deep_nesting_and_odd_top_level_values():
     assert reason_of(pack([1, 2, 3])) == "not_a_map"
     assert reason_of(pack(3.5)) == "not_a_map"
     assert reason_of(pack({1: 2})) == "malformed"  # non-string map key
-    assert reason_of(pack({"v": 1, "x": msgpack.ExtType(1, b"ab")})) == "malformed"
+    m = raw(heartbeat())
+    m["x"] = msgpack.ExtType(1, b"ab")  # an unknown key is not read, whatever it holds
+    assert isinstance(wire.decode(pack(m)), wire.Heartbeat)
+    m["step"] = msgpack.ExtType(1, b"ab")
+    assert reason_of(pack(m)) == "bad_field"
 
 
 def test_C30e_two_concatenated_messages_in_one_frame_are_extra_data():
@@ -316,42 +353,55 @@ def test_C30e_two_concatenated_messages_in_one_frame_are_extra_data():
 
 
 def test_oversized_strings_and_name_lists_are_capped():
-    limits = wire.Limits(max_names=10, max_str_bytes=64)
-    long_name = (("x" * 65, (1,), "float32"),)
-    assert reason_of(wire.encode(schema(params=long_name)), limits) == "malformed"
+    long_name = (("x" * 4097, (1,), "float32"),)  # module paths: at most 4096 characters
+    assert reason_of(wire.encode(schema(params=long_name))) == "bad_field"
+    limits = wire.Limits(max_names=10)
     many = tuple((f"p{i}", (1,), "float32") for i in range(11))
-    assert reason_of(wire.encode(schema(params=many)), limits) == "malformed"
+    assert reason_of(wire.encode(schema(params=many)), limits) == "bad_field"
     assert isinstance(wire.decode(wire.encode(schema(params=many[:10])), limits), wire.Schema)
+    m = raw(schema())
+    m["params"] = [["p", [1], "float32"]] * (wire.MAX_NAMES + 1)  # past the fixed cap, whatever the limits
+    assert reason_of(pack(m), wire.Limits(max_names=10**6, max_message_bytes=1 << 30)) == "bad_field"
+
+
+def _h(change):
+    """A change to a frame's header map."""
+    return lambda m: change(m["header"])
 
 
 @pytest.mark.parametrize(
     "change, want",
     [
-        (lambda m: m.update(v=2), "version"),
-        (lambda m: m.update(v="1"), "version"),
+        (lambda m: m.update(v=1), "version"),
+        (lambda m: m.update(v="2"), "version"),
         (lambda m: m.pop("v"), "version"),
         (lambda m: m.update(kind="metrics"), "unknown_kind"),
         (lambda m: m.pop("kind"), "unknown_kind"),
-        (lambda m: m.pop("seq"), "missing_field"),
-        (lambda m: m.pop("job"), "missing_field"),
+        (lambda m: m.pop("header"), "missing_field"),
+        (_h(lambda h: h.pop("seq")), "missing_field"),
+        (_h(lambda h: h.pop("job")), "missing_field"),
         (lambda m: m.pop("sent"), "missing_field"),
-        (lambda m: m.update(seq=True), "bad_field"),  # bool where int
-        (lambda m: m.update(rank=False), "bad_field"),
-        (lambda m: m.update(seq=-1), "bad_field"),
-        (lambda m: m.update(seq=1.0), "bad_field"),  # float where int
-        (lambda m: m.update(rank=4), "bad_field"),  # rank >= world (4)
-        (lambda m: m.update(rank=-1), "bad_field"),
-        (lambda m: m.update(world=0), "bad_field"),
-        (lambda m: m.update(job=""), "bad_field"),
-        (lambda m: m.update(job="j" * 257), "bad_field"),
-        (lambda m: m.update(job=7), "bad_field"),
-        (lambda m: m.update(boot="b" * 65), "bad_field"),
-        (lambda m: m.update(time=math.nan), "bad_field"),
-        (lambda m: m.update(time=True), "bad_field"),
-        (lambda m: m.update(time="now"), "bad_field"),
+        (_h(lambda h: h.update(seq=True)), "bad_field"),  # bool where int
+        (_h(lambda h: h.update(rank=False)), "bad_field"),
+        (_h(lambda h: h.update(seq=-1)), "bad_field"),
+        (_h(lambda h: h.update(seq=1.0)), "bad_field"),  # float where int
+        (_h(lambda h: h.update(rank=4)), "bad_field"),  # rank >= world (4)
+        (_h(lambda h: h.update(rank=-1)), "bad_field"),
+        (_h(lambda h: h.update(world=0)), "bad_field"),
+        (_h(lambda h: h.update(world=(1 << 20) + 1)), "bad_field"),
+        (_h(lambda h: h.update(job="")), "bad_field"),
+        (_h(lambda h: h.update(job="j" * 257)), "bad_field"),
+        (_h(lambda h: h.update(job=7)), "bad_field"),
+        (_h(lambda h: h.update(boot="b" * 65)), "bad_field"),
+        (_h(lambda h: h.update(time=math.nan)), "bad_field"),
+        (_h(lambda h: h.update(time=True)), "bad_field"),
+        (_h(lambda h: h.update(time="now")), "bad_field"),
+        (lambda m: m.update(header=[1, 2]), "bad_field"),
         (lambda m: m.update(sent=-5), "bad_field"),
         (lambda m: m.update(errors=None), "bad_field"),
         (lambda m: m.update(closing=1), "bad_field"),
+        (lambda m: m.update(step=-2), "bad_field"),
+        (lambda m: m.update(schema="s" * 65), "bad_field"),
     ],
 )
 def test_bad_header_and_heartbeat_fields_are_rejected_with_reason(change, want):
@@ -374,7 +424,6 @@ def test_bad_header_and_heartbeat_fields_are_rejected_with_reason(change, want):
         (lambda m: m.update(every=-1), "bad_field"),
         (lambda m: m.update(local_rank=True), "bad_field"),
         (lambda m: m.pop("slots"), "missing_field"),
-        (lambda m: m.pop("hash"), "missing_field"),
         (lambda m: m.pop("host"), "missing_field"),
     ],
 )
@@ -459,39 +508,24 @@ def test_wire_error_is_a_value_error_with_bounded_reason():
     assert len(set(wire.REJECT_REASONS)) == len(wire.REJECT_REASONS)
 
 
-def test_a_resent_schema_with_a_known_hash_is_not_parsed_again():
-    """The aggregator passes the schemas it holds: a resend with a known hash reuses their lists,
-    which the bogus lists of this frame prove (they would be rejected if parsed)."""
-    s = schema()
-    m = msgpack.unpackb(wire.encode(s))
-    m.update(params=[["bogus"]], slots=[[1]], seq=9, host="other-host")
-    frame = msgpack.packb(m, use_bin_type=True)
-    with pytest.raises(wire.WireError):
-        wire.decode(frame)
-    got = wire.decode(frame, known_schema=lambda h, digest: s if digest == s.hash else None)
-    assert (got.params, got.slots, got.hash) == (s.params, s.slots, s.hash)
-    assert got.header.seq == 9 and got.host == "other-host"
-    assert wire.decode(wire.encode(s), known_schema=lambda h, d: None) == s  # unknown: parsed
-
-
 def test_heartbeat_key_and_goodbye_reason_round_trip_and_stay_bounded():
     h = wire.Header("j1", 0, 2, "b" * 16, 3, 1.7e9, "ab" * 8)
-    hb = wire.Heartbeat(h, 5, 4, 0, 0, closing=True, reason="disabled")
+    hb = wire.Heartbeat(h, 5, 4, 0, 0, closing=True, reason="disabled", run_s=0.0)
     assert wire.decode(wire.encode(hb)) == hb
     m = msgpack.unpackb(wire.encode(hb))
     m["reason"] = "unheard-of"
     assert wire.decode(msgpack.packb(m)).reason == "other"
-    del m["key"], m["reason"]  # an agent before the key and the reason
+    del m["header"]["key"], m["reason"]  # optional: no key, not a goodbye's reason
     old = wire.decode(msgpack.packb(m))
     assert old.header.key == "" and old.reason == ""
-    m["key"] = "k" * 65
+    m["header"]["key"] = "k" * 65
     with pytest.raises(wire.WireError, match="bad_field"):
         wire.decode(msgpack.packb(m))
 
 
-def test_report_from_an_agent_without_the_budget_fields():
-    """Reports of agents older than the budget lack agent_cost, probe_interval and over_budget:
-    they decode with NaN, 0 and False; present ones are type-checked."""
+def test_report_without_the_optional_fields():
+    """A report may leave out agent_cost, probe_interval and over_budget: they decode as NaN, 0
+    and False; present ones are type-checked."""
     import msgpack
 
     m = msgpack.unpackb(wire.encode(report(probe=False)), raw=False)
@@ -502,3 +536,136 @@ def test_report_from_an_agent_without_the_budget_fields():
     m["probe_interval"] = -1
     with pytest.raises(wire.WireError):
         wire.decode(msgpack.packb(m, use_bin_type=True))
+
+
+# --- steps: coalesced per-step records ----------------------------------------------------------
+
+
+def test_steps_round_trip_every_column_bit_for_bit():
+    st = steps(n=7, grad_norms=np.linspace(0, 1, N_PARAMS).astype(np.float32))
+    st = msgspec.structs.replace(st, loss=np.array([1.5, np.nan, np.inf, -0.0, 2.0, 3.0, 4.0]))
+    got = wire.decode(wire.encode(st), schema_sizes=sizes())
+    assert isinstance(got, wire.Steps) and len(got) == 7
+    for c in wire.STEP_COLUMNS:
+        a, want = getattr(got, c.name), np.asarray(getattr(st, c.name), c.dtype)
+        assert a.dtype == np.dtype(c.dtype) and a.tobytes() == want.tobytes(), c.name
+    assert got.grad_norms.shape == (7, N_PARAMS) and got.grad_norms.tobytes() == st.grad_norms.tobytes()
+    assert same(scalars(got), scalars(st)) and got.grad_sq is None
+
+
+def test_steps_of_reports_keeps_every_records_values():
+    reps = [report(probe=False, step=s, grad_norm=0.5 * s, grad_nonfinite=s % 3, compute_time=0.01 * s, loss=float(s))
+            for s in (4, 5, 9)]
+    got = wire.decode(wire.encode(wire.Steps.of(reps)))
+    for i, r in enumerate(reps):
+        for c in wire.STEP_COLUMNS:
+            assert same_float(float(getattr(got, c.name)[i]), float(getattr(r, c.name))), (i, c.name)
+    assert (got.drops, got.probe_interval, got.over_budget) == (reps[-1].drops, reps[-1].probe_interval, True)
+    with pytest.raises(ValueError):
+        wire.Steps.of([])
+
+
+def test_steps_carry_sharded_sums_of_squares_per_record():
+    reps = [report(probe=False, step=s, grad_sq=(((), 1.0 + s), ((0,), 2.0 * s))) for s in range(3)]
+    got = wire.decode(wire.encode(wire.Steps.of(reps)))
+    assert got.grad_sq_dims == ((), (0,)) and got.grad_sq.tolist() == [[1.0, 0.0], [2.0, 2.0], [3.0, 4.0]]
+    m = raw(wire.Steps.of(reps))
+    m["grad_sq"] = m["grad_sq"][:-8]
+    assert reason_of(pack(m)) == "bad_array"
+    del m["grad_sq"]  # sets of dims without their sums
+    assert reason_of(pack(m)) == "missing_field"
+
+
+def test_a_steps_message_may_leave_out_a_column_whose_values_are_its_default():
+    m = raw(steps(n=3))
+    for name in ("loss", "loss_scale", "local_grad_norm", "compute_time", "skipped"):
+        del m[name]
+    got = wire.decode(pack(m))
+    assert np.isnan(got.loss).all() and np.isnan(got.compute_time).all() and (got.skipped == 0).all()
+    for c in wire.STEP_COLUMNS:
+        if c.default is wire.REQUIRED:
+            m2 = dict(m)
+            del m2[c.name]
+            assert reason_of(pack(m2)) == "missing_field", c.name
+
+
+@pytest.mark.parametrize(
+    "change, want",
+    [
+        (lambda m: m.update(step=np.array([3, 2, 5], "<i8").tobytes()), "bad_array"),  # not increasing
+        (lambda m: m.update(step=np.array([3, 3, 5], "<i8").tobytes()), "bad_array"),
+        (lambda m: m.update(step=np.array([-1, 2, 5], "<i8").tobytes()), "bad_array"),
+        (lambda m: m.update(step=b""), "bad_array"),  # no record
+        (lambda m: m.update(step=m["step"][:-1]), "bad_array"),  # not whole int64s
+        (lambda m: m.update(step_time=m["step_time"][:-8]), "bad_array"),  # a column short of the records
+        (lambda m: m.update(grad_nonfinite=m["grad_nonfinite"] + b"\x00" * 4), "bad_array"),
+        (lambda m: m.update(grad_norm=[1.0, 2.0, 3.0]), "bad_field"),  # not bytes
+        (lambda m: m.update(grad_norms=b"\x00" * 4 * (3 * N_PARAMS + 1)), "bad_array"),
+        (lambda m: m.update(drops=-1), "bad_field"),
+        (lambda m: m.update(grad_sq_dims=[[9]]), "bad_field"),  # mesh dims are 0..7
+    ],
+)
+def test_bad_steps_fields_are_rejected_with_reason(change, want):
+    m = raw(steps(n=3, grad_norms=np.ones(N_PARAMS, np.float32)))
+    change(m)
+    assert reason_of(pack(m), schema_sizes=sizes()) == want
+
+
+def test_steps_are_capped_in_records():
+    n = wire.MAX_STEPS + 1
+    m = raw(steps(n=1))
+    for c in wire.STEP_COLUMNS:
+        m[c.name] = np.arange(n, dtype=c.dtype).tobytes()
+    assert reason_of(pack(m)) == "bad_array"
+    for c in wire.STEP_COLUMNS:
+        m[c.name] = m[c.name][: np.dtype(c.dtype).itemsize * (n - 1)]
+    assert len(wire.decode(pack(m))) == wire.MAX_STEPS
+
+
+# --- declared once, plain msgpack -----------------------------------------------------------------
+
+
+def test_the_step_columns_are_declared_once_for_both_messages():
+    """Every column of the per-step record is a scalar field of a report and an array of a steps
+    message, under one name; a report's first six fields are its positional arguments."""
+    report_fields, steps_fields = set(wire.Report.__struct_fields__), set(wire.Steps.__struct_fields__)
+    for c in wire.STEP_COLUMNS:
+        assert c.name in report_fields and c.name in steps_fields
+    assert wire.Report.__struct_fields__[:6] == ("header", "schema", "step", "step_time", "grad_norm", "grad_nonfinite")
+    assert [c.name for c in wire.STEP_COLUMNS if c.default is wire.REQUIRED] == ["step", "step_time", "grad_norm", "grad_nonfinite"]
+    for kind, cls in (("schema", wire.Schema), ("steps", wire.Steps), ("report", wire.Report), ("heartbeat", wire.Heartbeat)):
+        assert cls.__struct_config__.tag == kind
+        # every field is documented in the module docstring
+        for f in cls.__struct_fields__:
+            assert f"``{f}``" in wire.__doc__ or f in ("header", "v", "act", "act_grad", "param", "act_count",
+                                                       "fp_grad", "fp_weight"), (kind, f)
+
+
+@pytest.mark.parametrize("msg", [schema(), report(), report(probe=False), steps(), heartbeat()],
+                         ids=["schema", "probe", "report", "steps", "heartbeat"])
+def test_frames_are_plain_msgpack_both_ways(msg):
+    """msgpack-python reads what the encoder writes, and the decoder reads what msgpack-python
+    writes from the same map (its own encoder, its own key order)."""
+    m = msgpack.unpackb(wire.encode(msg), raw=False)
+    assert m["kind"] == type(msg).__struct_config__.tag
+    again = msgpack.packb(dict(reversed(list(m.items()))), use_bin_type=True)
+    got = wire.decode(again, schema_sizes=sizes())
+    assert type(got) is type(msg) and same(scalars(got), scalars(msg))
+    for k in ARRAY_FIELDS | {c.name for c in wire.STEP_COLUMNS}:
+        a, b = getattr(got, k, None), getattr(msg, k, None)
+        if isinstance(b, np.ndarray):
+            assert np.asarray(a).tobytes() == np.ascontiguousarray(b, a.dtype).tobytes(), k
+
+
+def test_a_schema_without_its_hash_gets_the_one_its_lists_give():
+    m = raw(schema())
+    del m["hash"]
+    assert wire.decode(pack(m)).hash == schema().hash
+
+
+def test_peek_reads_the_job_identity_alone():
+    h = header(key="k1")
+    for msg in (heartbeat(header=h), steps(header=h), report(header=h)):
+        assert wire.peek(wire.encode(msg)) == ("j1", "k1")
+    for junk in (b"", b"\xc1", pack([1]), pack({"header": 5}), b"\x91" * 10_000):
+        assert wire.peek(junk) is None

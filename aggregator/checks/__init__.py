@@ -5,7 +5,9 @@ A check subclasses :class:`Check`, sets ``name``, ``description``, ``severity`` 
 package imports every module in it. A check reacts to any of four events, all delivered by the
 aggregator's single writer thread:
 
-    on_report(job, rank, report)   every report of every rank (every step)
+    on_steps(job, views)           steps every rank reported (or that waited long enough), in
+                                   step order, as :class:`~..steps.StepView` objects, every rank's
+                                   record: released by the job's step table (:mod:`..steps`)
     on_heartbeat(job, rank, hb)    every heartbeat
     on_round(job, result)          a reconciled probed step (:class:`~..reconcile.RoundResult`)
     on_tick(job, now)              about every 0.1 s (longer when ticking takes over 25 ms: jobs of
@@ -136,7 +138,7 @@ class Check:
         """``t``: the aggregate :class:`Thresholds` (or any model with the fields this check reads)."""
         self.t = t
 
-    def on_report(self, job, rank, report) -> Optional[Evaluation]:
+    def on_steps(self, job, views) -> Optional[Evaluation]:
         return None
 
     def on_heartbeat(self, job, rank, heartbeat) -> Optional[Evaluation]:
@@ -345,7 +347,7 @@ class Runner:
         if first:
             todo = self.checks  # a job's first event gives every check its status, in check order
         # a check without this handler has nothing to say (``Check``'s returns None), so once it
-        # has a status for the job it is not called (per report, most checks are not)
+        # has a status for the job it is not called (per released step, most checks are not)
         for name, check in todo.items():
             t0 = time.perf_counter()
             try:

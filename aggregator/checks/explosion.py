@@ -2,7 +2,7 @@
 thresholds and against their own rolling median.
 
 Global, every step. Every rank reports the global gradient norm after all-reduce, the same value
-on every rank; the step is evaluated once, when every rank has reported it (see :mod:`._steps`),
+on every rank; the step is evaluated once, when every rank has reported it (see :mod:`..steps`),
 with the median over the ranks' finite values. It is
 
 * *exploding* above ``explode_above``,
@@ -53,7 +53,6 @@ import numpy as np
 from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
-from ._steps import Steps
 
 
 @dataclass
@@ -71,7 +70,6 @@ class _Episode:
 
 @dataclass
 class _Job:
-    steps: Steps
     norms: collections.deque
     layer_norms: dict = field(default_factory=dict)  # module -> deque of probed norms
     episode: Optional[_Episode] = None
@@ -121,8 +119,8 @@ class Explosion(Check):
 
     def _job(self, job) -> _Job:
         st = self._jobs.get(job.job)
-        if st is None or st.steps.world != job.world:
-            st = self._jobs[job.job] = _Job(Steps(job.world), collections.deque(maxlen=self.t.spike_window))
+        if st is None:
+            st = self._jobs[job.job] = _Job(collections.deque(maxlen=self.t.spike_window))
         return st
 
     @property
@@ -131,15 +129,11 @@ class Explosion(Check):
 
     # --- events ---------------------------------------------------------------------------------
 
-    def on_report(self, job, rank, report):
+    def on_steps(self, job, views):
         st = self._job(job)
-        return self._steps(job.job, st, st.steps.add(rank.rank, report))
-
-    def on_tick(self, job, now):
-        st = self._jobs.get(job.job)
-        if st is None:
-            return None
-        return self._steps(job.job, st, st.steps.tick(now))
+        for v in views:
+            self._global(st, v, job.world)
+        return self._evaluation(job.job, st)
 
     def on_round(self, job, r):
         st = self._job(job)
@@ -201,17 +195,12 @@ class Explosion(Check):
         kinds = {k: v for k, v in kinds.items() if k in self.kinds}
         return kinds, score if kinds else 0.0
 
-    def _steps(self, job_id: str, st: _Job, released) -> Optional[Evaluation]:
-        if not released:
-            return None
-        for step, reports in released:
-            self._global(st, step, reports)
-        return self._evaluation(job_id, st)
-
-    def _global(self, st: _Job, step: int, reports: dict) -> None:
+    def _global(self, st: _Job, v, world: int) -> None:
+        """Judge one released step (a :class:`~..steps.StepView`) by its global gradient norm."""
+        step = v.step
         st.last_step = max(st.last_step, step)
-        norms = [r.grad_norm for r in reports.values() if math.isfinite(r.grad_norm)]
-        if not norms:
+        norms = v.grad_norm[np.isfinite(v.grad_norm)]
+        if not len(norms):
             return  # non-finite (or no gradients): the nonfinite check's business
         st.evaluated = True
         g = float(np.median(norms))
@@ -219,13 +208,13 @@ class Explosion(Check):
         st.norms.append(g)
         if not kinds:
             return
-        local = {k: r.local_grad_norm for k, r in sorted(reports.items())}
-        finite = {k: v for k, v in local.items() if math.isfinite(v)}
+        local = dict(zip(v.ranks.tolist(), v.local_grad_norm.tolist()))
+        finite = {k: x for k, x in local.items() if math.isfinite(x)}
         if finite:
             source = max(finite, key=lambda k: (finite[k], -k))
         else:
-            source = next(iter(reports)) if st.steps.world == 1 else None
-        details = {"grad_norm": g, "local_grad_norms": local, "ranks_reporting": len(reports)}
+            source = int(v.ranks[0]) if world == 1 else None
+        details = {"grad_norm": g, "local_grad_norms": local, "ranks_reporting": len(v)}
         if "vanish" in kinds:  # names no rank
             source = None
         else:

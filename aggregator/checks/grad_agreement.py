@@ -24,20 +24,16 @@ applied once thus gives one finding, at its step, and the weights it leaves diff
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
-
 import numpy as np
 from pydantic import Field
 
 from ..reconcile import step_norms
 from . import Check, Evaluation, Finding, register
 from ._fingerprints import minority
-from ._steps import Steps
 
 
 @dataclass
 class _State:
-    steps: Optional[Steps] = None  # per-step norms only (gradient agreement)
     active: dict = field(default_factory=dict)  # finding key -> Finding (its first step's)
     last_bad: dict = field(default_factory=dict)  # finding key -> latest step that found it
     norms_judged: bool = False  # a step's gradient norms were judged: that path speaks for the check
@@ -142,21 +138,15 @@ class GradientAgreement(_Agreement):
             "Relative tolerance between two ranks' gradient norms of one parameter after all-reduce "
             "(equal bits give equal norms; this absorbs reduction-order differences, within 2e-6)."))
 
-    def on_report(self, job, rank, report):
-        st = self._state(job)
-        if st.steps is None or st.steps.world != job.world:
-            st.steps = Steps(job.world)
-        return self._norms(job, st, st.steps.add(rank.rank, report))
-
-    def on_tick(self, job, now):
-        st = self._jobs.get(job.job)
-        return self._norms(job, st, st.steps.tick(now)) if st is not None and st.steps is not None else None
-
-    def _norms(self, job, st: _State, released) -> Optional[Evaluation]:
+    def on_steps(self, job, views):
         """Judge each released step's per-parameter gradient norms; None when none could be."""
+        st = self._state(job)
         ev = None
-        for step, reports in released:
-            sn = step_norms(job.schemas, step, reports)
+        for v in views:
+            if not v.norms:
+                continue
+            step = v.step
+            sn = step_norms(job.schemas, step, v.norms)
             if sn is None or len(sn.ranks) < 2:
                 continue
             seen = np.isfinite(sn.norms)

@@ -1,6 +1,6 @@
 """Non-finite provenance: where NaN or Inf first appeared — step, rank, module and pass.
 
-Step and rank, from every step's reports (evaluated once per step, see :mod:`._steps`). The event
+Step and rank, from every step's records (evaluated once per step, see :mod:`..steps`). The event
 is the first step where a rank's gradient held NaN/Inf: ``grad_nonfinite > 0`` or an infinite
 ``grad_norm`` (a NaN ``grad_norm`` with no non-finite parameter means the step had no gradients),
 or a rank's local gradient norm (before all-reduce, from the DDP communication hook) is
@@ -38,14 +38,12 @@ is known. Values that are NaN or Inf travel in the finding's details as strings 
 from __future__ import annotations
 
 import collections
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
 from . import Check, Evaluation, Finding, register
-from ._steps import Steps
 
 PASSES = ("activation", "output_gradient", "parameter_gradient", "weight")
 #: steps past the event the finding waits for a probed step to locate the module
@@ -56,7 +54,6 @@ HOLD_S = 5.0
 
 @dataclass
 class _Job:
-    steps: Steps
     known_local: set = field(default_factory=set)  # ranks that reported a finite local norm
     rounds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
     event: Optional[dict] = None
@@ -80,12 +77,6 @@ def _may_locate(r) -> bool:
                 or (r.act_grad[:, :, 1] > 0).any() or (r.module[:, :, 2] > 0).any())
 
 
-def _bad_grad(rep) -> bool:
-    return rep.grad_nonfinite > 0 or math.isinf(rep.grad_norm)
-
-
-def _has_grad(rep) -> bool:
-    return not (math.isnan(rep.grad_norm) and rep.grad_nonfinite == 0)
 
 
 @register
@@ -106,8 +97,8 @@ class NonFinite(Check):
 
     def _job(self, job) -> _Job:
         st = self._jobs.get(job.job)
-        if st is None or st.steps.world != job.world:
-            st = self._jobs[job.job] = _Job(Steps(job.world))
+        if st is None:
+            st = self._jobs[job.job] = _Job()
         return st
 
     def forget(self, job_id):
@@ -115,12 +106,9 @@ class NonFinite(Check):
 
     # --- events ---------------------------------------------------------------------------------
 
-    def on_report(self, job, rank, report):
+    def on_steps(self, job, views):
         st = self._job(job)
-        released = st.steps.add(rank.rank, report)
-        if not released:
-            return None
-        self._released(st, released)
+        self._released(st, views, job.world)
         self._maybe_raise(job.job, st, None)
         return self._evaluation(st)
 
@@ -137,51 +125,53 @@ class NonFinite(Check):
         st = self._jobs.get(job.job)
         if st is None:
             return None
-        released = st.steps.tick(now)
-        self._released(st, released)
         if st.event is not None and st.event_seen is None:
             st.event_seen = now
         raised = self._maybe_raise(job.job, st, now)
-        return self._evaluation(st) if released or raised else None
+        return self._evaluation(st) if raised else None
 
     # --- the event ------------------------------------------------------------------------------
 
-    def _released(self, st: _Job, released) -> None:
-        for step, reports in released:
+    def _released(self, st: _Job, views, world: int) -> None:
+        for v in views:
             st.evaluated = True
-            st.last_step = max(st.last_step, step)
+            st.last_step = max(st.last_step, v.step)
             if st.event is None:
-                st.event = self._detect(st, step, reports)
-            for k, rep in reports.items():
-                if math.isfinite(rep.local_grad_norm):
-                    st.known_local.add(k)
+                st.event = self._detect(st, v, world)
+            st.known_local.update(v.ranks[np.isfinite(v.local_grad_norm)].tolist())
 
-    def _detect(self, st: _Job, step: int, reports: dict) -> Optional[dict]:
-        def local_bad(k, rep):
-            v = rep.local_grad_norm
-            return math.isinf(v) or (math.isnan(v) and k in st.known_local and _has_grad(rep))
-
-        bad_grad = sorted(k for k, rep in reports.items() if _bad_grad(rep))
-        origin = sorted(k for k, rep in reports.items() if local_bad(k, rep))
+    def _detect(self, st: _Job, v, world: int) -> Optional[dict]:
+        """The event at released step ``v`` (a :class:`~..steps.StepView`), if its gradients are
+        non-finite anywhere (module docstring)."""
+        bad = (v.grad_nonfinite > 0) | np.isinf(v.grad_norm)
+        if not bad.any() and not np.isinf(v.local_grad_norm).any() and not np.isnan(v.local_grad_norm).any():
+            return None  # the usual step: nothing to look at
+        ranks = v.ranks.tolist()
+        has_grad = ~(np.isnan(v.grad_norm) & (v.grad_nonfinite == 0))
+        known = np.fromiter((k in st.known_local for k in ranks), bool, len(ranks))
+        local = v.local_grad_norm
+        local_bad = np.isinf(local) | (np.isnan(local) & known & has_grad)
+        bad_grad = [k for k, b in zip(ranks, bad) if b]
+        origin = [k for k, b in zip(ranks, local_bad) if b]
         if not bad_grad and not origin:
             return None
         if origin:
             where = "local"
-        elif all(math.isfinite(rep.local_grad_norm) for rep in reports.values()):
+        elif np.isfinite(local).all():
             where = "all-reduce"
-        elif st.steps.world == 1:
+        elif world == 1:
             where, origin = "local", bad_grad
         else:
             where = "unknown"
         return {
-            "step": step,
+            "step": v.step,
             "origin_ranks": origin,
             "where": where,
-            "probed": any(rep.probe for rep in reports.values()),
-            "ranks_reporting": sorted(reports),
-            "local_grad_norms": {k: reports[k].local_grad_norm for k in sorted(reports)},
-            "grad_norms": {k: reports[k].grad_norm for k in sorted(reports)},
-            "grad_nonfinite_params": {k: reports[k].grad_nonfinite for k in sorted(reports)},
+            "probed": bool(v.probe.any()),
+            "ranks_reporting": ranks,
+            "local_grad_norms": dict(zip(ranks, local.tolist())),
+            "grad_norms": dict(zip(ranks, v.grad_norm.tolist())),
+            "grad_nonfinite_params": dict(zip(ranks, (int(x) for x in v.grad_nonfinite))),
         }
 
     # --- locating the module --------------------------------------------------------------------

@@ -10,7 +10,7 @@ loading, but no waiting for peers. At a step where some reporting rank's agent c
 (start-up) is left out.
 
 Every comparison is made *within a step*: a step is judged once every rank has reported it (see
-:mod:`._steps`), each rank's time against the median of the other ranks' times at that same step.
+:mod:`..steps`), each rank's time against the median of the other ranks' times at that same step.
 Load that slows every rank together for a while (a busy host, a garbage collection in every
 process) thus cancels out, where comparing windows that close at different moments would not; and
 the peers' median is the typical peer, where the fastest rank (NVIDIA's resiliency extension's
@@ -68,7 +68,6 @@ from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
 from ..shards import part_of
-from ._steps import Steps
 
 
 @dataclass
@@ -90,16 +89,17 @@ class _Rank:
 
 @dataclass
 class _Job:
-    steps: Steps
     ranks: dict = field(default_factory=dict)  # rank -> _Rank
 
 
-def _times(reports: dict) -> tuple[str, dict[int, float]]:
-    """The step's times to compare: compute times when every reporting rank has one, else step times."""
+def _times(v, keep: np.ndarray) -> tuple[str, dict[int, float]]:
+    """The step's times to compare, of the ranks ``keep`` selects in view ``v``: compute times when
+    every one of them has one, else step times."""
+    ranks = v.ranks[keep].tolist()
     for source in ("compute_time", "step_time"):
-        times = {k: getattr(r, source) for k, r in reports.items()}
-        if all(math.isfinite(x) and x >= 0 for x in times.values()):
-            return source, times
+        x = getattr(v, source)[keep]
+        if (np.isfinite(x) & (x >= 0)).all():
+            return source, dict(zip(ranks, x.tolist()))
     return "", {}
 
 
@@ -164,30 +164,27 @@ class Straggler(Check):
         self._jobs: dict[str, _Job] = {}
         self._values: dict[str, dict] = {}  # values() per job until a window closes: read at every publish
 
-    def on_report(self, job, rank, m):
-        if m.step <= 0:
-            return None
+    def on_steps(self, job, views):
         st = self._jobs.get(job.job)
-        if st is None or st.steps.world != job.world:
-            st = self._jobs[job.job] = _Job(Steps(job.world))
+        if st is None:
+            st = self._jobs[job.job] = _Job()
             self._values.pop(job.job, None)
-        r = st.ranks.get(rank.rank)
-        if r is None or r.boot != rank.boot:  # a restarted rank starts over
-            st.ranks[rank.rank] = _Rank(rank.boot)
-            self._values.pop(job.job, None)
-        return self._judge(job, st, st.steps.add(rank.rank, m))
-
-    def on_tick(self, job, now):
-        st = self._jobs.get(job.job)
-        return None if st is None else self._judge(job, st, st.steps.tick(now))
-
-    def _judge(self, job, st: _Job, released):
-        if not released:
-            return None
         closed = False
-        for step, reports in released:
-            reports = {k: m for k, m in reports.items() if k in st.ranks and m.header.boot == st.ranks[k].boot}
-            source, times = _times(reports)
+        for v in views:
+            if v.step <= 0:
+                continue  # start-up
+            keep = np.ones(len(v), bool)
+            for i, k in enumerate(v.ranks.tolist()):
+                rank = job.ranks.get(k)
+                if rank is None:
+                    keep[i] = False
+                    continue
+                r = st.ranks.get(k)
+                if r is None or r.boot != rank.boot:  # a restarted rank starts over
+                    st.ranks[k] = _Rank(rank.boot)
+                    self._values.pop(job.job, None)
+            source, times = _times(v, keep)
+            step = v.step
             for k, x, peer in self._peers(job, times):
                 r = st.ranks[k]
                 r.times.append(x)

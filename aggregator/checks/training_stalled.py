@@ -87,9 +87,10 @@ class TrainingStalled(Check):
         self._heard: dict[str, float] = {}  # job -> its latest message's time at the previous tick
         self._since: dict[str, float] = {}  # job -> when the aggregator heard it again after a dark gap
 
-    def on_report(self, job, rank, report):
-        if report.step_time > 0:  # NaN (not measured) fails this too
-            self._times.setdefault(job.job, collections.deque(maxlen=self.WINDOW)).append(report.step_time)
+    def on_steps(self, job, views):
+        times = self._times.setdefault(job.job, collections.deque(maxlen=self.WINDOW))
+        for v in views:
+            times.extend(v.step_time[v.step_time > 0].tolist())  # NaN (not measured) fails this too
         return None
 
     def bound(self, job_id: str) -> float:

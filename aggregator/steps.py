@@ -1,0 +1,203 @@
+"""Every rank's per-step records of one job, lined up step by step: the step table.
+
+Agents send their per-step records in batches (wire ``steps``, a few per second per rank) and one
+with each probed step (wire ``report``). The ranks meet in the all-reduce, so every rank's record of
+a step arrives within moments of the others', give or take a batch. The table holds the records of
+the steps that not every rank has reported yet, one array [capacity, world] per value the checks
+read (:data:`COLUMNS`), a step in row ``step % capacity``: a batch is written with one numpy
+assignment per column, whatever its length. A step is *released*, once and in step order, as a
+:class:`StepView` of the ranks that reported it:
+
+* when every rank of the world has reported it, together with every older step still waiting;
+* ``WAIT_S`` seconds of the aggregator's clock after it was first seen (via :meth:`tick`; a rank
+  can die or a record be lost);
+* when the steps waiting would span more rows than the table holds: the capacity grows (powers of
+  two) up to ``max_cells`` / world steps, so memory is bounded per job whatever its ranks send, and
+  beyond it the oldest steps are released first.
+
+A record of a step already released is left out (the rank's gauges still took it). The checks that
+judge a step as a whole read the views (``Check.on_steps``): after all-reduce every rank holds the
+same gradient norm, so a step is judged once, with every rank's local (pre-all-reduce) norm and
+own compute time at hand.
+
+Pure numpy; no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+#: seconds (aggregator clock) an incomplete step waits for its missing ranks
+WAIT_S = 2.0
+#: rows a table starts with
+MIN_ROWS = 64
+#: cells (rows x world) a table holds at most: with :data:`COLUMNS` about 50 bytes each
+MAX_CELLS = 1 << 20
+
+#: the per-step values the checks read: wire.STEP_COLUMNS names, and whether a probe report carried it
+COLUMNS = ("step_time", "compute_time", "grad_norm", "local_grad_norm", "grad_nonfinite", "probe")
+
+
+class StepView:
+    """One released step: the records of the ranks that reported it, in rank order.
+
+    Attributes:
+        step: the optimizer step.
+        ranks: int64 [n], ascending.
+        step_time, compute_time, grad_norm, local_grad_norm: float64 [n], seconds and L2 norms
+            (wire ``STEP_COLUMNS``; a sharded rank's ``grad_norm`` is the global norm of its shard
+            group, NaN until the whole group reported, see :mod:`.shards`).
+        grad_nonfinite: float64 [n], parameters with a non-finite gradient.
+        probe: bool [n], the record came with a probed step's report.
+        norms: ``{rank: (schema hash, float32 [n_params])}``: the ranks' per-parameter gradient
+            norms (wire ``grad_norms``), for the ranks that sent them.
+        grad_sq: ``{rank: ((mesh dims, sum of squares), ...)}`` of sharded ranks.
+    """
+
+    __slots__ = ("step", "ranks", *COLUMNS, "norms", "grad_sq")
+
+    def __init__(self, step: int, ranks: np.ndarray, columns: dict, norms: dict, grad_sq: dict):
+        self.step, self.ranks, self.norms, self.grad_sq = step, ranks, norms, grad_sq
+        for name in COLUMNS:
+            setattr(self, name, columns[name])
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+
+class StepTable:
+    """One job's pending steps (module docstring).
+
+    Args:
+        world: ranks of the job.
+        max_cells: rows x world held at most.
+    """
+
+    def __init__(self, world: int, max_cells: int = MAX_CELLS):
+        self.world = world
+        self.max_rows = max(MIN_ROWS, 1 << max(0, (max_cells // max(world, 1)).bit_length() - 1))
+        self.released = -1  # highest step released so far
+        self._alloc(min(MIN_ROWS, self.max_rows))
+        self.norms: dict[int, dict[int, tuple]] = {}  # step -> rank -> (schema, row)
+        self.grad_sq: dict[int, dict[int, tuple]] = {}  # step -> rank -> grad_sq
+
+    def _alloc(self, rows: int) -> None:
+        self.rows = rows
+        self.step_of = np.full(rows, -1, np.int64)  # the step a row holds, -1 free
+        self.have = np.zeros((rows, self.world), bool)
+        self.count = np.zeros(rows, np.int64)
+        self.seen = np.full(rows, np.nan)  # aggregator clock at the first tick after the first record
+        self.cols = {name: np.full((rows, self.world), np.nan) for name in COLUMNS}
+
+    @property
+    def pending(self) -> int:
+        """Steps waiting."""
+        return int((self.step_of >= 0).sum())
+
+    def add(self, rank: int, steps: np.ndarray, values: dict, norms: Optional[tuple] = None,
+            grad_sq: Optional[list] = None) -> list[StepView]:
+        """Take ``rank``'s records; return the steps released, ascending.
+
+        Args:
+            rank: 0 <= rank < world.
+            steps: int64 [n], strictly increasing.
+            values: each of :data:`COLUMNS` -> array [n].
+            norms: ``(schema hash, float32 [n, n_params])`` of the records, or None.
+            grad_sq: per record its ``grad_sq`` (sharded layouts), or None.
+        """
+        steps, values, norms, grad_sq = _only(steps > self.released, steps, values, norms, grad_sq)
+        if not len(steps):  # late: steps the checks have judged already
+            return []
+        if len(steps) > self.max_rows:  # more than the table holds: a table's worth at a time
+            out = []
+            for i in range(0, len(steps), self.max_rows):
+                part = slice(i, i + self.max_rows)
+                out += self.add(rank, steps[part], {k: v[part] for k, v in values.items()},
+                                None if norms is None else (norms[0], norms[1][part]),
+                                None if grad_sq is None else grad_sq[part])
+            return out
+        out = self._room(int(steps[0]), int(steps[-1]))
+        steps, values, norms, grad_sq = _only(steps > self.released, steps, values, norms, grad_sq)
+        idx = steps % self.rows
+        self.step_of[idx] = steps
+        self.count[idx] += ~self.have[idx, rank]
+        self.have[idx, rank] = True
+        for name in COLUMNS:
+            self.cols[name][idx, rank] = values[name]
+        if norms is not None:
+            schema, rows = norms
+            for s, row in zip(steps.tolist(), rows):
+                self.norms.setdefault(s, {})[rank] = (schema, row)
+        if grad_sq is not None:
+            for s, sq in zip(steps.tolist(), grad_sq):
+                self.grad_sq.setdefault(s, {})[rank] = sq
+        done = self.count[idx] >= self.world
+        if done.any():
+            last = int(steps[done][-1])
+            out += self._release(self.step_of[(self.step_of >= 0) & (self.step_of <= last)])
+        return out
+
+    def tick(self, now: float) -> list[StepView]:
+        """Release the steps first seen ``WAIT_S`` or more before ``now`` (and older ones)."""
+        held = self.step_of >= 0
+        if not held.any():
+            return []
+        fresh = held & np.isnan(self.seen)
+        self.seen[fresh] = now
+        due = held & (now - self.seen >= WAIT_S)
+        if not due.any():
+            return []
+        return self._release(self.step_of[held & (self.step_of <= self.step_of[due].max())])
+
+    def forget_rank(self, rank: int) -> None:
+        """Drop ``rank``'s waiting records (its agent restarted: what it sent before is another boot's)."""
+        self.count -= self.have[:, rank]
+        self.have[:, rank] = False
+        for per in (self.norms, self.grad_sq):
+            for d in per.values():
+                d.pop(rank, None)
+
+    def _room(self, first: int, last: int) -> list[StepView]:
+        """Make the rows span ``first..last`` together with the steps waiting: grow, else release
+        the oldest."""
+        held = self.step_of[self.step_of >= 0]
+        lo = min(first, int(held.min())) if held.size else first
+        span = last - lo + 1
+        if span > self.rows and self.rows < self.max_rows:
+            self._grow(min(self.max_rows, 1 << (span - 1).bit_length()))
+        if span <= self.rows:
+            return []
+        return self._release(held[held <= last - self.rows])
+
+    def _grow(self, rows: int) -> None:
+        step_of, have, count, seen, cols = self.step_of, self.have, self.count, self.seen, self.cols
+        self._alloc(rows)
+        used = np.flatnonzero(step_of >= 0)
+        idx = step_of[used] % rows
+        self.step_of[idx], self.have[idx], self.count[idx], self.seen[idx] = step_of[used], have[used], count[used], seen[used]
+        for name in COLUMNS:
+            self.cols[name][idx] = cols[name][used]
+
+    def _release(self, steps: np.ndarray) -> list[StepView]:
+        out = []
+        for s in np.sort(steps).tolist():
+            i = s % self.rows
+            ranks = np.flatnonzero(self.have[i])
+            columns = {name: self.cols[name][i, ranks] for name in COLUMNS}
+            columns["probe"] = columns["probe"] > 0
+            out.append(StepView(s, ranks, columns, self.norms.pop(s, {}), self.grad_sq.pop(s, {})))
+            self.step_of[i], self.count[i], self.seen[i] = -1, 0, math.nan
+            self.have[i] = False
+            self.released = max(self.released, s)
+        return out
+
+
+def _only(keep: np.ndarray, steps, values, norms, grad_sq):
+    """The records where ``keep`` holds (the same objects when it holds everywhere)."""
+    if keep.all():
+        return steps, values, norms, grad_sq
+    return (steps[keep], {k: v[keep] for k, v in values.items()}, None if norms is None else (norms[0], norms[1][keep]),
+            None if grad_sq is None else [g for g, k in zip(grad_sq, keep) if k])

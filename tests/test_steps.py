@@ -1,0 +1,136 @@
+"""The aggregator's step table (aggregator/steps.py): every rank's records lined up by step,
+released once each, in order, whatever order and batch sizes the ranks' records come in."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from gradwatch.aggregator.steps import COLUMNS, MIN_ROWS, WAIT_S, StepTable
+
+
+def records(steps, rank: int = 0, **cols) -> tuple[np.ndarray, dict]:
+    s = np.asarray(steps, np.int64)
+    values = {name: np.asarray(cols.get(name, s * 10.0 + rank), np.float64) for name in COLUMNS}
+    values["probe"] = np.asarray(cols.get("probe", np.zeros(len(s))), np.float64)
+    return s, values
+
+
+def add(t: StepTable, rank: int, steps, **kw):
+    s, v = records(steps, rank)
+    return t.add(rank, s, v, **kw)
+
+
+def test_a_step_is_released_once_every_rank_reported_it_with_each_ranks_values():
+    t = StepTable(3)
+    assert add(t, 0, [0, 1, 2]) == [] and add(t, 2, [0, 1]) == []
+    out = add(t, 1, [0, 1, 2, 3])
+    assert [v.step for v in out] == [0, 1]  # rank 2 has not reported 2 yet
+    v = out[1]
+    assert v.ranks.tolist() == [0, 1, 2] and v.grad_norm.tolist() == [10.0, 11.0, 12.0]
+    assert v.probe.dtype == bool and not v.probe.any()
+    assert [v.step for v in add(t, 2, [2, 3])] == [2] and t.pending == 1  # rank 0 has not sent 3
+
+
+def test_a_later_complete_step_releases_the_older_incomplete_ones_first():
+    t = StepTable(2)
+    add(t, 0, [5])
+    add(t, 0, [6])
+    out = add(t, 1, [6])  # rank 1 never sends 5: a lost record
+    assert [(v.step, v.ranks.tolist()) for v in out] == [(5, [0]), (6, [0, 1])]
+    assert add(t, 1, [5]) == [] and t.pending == 0  # too late: judged already
+
+
+def test_an_incomplete_step_is_released_wait_s_after_it_was_first_seen():
+    t = StepTable(2)
+    add(t, 0, [0, 1])
+    assert t.tick(100.0) == []  # first seen now
+    assert t.tick(100.0 + WAIT_S / 2) == []
+    add(t, 0, [2])
+    out = t.tick(100.0 + WAIT_S)
+    assert [v.step for v in out] == [0, 1] and t.pending == 1
+    assert [v.step for v in t.tick(100.0 + 3 * WAIT_S)] == [2]
+
+
+def test_batches_longer_than_the_table_grow_it_and_lose_nothing():
+    t = StepTable(2)
+    n = 5 * MIN_ROWS
+    add(t, 0, range(n))
+    assert t.rows >= n and t.pending == n
+    out = add(t, 1, range(n))
+    assert [v.step for v in out] == list(range(n)) and all(len(v) == 2 for v in out)
+
+
+def test_memory_is_bounded_per_job_the_oldest_steps_go_first():
+    t = StepTable(1024, max_cells=1024 * MIN_ROWS)
+    assert t.max_rows == MIN_ROWS
+    out = add(t, 0, range(3 * MIN_ROWS))  # one rank races ahead; nobody else reports
+    assert t.pending <= MIN_ROWS and t.rows == MIN_ROWS
+    assert [v.step for v in out] == list(range(2 * MIN_ROWS))  # released incomplete, in order
+    add(t, 1, [2 * MIN_ROWS + 1])
+    out = add(t, 0, [4 * MIN_ROWS])  # the steps waiting would span more rows than it holds
+    assert [v.step for v in out] == list(range(2 * MIN_ROWS, 3 * MIN_ROWS))
+    assert out[1].ranks.tolist() == [0, 1]
+    assert t.have.nbytes + sum(a.nbytes for a in t.cols.values()) <= 1024 * MIN_ROWS * (1 + 8 * len(COLUMNS))
+
+
+def test_a_restarted_ranks_waiting_records_are_forgotten():
+    t = StepTable(2)
+    add(t, 0, [0, 1])
+    add(t, 1, [0])  # released 0
+    t.forget_rank(0)
+    assert t.count.max() == 0 and t.pending == 1
+    out = add(t, 1, [1])
+    assert out == [] and t.pending == 1  # step 1 waits for rank 0's new boot
+    out = add(t, 0, [1])
+    assert [(v.step, v.ranks.tolist()) for v in out] == [(1, [0, 1])]
+
+
+def test_a_rank_resending_a_step_counts_once_and_keeps_its_latest_values():
+    t = StepTable(2)
+    s, v = records([3], 0, grad_norm=[1.0])
+    t.add(0, s, v)
+    s, v = records([3], 0, grad_norm=[2.0])
+    assert t.add(0, s, v) == []
+    out = add(t, 1, [3])
+    assert out[0].grad_norm.tolist() == [2.0, 31.0]
+
+
+def test_norms_and_sums_of_squares_travel_with_their_step():
+    t = StepTable(2)
+    rows = np.arange(6, dtype=np.float32).reshape(2, 3)
+    add(t, 0, [0, 1], norms=("h", rows), grad_sq=[(((), 1.0),), (((), 2.0),)])
+    out = add(t, 1, [0, 1])
+    assert out[1].norms[0][0] == "h" and out[1].norms[0][1].tolist() == [3.0, 4.0, 5.0] and 1 not in out[1].norms
+    assert out[0].grad_sq == {0: (((), 1.0),)}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_interleavings_release_every_step_once_in_order(seed):
+    """Ranks send batches of random length at random moments; a few records are lost: every
+    step is released exactly once, ascending, with exactly the ranks whose records came in time."""
+    rng = np.random.default_rng(seed)
+    world, n = 4, 300
+    t = StepTable(world)
+    nxt = [0] * world
+    lost = {(int(rng.integers(n)), int(rng.integers(world))) for _ in range(10)}
+    released = []
+    now = 0.0
+    while min(nxt) < n:
+        k = int(rng.integers(world))
+        if nxt[k] >= n:
+            continue
+        m = int(rng.integers(1, 40))
+        steps = [s for s in range(nxt[k], min(n, nxt[k] + m)) if (s, k) not in lost]
+        nxt[k] = min(n, nxt[k] + m)
+        if steps:
+            released += add(t, k, steps)
+        now += 0.01
+        released += t.tick(now)
+    released += t.tick(now + 10 * WAIT_S)
+    assert [v.step for v in released] == list(range(n))
+    for v in released:
+        assert set(v.ranks.tolist()) <= {k for k in range(world) if (v.step, k) not in lost}
+        assert all(math.isclose(g, v.step * 10.0 + k) for g, k in zip(v.grad_norm, v.ranks))
