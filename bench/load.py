@@ -1,17 +1,20 @@
 """Load benchmark of the aggregator at fleet scale (issue 14).
 
 Sender processes (``multiprocessing``) play many simulated ranks of one or more healthy jobs: each
-builds real wire frames with :func:`gradwatch.wire.encode` (a schema per rank, resent every
-``--schema-every-s``; a report per rank per step, a probe every ``--every``-th step; a heartbeat per
-rank every ``--heartbeat-s``) and pushes them over ZeroMQ to a real aggregator process
-(``python -m gradwatch.aggregator``). The main process scrapes ``/metrics`` every ``--poll-s`` and
-reads the aggregator's RSS from ``/proc``.
+builds real wire frames with :func:`gradwatch.wire.encode` as the agent sends them (a schema per
+rank at start, resent after ``--schema-every-s`` and then at doubling intervals up to 32 times
+that; the records of ``--coalesce`` consecutive unprobed steps per rank in one ``steps`` message, a
+probe report every ``--every``-th step, after the pending records; a heartbeat per rank every
+``--heartbeat-s`` unless the rank sent something within it) and pushes them over ZeroMQ to a real
+aggregator process (``python -m gradwatch.aggregator``). The main process scrapes ``/metrics``
+every ``--poll-s`` and reads the aggregator's RSS from ``/proc``.
 
 Measured:
 
-* **absorbed**: messages (and reports: rank-steps) per second the aggregator counted, received or
-  rejected, from its own ``gradwatch_messages_{received,rejected}_total`` between the first and
-  last scrape while senders ran;
+* **absorbed**: messages per second the aggregator counted, received or rejected, from its own
+  ``gradwatch_messages_{received,rejected}_total``, and rank-steps per second it applied (its
+  ``gradwatch_rank_steps_total`` summed over ranks, or ``gradwatch_job_steps_total``), between the
+  first and last scrape while senders ran;
 * **freshness**: per step, from the moment the last sender finished sending that step (wall clock,
   one machine) to the first scrape whose ``gradwatch_rank_step`` of every rank of the job has
   reached it (resolution: ``--poll-s`` plus one scrape);
@@ -121,6 +124,18 @@ def report_frame(job: Job, rank: int, seq: int, step: int, probe: bool, step_s: 
 JUNK = msgpack.packb({"v": 99, "kind": "report"})
 
 
+def steps_frame(job: Job, rank: int, seq: int, steps: list[int], step_s: float) -> bytes:
+    """The coalesced records of ``steps`` (unprobed, consecutive) of one rank, as the agent sends them."""
+    s = np.asarray(steps, np.int64)
+    n = len(s)
+    g = 1.0 + 0.01 * np.sin(s)  # the same global norm on every rank, no spike
+    return wire.encode(wire.Steps(
+        _header(job, rank, seq), job.hash, step=s, step_time=np.full(n, step_s), grad_norm=g,
+        grad_nonfinite=np.zeros(n), local_grad_norm=g * math.sqrt(job.world) * (1 + 0.01 * ((rank * 7919) % 11 - 5) / 5),
+        compute_time=np.full(n, 0.05), loss=np.full(n, 2.0), loss_scale=np.full(n, math.nan), skipped=np.zeros(n),
+    ))
+
+
 def heartbeat_frame(job: Job, rank: int, seq: int, step: int, sent: int) -> bytes:
     return wire.encode(wire.Heartbeat(_header(job, rank, seq), step, sent, 0, 0, in_step_s=0.01))
 
@@ -153,42 +168,69 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
     n_steps = math.ceil(args.reports / max(1, args.ranks * args.jobs)) if args.reports else None
     deadline = t0 + args.duration if not args.reports else math.inf
 
-    def send(job, rank, frame, kind):
+    sent_at = defaultdict(float)  # (job, rank) -> when it last sent anything
+
+    def send(job, rank, frame, kind, records=0):
         sock.send(frame)  # blocks at the high-water mark: nothing dropped on the way
         seq[(job.name, rank)] += 1
         res.sent[kind] += 1
+        res.sent["records"] += records
+        sent_at[(job.name, rank)] = time.time()
+
+    pending: list[int] = []  # steps recorded but not sent yet (the same for every rank of this sender)
+
+    def flush(step_s):
+        for job, r in mine:
+            send(job, r, steps_frame(job, r, seq[(job.name, r)], pending, step_s), "steps", len(pending))
+        t = time.time()
+        for job in jobs:
+            for s in pending:
+                res.done[job.name][s] = t
+            res.last_step[job.name] = pending[-1]
+        pending.clear()
 
     while time.time() < t0:
         time.sleep(0.01)
     next_schema = next_beat = time.time()
+    schema_gap = args.schema_every_s
     step = 0
+    step_s = 1.0 / args.steps_per_s if args.steps_per_s > 0 else 0.1
     while (n_steps is None or step < n_steps) and time.time() < deadline:
         if args.steps_per_s > 0:
             wait = t0 + step / args.steps_per_s - time.time()
             if wait > 0:
                 time.sleep(wait)
         now = time.time()
-        if now >= next_schema:  # as the agent does: at start, then every schema_every_s
+        if now >= next_schema:  # as the agent does: at start, then after 10 s, 20 s, ... (at most 32x)
             for job, r in mine:
                 send(job, r, schema_frame(job, r, seq[(job.name, r)]), "schema")
-            next_schema = now + args.schema_every_s
-        if args.heartbeat_s > 0 and now >= next_beat:
+            next_schema = now + schema_gap
+            schema_gap = min(2 * schema_gap, 32 * args.schema_every_s)
+        if args.heartbeat_s > 0 and now >= next_beat:  # only ranks that sent nothing for heartbeat_s
             for job, r in mine:
-                s = seq[(job.name, r)]
-                send(job, r, heartbeat_frame(job, r, s, step - 1, s), "heartbeat")
+                if now - sent_at[(job.name, r)] >= args.heartbeat_s:
+                    s = seq[(job.name, r)]
+                    send(job, r, heartbeat_frame(job, r, s, step - 1, s), "heartbeat")
             next_beat = now + args.heartbeat_s
-        probe = args.every > 0 and step % args.every == 0
-        step_s = 1.0 / args.steps_per_s if args.steps_per_s > 0 else 0.1
-        for job, r in mine:
-            send(job, r, report_frame(job, r, seq[(job.name, r)], step, probe, step_s), "report")
+        if args.every > 0 and step % args.every == 0:  # a probe travels with its step, after the pending ones
+            if pending:
+                flush(step_s)
+            for job, r in mine:
+                send(job, r, report_frame(job, r, seq[(job.name, r)], step, True, step_s), "report", 1)
+            t = time.time()
+            for job in jobs:
+                res.done[job.name][step] = t
+                res.last_step[job.name] = step
+        else:
+            pending.append(step)
+            if len(pending) >= args.coalesce:
+                flush(step_s)
         for _ in range(args.junk):  # frames the aggregator must reject and count (reason "version")
             sock.send(JUNK)
             res.sent["junk"] += 1
-        t = time.time()
-        for job in jobs:
-            res.done[job.name][step] = t
-            res.last_step[job.name] = step
         step += 1
+    if pending:
+        flush(step_s)
     res.cpu_s = time.process_time()
     res.sent = dict(res.sent)
     sock.close()  # LINGER -1: waits until every queued frame went out
@@ -220,6 +262,7 @@ class Scrape:
     min_step: dict  # job -> lowest gradwatch_rank_step over its ranks (or gradwatch_job_rank_step{agg="min"})
     ranks: dict  # job -> ranks exporting a step (or gradwatch_job_ranks_reporting)
     findings: int  # gradwatch_check_status{status="finding"} == 1
+    steps: float  # rank-steps applied: gradwatch_job_steps_total (or gradwatch_rank_steps_total) summed
 
 
 def scrape(url: str) -> Scrape:
@@ -228,6 +271,7 @@ def scrape(url: str) -> Scrape:
     done = time.time()
     received, rejected, min_step, ranks = Counter(), Counter(), {}, Counter()
     job_min, reporting = {}, {}
+    rank_steps = job_steps = 0.0
     samples = findings = 0
     for line in body.decode().splitlines():
         if not line or line[0] == "#":
@@ -244,6 +288,10 @@ def scrape(url: str) -> Scrape:
             ranks[j] += 1
         elif name == "gradwatch_job_rank_step" and 'agg="min"' in labels:  # above --rank-series-max
             job_min[dict(_LABEL.findall(labels))["job_id"]] = float(value)
+        elif name == "gradwatch_rank_steps_total":
+            rank_steps += float(value)
+        elif name == "gradwatch_job_steps_total":
+            job_steps += float(value)
         elif name == "gradwatch_job_ranks_reporting":
             reporting[dict(_LABEL.findall(labels))["job_id"]] = int(float(value))
         elif name == "gradwatch_messages_received_total":
@@ -255,7 +303,8 @@ def scrape(url: str) -> Scrape:
     # a job above --rank-series-max exports per-rank steps for named ranks only: its job-level min
     for j, v in job_min.items():
         min_step[j], ranks[j] = v, reporting.get(j, 0)
-    return Scrape(done, done - t, len(body), samples, dict(received), dict(rejected), min_step, dict(ranks), findings)
+    return Scrape(done, done - t, len(body), samples, dict(received), dict(rejected), min_step, dict(ranks), findings,
+                  job_steps or rank_steps)
 
 
 def rss_mib(pid: int) -> float:
@@ -334,7 +383,7 @@ def _drive(args, proc, endpoint: str, base: str) -> dict:
     sent = Counter()
     for r in results:
         sent.update(r["sent"])
-    total_sent = sum(sent.values())
+    total_sent = sum(v for k, v in sent.items() if k != "records")
     # drain: until every message sent is counted, received or rejected (or the timeout says lost)
     deadline = time.time() + args.drain_s
     while True:
@@ -374,7 +423,7 @@ def _drive(args, proc, endpoint: str, base: str) -> dict:
         a, b = sending[0], sending[-1]
         dt = b.t - a.t
         msgs = (sum(b.received.values()) + sum(b.rejected.values()) - sum(a.received.values()) - sum(a.rejected.values())) / dt
-        reps = (b.received.get("report", 0) - a.received.get("report", 0)) / dt
+        reps = (b.steps - a.steps) / dt
     else:
         msgs = reps = math.nan
     sizes = [s.nbytes for s in scrapes]
@@ -384,9 +433,9 @@ def _drive(args, proc, endpoint: str, base: str) -> dict:
         every=args.every, steps_per_s=args.steps_per_s, senders=args.senders, layer_depth=args.layer_depth,
         duration_s=round(t_end - t0, 2), drain_s=round(drained_at - t_end, 2),
         sent=dict(sent), received=rec, rejected=dict(last.rejected),
-        lost=int(total_sent - sum(rec.values()) - sum(last.rejected.values())),
+        lost=int(total_sent - sum(rec.values()) - sum(last.rejected.values())), rank_steps_applied=last.steps,
         absorbed_msgs_per_s=msgs, absorbed_reports_per_s=reps,
-        offered_reports_per_s=sent.get("report", 0) / max(1e-9, t_end - t0),
+        offered_reports_per_s=sent.get("records", 0) / max(1e-9, t_end - t0),
         freshness_p50_s=pct(fresh, 50), freshness_p99_s=pct(fresh, 99), freshness_n=len(fresh),
         last_step_sent=last_step, last_step_visible=last.min_step, ranks_visible=last.ranks,
         scrape_p50_s=pct([s.seconds for s in scrapes], 50), scrape_max_s=max(s.seconds for s in scrapes),
@@ -416,19 +465,39 @@ def run_inprocess(args) -> dict:
             frames.append(schema_frame(job, r, seq[(job.name, r)]))
             seq[(job.name, r)] += 1
     kinds["schema"] = len(frames)
-    per_step = []
-    for step in range(n_steps):
-        batch = []
-        probe = args.every > 0 and step % args.every == 0
+    per_step = []  # the frames of one flush round: every rank's pending records (or probe)
+    pending: list[int] = []
+
+    def flush(batch):
         for job in jobs:
             for r in range(job.world):
-                batch.append(report_frame(job, r, seq[(job.name, r)], step, probe, 0.1))
+                batch.append(steps_frame(job, r, seq[(job.name, r)], pending, 0.1))
                 seq[(job.name, r)] += 1
-                if args.heartbeat_s > 0:  # one heartbeat per rank and step (1 step/s, heartbeat_s 1)
+        kinds["steps"] += args.ranks * args.jobs
+        kinds["sentinel"] += len(pending) * args.ranks * args.jobs
+        pending.clear()
+
+    for step in range(n_steps):
+        batch = []
+        if args.every > 0 and step % args.every == 0:
+            if pending:
+                flush(batch)
+            for job in jobs:
+                for r in range(job.world):
+                    batch.append(report_frame(job, r, seq[(job.name, r)], step, True, 0.1))
+                    seq[(job.name, r)] += 1
+            kinds["probe"] += args.ranks * args.jobs
+        else:
+            pending.append(step)
+            if len(pending) >= args.coalesce or step == n_steps - 1:
+                flush(batch)
+        if batch and args.heartbeat_s > 0 and args.coalesce == 1:  # 1 step/s and nothing else sent for 1 s
+            for job in jobs:
+                for r in range(job.world):
                     batch.append(heartbeat_frame(job, r, seq[(job.name, r)], step, seq[(job.name, r)]))
                     seq[(job.name, r)] += 1
-        kinds["probe" if probe else "sentinel"] += args.ranks * args.jobs
-        per_step.append(batch)
+        if batch:
+            per_step.append(batch)
     handle = agg.handle
     prof = None
     if args.profile:
@@ -465,7 +534,8 @@ def run_inprocess(args) -> dict:
     res = dict(mode="inprocess", ranks=args.ranks, layers=args.layers, jobs=args.jobs, every=args.every,
                layer_depth=args.layer_depth, frames=n, reports=n_rep, kinds=dict(kinds), schema_s=t_rep - t,
                reports_s=t_end - t_rep, reports_per_s=n_rep / (t_end - t_rep), us_per_frame=1e6 * (t_end - t_rep) / n,
-               publish_s_per_step=publish_s / n_steps, scrape_s_per_step=scrape_s / n_steps,
+               probes_per_s=kinds["probe"] / (t_end - t_rep),
+               publish_s_per_step=publish_s / len(per_step), scrape_s_per_step=scrape_s / len(per_step),
                scrape_bytes=nbytes if args.scrape else 0, scrape_samples=nsamples if args.scrape else 0,
                received=dict(st.received), rejected=dict(st.rejected),
                findings=[f"{f.check}: {f.summary}" for f in agg.snapshot.checks.active])
@@ -487,18 +557,19 @@ def table(res: dict) -> str:
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{nd}f}"
 
     if res["mode"] == "inprocess":
-        rows = [("reports handled (frames with heartbeats)", f"{f(res['reports'])} ({f(res['frames'])})"),
-                ("reports/s (rank-steps/s)", f(res["reports_per_s"])), ("µs per frame", f(res["us_per_frame"], 1)),
-                ("publish / scrape per step, s", f"{f(res['publish_s_per_step'], 3)} / {f(res['scrape_s_per_step'], 3)}"),
+        rows = [("rank-steps handled (frames)", f"{f(res['reports'])} ({f(res['frames'])})"),
+                ("rank-steps/s", f(res["reports_per_s"])), ("probe reports/s", f(res["probes_per_s"])),
+                ("µs per frame", f(res["us_per_frame"], 1)),
+                ("publish / scrape per flush round, s", f"{f(res['publish_s_per_step'], 3)} / {f(res['scrape_s_per_step'], 3)}"),
                 ("scrape bytes / samples", f"{f(res['scrape_bytes'])} / {f(res['scrape_samples'])}"),
                 ("rejected", str(res["rejected"] or "none")),
                 ("active findings", str(len(res["findings"])))]
     else:
         rows = [
             ("mode", res["mode"] + (f" ({res['steps_per_s']} steps/s)" if res["mode"] == "paced" else "")),
-            ("sent (schema/report/heartbeat)", "/".join(f(res["sent"].get(k, 0)) for k in ("schema", "report", "heartbeat"))),
-            ("offered reports/s", f(res["offered_reports_per_s"])),
-            ("absorbed rank-steps/s (reports)", f(res["absorbed_reports_per_s"])),
+            ("sent (schema/steps/report/heartbeat)", "/".join(f(res["sent"].get(k, 0)) for k in ("schema", "steps", "report", "heartbeat"))),
+            ("offered rank-steps/s", f(res["offered_reports_per_s"])),
+            ("absorbed rank-steps/s", f(res["absorbed_reports_per_s"])),
             ("absorbed messages/s (all kinds)", f(res["absorbed_msgs_per_s"])),
             ("lost (sent - received - rejected)", f(res["lost"])),
             ("rejected", str(res["rejected"] or "none")),
@@ -526,8 +597,9 @@ def parse(argv=None):
     p.add_argument("--senders", type=int, default=1, help="sender processes")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of sending (unless --reports)")
     p.add_argument("--reports", type=int, default=0, help="send this many reports in all instead of --duration")
+    p.add_argument("--coalesce", type=int, default=50, help="unprobed steps per steps message (the agent's coalesce_s times its step rate; 1 at 1 step/s)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period per rank, s (0: none)")
-    p.add_argument("--schema-every-s", type=float, default=10.0, help="schema resend period per rank, s")
+    p.add_argument("--schema-every-s", type=float, default=10.0, help="first schema resend per rank, s (then doubling, up to 32x)")
     p.add_argument("--junk", type=int, default=0, help="per sender and step, frames the aggregator must reject")
     p.add_argument("--layer-depth", type=int, default=0, help="the aggregator's --layer-depth")
     p.add_argument("--rank-series-max", type=int, default=0, help="the aggregator's --rank-series-max (0: its default)")

@@ -162,6 +162,10 @@ def malformed_burst(good: FakeRank, limits: wire.Limits) -> list[tuple[bytes, st
             del m[k]
         return msgpack.packb(m, use_bin_type=True)
 
+    def hdr(**change):  # a heartbeat whose header is changed (None: the field left out)
+        h = {k: v for k, v in dict(base_hb["header"], **change).items() if v is not None}
+        return msgpack.packb(dict(base_hb, header=h), use_bin_type=True)
+
     def rep(**change):
         return msgpack.packb(dict(base_rep, **change), use_bin_type=True)
 
@@ -175,12 +179,12 @@ def malformed_burst(good: FakeRank, limits: wire.Limits) -> list[tuple[bytes, st
         (b"\x00" * (2 * limits.max_message_bytes), "too_large"),
         (one + one, "extra_data"),  # two messages in one frame
         (msgpack.packb([1, 2]), "not_a_map"),
-        (hb(v=2), "version"),
+        (hb(v=1), "version"),  # the protocol before this one
         (hb(kind="metrics"), "unknown_kind"),
-        (hb(seq=None), "missing_field"),
-        (hb(seq=True), "bad_field"),  # bool where int
-        (hb(seq=-1), "bad_field"),
-        (hb(rank=2), "bad_field"),  # rank >= world
+        (hdr(seq=None), "missing_field"),
+        (hdr(seq=True), "bad_field"),  # bool where int
+        (hdr(seq=-1), "bad_field"),
+        (hdr(rank=2), "bad_field"),  # rank >= world
         (rep(act=base_rep["act"][:-24]), "bad_array"),  # one slot short of the schema
         (rep(param=base_rep["param"][:-4]), "bad_array"),  # not a multiple of the row width
         # consistent with each other, one slot short of the schema the aggregator holds

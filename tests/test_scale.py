@@ -22,7 +22,7 @@ def test_peer_medians_equal_numpy_median_of_the_others_bit_for_bit():
             x = np.round(x * 4) / 4  # ties
         xs = [float(v) for v in x]
         want = [float(np.median([y for q, y in enumerate(xs) if q != k])) for k in range(n)]
-        assert _peer_medians(xs) == want, xs
+        assert _peer_medians(xs).tolist() == want, xs
 
 
 class _Job:

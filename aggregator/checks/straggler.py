@@ -60,8 +60,8 @@ A stage of one rank has no peer and is not judged.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 from pydantic import Field
@@ -73,12 +73,8 @@ from ..shards import part_of
 @dataclass
 class _Rank:
     boot: str
-    times: list = field(default_factory=list)  # this window: own times, seconds
-    ratios: list = field(default_factory=list)  # this window: peers' median time at the step / own
-    excess: list = field(default_factory=list)  # this window: own time - peers' median at the step, seconds
     current: float = math.nan  # median own time over the latest complete window, seconds
     best: float = math.nan  # smallest window median so far, seconds
-    span: deque = field(default_factory=deque)  # the latest windows' (ratios, excess) arrays, oldest first
     relative: float = math.nan  # relative score over the span
     excess_s: float = math.nan  # excess over the span, seconds
     windows: int = 0
@@ -87,23 +83,48 @@ class _Rank:
     step: int = -1  # last step of the latest complete window
 
 
+class _Windows:
+    """Every rank's open window and span of one job, as arrays [world, ...] (one numpy operation
+    per step for all ranks, not one per rank).
+
+    Attributes:
+        times, ratios, excess: float64 [world, window]: the open window's own times (s), peers'
+            median / own, own - peers' median (s); the first ``fill[k]`` of row k are set.
+        span_ratios, span_excess: float64 [world, windows, window]: the span's closed windows,
+            oldest first; the first ``spans[k]`` of row k are set.
+    """
+
+    def __init__(self, world: int, window: int, windows: int):
+        self.times = np.zeros((world, window))
+        self.ratios = np.zeros((world, window))
+        self.excess = np.zeros((world, window))
+        self.fill = np.zeros(world, np.int64)
+        self.span_ratios = np.zeros((world, windows, window))
+        self.span_excess = np.zeros((world, windows, window))
+        self.spans = np.zeros(world, np.int64)
+
+    def reset(self, k: int) -> None:
+        self.fill[k] = self.spans[k] = 0
+
+
 @dataclass
 class _Job:
     ranks: dict = field(default_factory=dict)  # rank -> _Rank
+    w: Optional[_Windows] = None
 
 
-def _times(v, keep: np.ndarray) -> tuple[str, dict[int, float]]:
-    """The step's times to compare, of the ranks ``keep`` selects in view ``v``: compute times when
-    every one of them has one, else step times."""
-    ranks = v.ranks[keep].tolist()
+def _times(v, keep: np.ndarray) -> tuple[str, np.ndarray, np.ndarray]:
+    """The step's times to compare, of the ranks ``keep`` selects in view ``v``: ``(source, ranks
+    int64 [n], seconds float64 [n])``, compute times when every one of them has one, else step times."""
+    ranks = v.ranks[keep]
     for source in ("compute_time", "step_time"):
         x = getattr(v, source)[keep]
         if (np.isfinite(x) & (x >= 0)).all():
-            return source, dict(zip(ranks, x.tolist()))
-    return "", {}
+            return source, ranks, x
+    return "", ranks[:0], np.zeros(0)
 
 
-def _peer_medians(times: list[float]) -> list[float]:
+def _peer_medians(times) -> np.ndarray:
     """For each value, the median of all the others (float64, as ``np.median`` of them gives it).
 
     One sort instead of a median per rank (quadratic: 16,384 ranks made 268M element visits per
@@ -124,7 +145,7 @@ def _peer_medians(times: list[float]) -> list[float]:
         med = others(np.full(n, m // 2))
     else:  # np.median averages the two middle values as np.mean does: (a + b) / 2
         med = (others(np.full(n, m // 2 - 1)) + others(np.full(n, m // 2))) / 2
-    return med.tolist()
+    return med
 
 
 @register
@@ -165,73 +186,91 @@ class Straggler(Check):
         self._values: dict[str, dict] = {}  # values() per job until a window closes: read at every publish
 
     def on_steps(self, job, views):
+        t = self.t
         st = self._jobs.get(job.job)
-        if st is None:
-            st = self._jobs[job.job] = _Job()
+        if st is None or st.w is None or len(st.w.fill) != job.world:
+            st = self._jobs[job.job] = _Job(w=_Windows(job.world, t.straggler_window, t.straggler_windows))
             self._values.pop(job.job, None)
+        w = st.w
+        # once per release, not per step: which ranks are known, their boots, their peer groups
+        part = np.full(job.world, -1, np.int64)
+        groups: dict = {}
+        for k, rank in job.ranks.items():
+            r = st.ranks.get(k)
+            if r is None or r.boot != rank.boot:  # a restarted rank starts over
+                st.ranks[k] = _Rank(rank.boot)
+                w.reset(k)
+                self._values.pop(job.job, None)
+            part[k] = groups.setdefault(part_of(job, k), len(groups))
         closed = False
         for v in views:
             if v.step <= 0:
                 continue  # start-up
-            keep = np.ones(len(v), bool)
-            for i, k in enumerate(v.ranks.tolist()):
-                rank = job.ranks.get(k)
-                if rank is None:
-                    keep[i] = False
-                    continue
-                r = st.ranks.get(k)
-                if r is None or r.boot != rank.boot:  # a restarted rank starts over
-                    st.ranks[k] = _Rank(rank.boot)
-                    self._values.pop(job.job, None)
-            source, times = _times(v, keep)
-            step = v.step
-            for k, x, peer in self._peers(job, times):
-                r = st.ranks[k]
-                r.times.append(x)
-                r.ratios.append(peer / x if x > 0 else 1.0)
-                r.excess.append(x - peer)
-                if len(r.times) >= self.t.straggler_window:
-                    self._close(r, step, source)
+            keep = part[v.ranks] >= 0
+            source, ranks, x = _times(v, keep)
+            if not len(ranks):
+                continue
+            gid = part[ranks]
+            for g in np.unique(gid):
+                sel = gid == g
+                if sel.sum() < 2:
+                    continue  # no peer at this step
+                ks, xs = ranks[sel], x[sel]
+                peer = _peer_medians(xs)
+                i = w.fill[ks]
+                w.times[ks, i] = xs
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    w.ratios[ks, i] = np.where(xs > 0, peer / xs, 1.0)
+                w.excess[ks, i] = xs - peer
+                w.fill[ks] += 1
+                full = ks[w.fill[ks] >= t.straggler_window]
+                if len(full):
+                    self._close(st, full, v.step, source)
                     closed = True
         if closed:
             self._values.pop(job.job, None)
             return self._evaluate(job, st)
         return Evaluation.no_data() if len(self._timed(job, st)) < 2 else None
 
-    @staticmethod
-    def _peers(job, times: dict[int, float]):
-        """``(rank, time, median of the other peers' times)`` of every rank with at least one peer
-        at the step (peers: the same :func:`~..shards.part_of`)."""
-        groups: dict = {}
-        for k, x in times.items():
-            groups.setdefault(part_of(job, k), {})[k] = x
-        for g in groups.values():
-            if len(g) < 2:
-                continue
-            yield from ((k, x, peer) for (k, x), peer in zip(g.items(), _peer_medians(list(g.values()))))
+    def _close(self, st: _Job, ks: np.ndarray, step: int, source: str) -> None:
+        """Close the full windows of ranks ``ks`` (int64 [n]) at ``step``: their medians, spans and verdicts."""
+        t, w = self.t, st.w
+        n_win = t.straggler_windows
+        current = np.median(w.times[ks], axis=1)
+        # the window joins the span, the oldest leaving once it holds n_win
+        shift = ks[w.spans[ks] >= n_win]
+        w.span_ratios[shift, :-1] = w.span_ratios[shift, 1:]
+        w.span_excess[shift, :-1] = w.span_excess[shift, 1:]
+        w.spans[shift] -= 1
+        at = w.spans[ks]
+        w.span_ratios[ks, at] = w.ratios[ks]
+        w.span_excess[ks, at] = w.excess[ks]
+        w.spans[ks] += 1
+        w.fill[ks] = 0
+        for m in np.unique(w.spans[ks]):  # ranks with as many windows in their span at once
+            sel = ks[w.spans[ks] == m]
+            ratios, excess = w.span_ratios[sel, :m], w.span_excess[sel, :m]
+            relative = np.minimum(1.0, np.median(ratios.reshape(len(sel), -1), axis=1))
+            excess_s = np.median(excess.reshape(len(sel), -1), axis=1)
+            # each window of the span on its own: all but one slow (one long pause is not a persistent shift)
+            alone = self._slow(np.minimum(1.0, np.median(ratios, axis=2)), np.median(excess, axis=2)).sum(axis=1)
+            for j, k in enumerate(sel.tolist()):
+                r = st.ranks[k]
+                r.current = float(current[np.flatnonzero(ks == k)[0]])
+                r.relative, r.excess_s = float(relative[j]), float(excess_s[j])
+                if math.isnan(r.best) or r.current < r.best:
+                    r.best = r.current
+                r.windows += 1
+                r.step, r.source = step, source
+                if r.below >= n_win:  # named: back in line only past the midpoint to 1, so a rank near the threshold does not flap
+                    slow = r.relative < (1 + t.straggler_score) / 2 and r.excess_s >= t.straggler_min_s / 2
+                else:
+                    slow = bool(self._slow(r.relative, r.excess_s)) and alone[j] >= m - 1
+                r.below = int(m) if slow else 0
 
-    def _close(self, r: _Rank, step: int, source: str) -> None:
-        r.current = float(np.median(r.times))
-        r.span.append((np.asarray(r.ratios), np.asarray(r.excess)))
-        while len(r.span) > self.t.straggler_windows:
-            r.span.popleft()
-        r.relative = min(1.0, float(np.median(np.concatenate([x for x, _ in r.span]))))
-        r.excess_s = float(np.median(np.concatenate([e for _, e in r.span])))
-        if math.isnan(r.best) or r.current < r.best:
-            r.best = r.current
-        r.windows += 1
-        r.step, r.source = step, source
-        if r.below >= self.t.straggler_windows:  # named: back in line only past the midpoint to 1, so a rank near the threshold does not flap
-            slow = r.relative < (1 + self.t.straggler_score) / 2 and r.excess_s >= self.t.straggler_min_s / 2
-        else:  # and all but one of the span's windows slow on their own: one long pause is not a persistent shift
-            alone = sum(self._slow(min(1.0, float(np.median(x))), float(np.median(e))) for x, e in r.span)
-            slow = self._slow(r.relative, r.excess_s) and alone >= len(r.span) - 1
-        r.below = len(r.span) if slow else 0
-        for buf in (r.times, r.ratios, r.excess):
-            buf.clear()
-
-    def _slow(self, relative: float, excess_s: float) -> bool:
-        return relative < self.t.straggler_score and excess_s >= self.t.straggler_min_s
+    def _slow(self, relative, excess_s):
+        """Whether a relative score and an excess (floats, or arrays alike) are slow."""
+        return (relative < self.t.straggler_score) & (excess_s >= self.t.straggler_min_s)
 
     def _timed(self, job, st: _Job) -> dict[int, _Rank]:
         """Ranks of the job with a complete window (forgotten ranks dropped)."""
