@@ -14,7 +14,10 @@ aggregator's single writer thread:
                                    thousands of ranks), ``now`` from the aggregator's monotonic clock
 
 and returns ``None`` (nothing to say this time) or an :class:`Evaluation`: an :class:`Outcome`
-(healthy, finding, not enough data) and the findings now active. :class:`Runner` turns changes of
+(healthy, finding, not enough data) and the findings now active. ``on_steps`` may return a list of
+evaluations instead, in step order: the steps of one release can raise and resolve a finding (a
+one-step spike, a gradient perturbed once), and each evaluation is recorded in turn, so neither is
+lost. :class:`Runner` turns changes of
 the active set into events — *raised* when a finding's key (rank, layer) appears, *resolved* when
 it goes — written to the event log, counted, and exported. A check that raises is counted in
 ``gradwatch_check_errors_total{check}``, logged once, and never takes the aggregator down.
@@ -138,7 +141,7 @@ class Check:
         """``t``: the aggregate :class:`Thresholds` (or any model with the fields this check reads)."""
         self.t = t
 
-    def on_steps(self, job, views) -> Optional[Evaluation]:
+    def on_steps(self, job, views) -> "Optional[Evaluation | list[Evaluation]]":
         return None
 
     def on_heartbeat(self, job, rank, heartbeat) -> Optional[Evaluation]:
@@ -361,7 +364,10 @@ class Runner:
             self.seconds[name] += time.perf_counter() - t0
             if ev is None and (job.job, name) not in self.status:
                 ev = Evaluation.no_data()  # every check has a status from a job's first event: fixed series
-            if ev is not None:
+            if isinstance(ev, list):  # one per judged step, in order (on_steps)
+                for e in ev:
+                    self._record(job.job, check, e)
+            elif ev is not None:
                 self._record(job.job, check, ev)
         if first:
             self._ready.add(job.job)

@@ -131,9 +131,9 @@ class Explosion(Check):
 
     def on_steps(self, job, views):
         st = self._job(job)
-        for v in views:
-            self._global(st, v, job.world)
-        return self._evaluation(job.job, st)
+        evs = self._globals(job.job, st, views, job.world)
+        ev = self._evaluation(job.job, st)
+        return evs + [ev] if evs and ev is not None else evs or ev
 
     def on_round(self, job, r):
         st = self._job(job)
@@ -147,7 +147,7 @@ class Explosion(Check):
             if not observed[i] or not math.isfinite(v):
                 continue
             hist = st.layer_norms.setdefault(module, collections.deque(maxlen=self.t.spike_window))
-            kinds, score = self._judge(v, hist, global_=False)
+            kinds, score = self._judge(v, self._median(hist), global_=False)
             hist.append(v)
             if kinds:
                 bad.append((score, i, module, v, kinds))
@@ -176,13 +176,16 @@ class Explosion(Check):
 
     # --- judging --------------------------------------------------------------------------------
 
-    def _judge(self, norm: float, hist, global_: bool) -> tuple[dict, float]:
-        """Kinds of trouble ``norm`` shows against the thresholds and the median of ``hist``;
-        and a score, the largest ratio of norm to a threshold it crossed."""
+    def _median(self, hist) -> float:
+        """The rolling median of ``hist`` once it holds spike_min_history values, else NaN."""
+        return float(np.median(hist)) if len(hist) >= self._min_history else math.nan
+
+    def _judge(self, norm: float, median: float, global_: bool) -> tuple[dict, float]:
+        """Kinds of trouble ``norm`` shows against the thresholds and its rolling ``median`` (NaN:
+        not enough history); and a score, the largest ratio of norm to a threshold it crossed."""
         t = self.t
         kinds: dict = {}
         score = 0.0
-        median = float(np.median(hist)) if len(hist) >= self._min_history else math.nan
         if norm > t.explode_above:
             kinds["explode"] = {"threshold": t.explode_above}
             score = max(score, norm / t.explode_above)
@@ -195,19 +198,46 @@ class Explosion(Check):
         kinds = {k: v for k, v in kinds.items() if k in self.kinds}
         return kinds, score if kinds else 0.0
 
-    def _global(self, st: _Job, v, world: int) -> None:
-        """Judge one released step (a :class:`~..steps.StepView`) by its global gradient norm."""
-        step = v.step
-        st.last_step = max(st.last_step, step)
-        norms = v.grad_norm[np.isfinite(v.grad_norm)]
-        if not len(norms):
-            return  # non-finite (or no gradients): the nonfinite check's business
+    def _globals(self, job_id: str, st: _Job, views, world: int) -> list:
+        """Judge released steps (:class:`~..steps.StepView`, ascending) by their global gradient
+        norms: each the median over the reporting ranks' finite norms (after all-reduce they are
+        equal), against the thresholds and the rolling median of the steps before it. Vectorised
+        over the steps; the few bad ones go on to :meth:`_bad`. Returns the evaluations after each
+        bad step (and after an episode resolved before one), in order."""
+        g = _medians([v.grad_norm for v in views])
+        ok = ~np.isnan(g)  # non-finite (or no gradients) everywhere: the nonfinite check's business
+        if not ok.any():
+            st.last_step = max(st.last_step, views[-1].step)
+            return []
         st.evaluated = True
-        g = float(np.median(norms))
-        kinds, score = self._judge(g, st.norms, global_=True)
-        st.norms.append(g)
-        if not kinds:
-            return
+        idx, gs = np.flatnonzero(ok), g[ok]
+        hist = np.asarray(st.norms, np.float64)
+        medians = _rolling_medians(hist, gs, self.t.spike_window, self._min_history)
+        t = self.t
+        with np.errstate(invalid="ignore"):
+            bad = (gs > t.explode_above) | ((medians > 0) & (gs > t.spike_factor * medians))
+            if "vanish" in self.kinds:
+                bad |= gs < t.vanish_below
+        evs = []
+        for i in np.flatnonzero(bad).tolist():
+            kinds, score = self._judge(float(gs[i]), float(medians[i]), global_=True)
+            if not kinds:
+                continue
+            j = int(idx[i])
+            if j and st.episode is not None:  # the steps judged before this one may have ended the episode
+                st.last_step = max(st.last_step, views[j - 1].step)
+                if self._evaluation(job_id, st) is not None and st.episode is None:
+                    evs.append(Evaluation.healthy())
+            self._bad(st, views[j], float(gs[i]), kinds, world)
+            st.last_step = max(st.last_step, views[j].step)
+            evs.append(self._evaluation(job_id, st))
+        st.last_step = max(st.last_step, views[-1].step)
+        st.norms.extend(gs.tolist())
+        return evs
+
+    def _bad(self, st: _Job, v, g: float, kinds: dict, world: int) -> None:
+        """A step whose global norm ``g`` shows ``kinds`` of trouble: opens or extends the episode."""
+        step = v.step
         local = dict(zip(v.ranks.tolist(), v.local_grad_norm.tolist()))
         finite = {k: x for k, x in local.items() if math.isfinite(x)}
         if finite:
@@ -288,3 +318,44 @@ class Explosion(Check):
             first_step=e.step, last_bad_step=e.last, active_until_step=e.until,
         )
         return Finding(self.name, job_id, e.step, summary, rank=e.rank, layer=e.layer, details=details)
+
+
+def _medians(rows: list) -> np.ndarray:
+    """float64 [len(rows)]: the median of each row's finite values (NaN for a row without any),
+    as ``np.median`` of them gives it; rows of one length at once."""
+    if len({len(r) for r in rows}) == 1 and len(rows[0]):
+        m = np.stack(rows)
+        fin = np.isfinite(m)
+        if fin.all():
+            return np.median(m, axis=1)
+        out = np.full(len(rows), np.nan)
+        some = fin.any(axis=1)
+        if some.any():
+            with np.errstate(invalid="ignore"):
+                out[some] = np.nanmedian(np.where(fin[some], m[some], np.nan), axis=1)
+        return out
+    out = np.full(len(rows), np.nan)
+    for i, r in enumerate(rows):
+        f = r[np.isfinite(r)]
+        if len(f):
+            out[i] = np.median(f)
+    return out
+
+
+def _rolling_medians(hist: np.ndarray, new: np.ndarray, window: int, need: int) -> np.ndarray:
+    """For each of ``new``, the median of the ``window`` values before it in ``hist`` then ``new``
+    (fewer at the start), NaN while fewer than ``need`` precede it."""
+    seq = np.concatenate([hist[-window:], new])
+    h = min(len(hist), window)
+    out = np.full(len(new), np.nan)
+    full = [i for i in range(len(new)) if h + i >= window]
+    for i in range(len(new)):  # the first window of a job: fewer values before it
+        if h + i >= window:
+            break
+        if h + i >= need:
+            out[i] = np.median(seq[: h + i])
+    if full:
+        a = full[0]
+        win = np.lib.stride_tricks.sliding_window_view(seq[h + a - window: h + len(new) - 1], window)
+        out[a:] = np.median(win, axis=1)
+    return out

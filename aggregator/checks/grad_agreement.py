@@ -24,6 +24,7 @@ applied once thus gives one finding, at its step, and the weights it leaves diff
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Optional
 import numpy as np
 from pydantic import Field
 
@@ -139,13 +140,21 @@ class GradientAgreement(_Agreement):
             "(equal bits give equal norms; this absorbs reduction-order differences, within 2e-6)."))
 
     def on_steps(self, job, views):
-        """Judge each released step's per-parameter gradient norms; None when none could be."""
+        """Judge each released step's per-parameter gradient norms: the evaluations of the steps
+        judged, in order (None when none could be)."""
         st = self._state(job)
-        ev = None
+        evs = []
         for v in views:
             if not v.norms:
                 continue
             step = v.step
+            same = _all_equal(job.schemas, v.norms)
+            if same is not None:  # the healthy case: every rank sent the same bits
+                if same:
+                    if st.active or not st.norms_judged:
+                        evs.append(self._judged(st, step, []))
+                    st.norms_judged = True
+                continue
             sn = step_norms(job.schemas, step, v.norms)
             if sn is None or len(sn.ranks) < 2:
                 continue
@@ -164,5 +173,23 @@ class GradientAgreement(_Agreement):
                         "majority_grad_norm": ref, "rel_diff": abs(x - ref) / ref if ref else float("inf")}
 
             st.norms_judged = True
-            ev = self._judged(st, step, self._findings(job.job, step, sn.ranks, sn.params, bad, tied, "grad_norms", values))
-        return ev
+            evs.append(self._judged(st, step, self._findings(job.job, step, sn.ranks, sn.params, bad, tied, "grad_norms", values)))
+        return evs or None
+
+
+def _all_equal(schemas: dict, norms: dict) -> "Optional[bool]":
+    """Whether every rank's norms of a step (``rank -> (schema hash, float32 row)``) are the same
+    bits under one known schema: True (and at least two ranks, some finite value: judged, nothing
+    differs), False (nothing to judge: one rank, or no finite value), None (judge them)."""
+    hashes = {h for h, _ in norms.values()}
+    if len(hashes) != 1:
+        return None
+    (h,) = hashes
+    s = schemas.get(h)
+    rows = np.stack([r for _, r in norms.values()])
+    if s is None or rows.shape[1] != len(s.params) or (s.mesh is not None and s.shard):
+        return None  # left out, or sharded: the holders decide who compares with whom
+    bits = rows.view(np.uint32)
+    if not (bits == bits[0]).all():
+        return None
+    return len(rows) >= 2 and bool(np.isfinite(rows[0]).any())

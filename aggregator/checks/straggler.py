@@ -202,7 +202,7 @@ class Straggler(Check):
                 w.reset(k)
                 self._values.pop(job.job, None)
             part[k] = groups.setdefault(part_of(job, k), len(groups))
-        closed = False
+        evs = []  # after each step that closed windows: one release can name a rank and clear it
         for v in views:
             if v.step <= 0:
                 continue  # start-up
@@ -210,6 +210,7 @@ class Straggler(Check):
             source, ranks, x = _times(v, keep)
             if not len(ranks):
                 continue
+            closed = False
             gid = part[ranks]
             for g in np.unique(gid):
                 sel = gid == g
@@ -227,9 +228,11 @@ class Straggler(Check):
                 if len(full):
                     self._close(st, full, v.step, source)
                     closed = True
-        if closed:
+            if closed:
+                evs.append(self._evaluate(job, st))
+        if evs:
             self._values.pop(job.job, None)
-            return self._evaluate(job, st)
+            return evs
         return Evaluation.no_data() if len(self._timed(job, st)) < 2 else None
 
     def _close(self, st: _Job, ks: np.ndarray, step: int, source: str) -> None:
