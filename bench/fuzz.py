@@ -9,12 +9,14 @@ exception may have escaped (nor been swallowed as ``internal``), and memory must
 
 Frame families (:func:`frames`), each drawn with equal probability:
 
-  flip       1-8 random bit flips in a valid schema, probe report or heartbeat of another job
+  flip       1-8 random bit flips in a valid schema, steps batch, probe report or heartbeat of
+             another job
   truncate   a valid frame cut short, or with random bytes appended
   types      a map with every right key and random wrong-typed values (None, huge ints, NaN,
              strings, bytes, nested lists and maps)
   forge      a well-formed message under the legitimate job's id and world without its key, and
-             under other ids: step 0, step 2**62, other world sizes, goodbyes, schemas
+             under other ids: step 0, step 2**62, batches of records far ahead or behind, other
+             world sizes, goodbyes, schemas
   huge       headers that claim huge arrays, maps, strings or bins; deep nesting; schemas over
              the name cap; probe arrays of the wrong size
   random     random bytes
@@ -94,11 +96,18 @@ class LegitJob:
         return [wire.encode(wire.Schema(self._h(r), "node", r, self.every, PARAMS, SLOTS)) for r in range(WORLD)]
 
     def next_step(self):
+        """The frames the ranks send for the next step, as agents do: a probed step's report (after
+        the records held since the last one, as one ``steps`` batch), and a heartbeat."""
         rng = np.random.default_rng(self.step)
         out = []
+        if self.step % self.every == 0:
+            for r in range(WORLD):
+                held = range(self.step - self.every + 1, self.step)
+                if held:
+                    out.append(wire.encode(wire.Steps.of(
+                        [wire.Report(self._h(r), self.hash, s, 0.05, 1.0 + r, 0) for s in held])))
+                out.append(wire.encode(wire.Report(self._h(r), self.hash, self.step, 0.05, 1.0 + r, 0, **_probe(rng))))
         for r in range(WORLD):
-            extra = _probe(rng) if self.step % self.every == 0 else {}
-            out.append(wire.encode(wire.Report(self._h(r), self.hash, self.step, 0.05, 1.0 + r, 0, **extra)))
             out.append(wire.encode(wire.Heartbeat(self._h(r), self.step, self.seq[r], 0, 0)))
         self.step += 1
         return out
@@ -111,17 +120,21 @@ def _templates(rng: np.random.Generator) -> list[bytes]:
         wire.encode(wire.Schema(h, "host", 1, 5, PARAMS, SLOTS)),
         wire.encode(wire.Report(h, wire.schema_hash(PARAMS, SLOTS), 10, 0.05, 1.0, 0, **_probe(rng))),
         wire.encode(wire.Report(h, wire.schema_hash(PARAMS, SLOTS), 11, 0.05, 1.0, 0)),
+        wire.encode(wire.Steps.of([wire.Report(h, wire.schema_hash(PARAMS, SLOTS), s, 0.05, 1.0, 0,
+                                               grad_norms=np.ones(3, np.float32)) for s in range(12, 20)])),
         wire.encode(wire.Heartbeat(h, 11, 12, 0, 0, closing=True, reason="closed")),
     ]
 
 
-_HEADER_KEYS = ("v", "kind", "job", "rank", "world", "boot", "seq", "time", "key")
+_HEADER_KEYS = ("job", "rank", "world", "boot", "seq", "time", "key")
 _BODY_KEYS = {
+    "steps": ("schema", *(c.name for c in wire.STEP_COLUMNS), "grad_norms", "grad_sq_dims", "grad_sq", "drops",
+              "agent_cost", "probe_interval", "over_budget"),
     "schema": ("hash", "host", "local_rank", "every", "params", "slots"),
     "report": ("schema", "step", "step_time", "grad_norm", "grad_nonfinite", "micro", "drops", "probe",
                "local_grad_norm", "compute_time", "loss", "loss_scale", "skipped", "batch", "burst",
                "act", "act_grad", "param", "fp_grad", "fp_weight"),
-    "heartbeat": ("step", "sent", "drops", "errors", "closing", "in_step_s", "waiting", "reason"),
+    "heartbeat": ("step", "sent", "drops", "errors", "closing", "in_step_s", "waiting", "reason", "run_s", "schema"),
 }
 
 
@@ -155,14 +168,15 @@ def _wild(py: random.Random, depth: int = 0):
 
 
 def _types(py: random.Random) -> bytes:
-    kind = py.choice(("schema", "report", "heartbeat"))
-    m = {"v": 1, "kind": kind, "job": py.choice([JOB, "victim", "t"]), "rank": py.randrange(4), "world": 4,
-         "boot": "b", "seq": 0, "time": 1.0}
-    for k in (*_HEADER_KEYS, *_BODY_KEYS[kind]):
-        if py.random() < 0.5:
-            m[k] = _wild(py)
-        elif k not in m:
-            m[k] = _wild(py)
+    kind = py.choice(tuple(_BODY_KEYS))
+    h = {"job": py.choice([JOB, "victim", "t"]), "rank": py.randrange(4), "world": 4, "boot": "b", "seq": 0, "time": 1.0}
+    for k in _HEADER_KEYS:
+        if py.random() < 0.3 or k not in h:
+            h[k] = _wild(py)
+    m = {"v": wire.PROTOCOL_VERSION if py.random() < 0.9 else _wild(py), "kind": kind,
+         "header": h if py.random() < 0.9 else _wild(py)}
+    for k in _BODY_KEYS[kind]:
+        m[k] = _wild(py)
     if py.random() < 0.2:
         del m[py.choice(list(m))]
     return msgpack.packb(m, use_bin_type=True)
@@ -176,7 +190,13 @@ def _forge(py: random.Random, rng: np.random.Generator) -> bytes:
     boot = py.choice(["legit-boot-0", "legit-boot-1", py.randbytes(8).hex(), ""])
     h = wire.Header(job, rank, world, boot, py.choice([0, 1, 2**40]), 1.7e9, key)
     step = py.choice([0, 1, 2**62, 2**31, py.randrange(10_000)])
-    kind = py.randrange(5)
+    kind = py.randrange(6)
+    if kind == 5:  # a batch of records: far ahead, behind, or across a restart
+        first = py.choice([0, 1, 2**40, py.randrange(10_000)])
+        n = py.choice([1, 7, wire.MAX_STEPS])
+        return wire.encode(wire.Steps(h, wire.schema_hash(PARAMS, SLOTS), step=np.arange(first, first + n),
+                                      step_time=np.full(n, 0.05), grad_norm=np.full(n, py.choice([1.0, 1e30, math.nan])),
+                                      grad_nonfinite=np.full(n, py.choice([0, 7]))))
     if kind == 0:
         return wire.encode(wire.Heartbeat(h, step, 0, 0, 0, closing=py.random() < 0.5,
                                           reason=py.choice(wire.CLOSE_REASONS)))
@@ -192,8 +212,9 @@ def _forge(py: random.Random, rng: np.random.Generator) -> bytes:
 
 
 def _huge(py: random.Random) -> bytes:
-    head = msgpack.packb({"v": 1, "kind": "schema", "job": "h", "rank": 0, "world": 1, "boot": "b", "seq": 0,
-                          "time": 1.0, "hash": "0" * 16, "host": "h", "local_rank": 0, "every": 1}, use_bin_type=True)
+    head = msgpack.packb({"v": wire.PROTOCOL_VERSION, "kind": "schema", "header": {"job": "h", "rank": 0, "world": 1,
+                          "boot": "b", "seq": 0, "time": 1.0}, "hash": "0" * 16, "host": "h", "local_rank": 0, "every": 1},
+                         use_bin_type=True)
     pick = py.randrange(7)
     if pick == 0:  # a map that claims 2**32-1 entries
         return b"\xdf\xff\xff\xff\xff" + head[1:40]
@@ -201,15 +222,19 @@ def _huge(py: random.Random) -> bytes:
         return b"\x81\xa6params" + py.choice([b"\xdd", b"\xc6", b"\xdb"]) + b"\xff\xff\xff\xff" + b"\x00" * 16
     if pick == 2:  # deep nesting
         return b"\x91" * 100_000 + b"\xc0"
-    if pick == 3:  # a schema over the name cap
+    if pick == 3:  # a schema over the name cap, or a batch over the record cap
         m = msgpack.unpackb(head)
-        m.update(params=[], slots=[["m", "", "L", "f"]] * 10_001)
+        if py.random() < 0.5:
+            m.update(params=[], slots=[["m", "", "L", "f"]] * 10_001)
+        else:
+            n = wire.MAX_STEPS + 1
+            m.update(kind="steps", schema="0" * 16, **{c.name: np.arange(n).astype(c.dtype).tobytes() for c in wire.STEP_COLUMNS})
         return msgpack.packb(m, use_bin_type=True)
     if pick == 4:  # probe arrays that do not fit the schema
         m = msgpack.unpackb(_templates(np.random.default_rng(0))[1])
         m[py.choice(["act", "act_grad", "param", "fp_grad", "fp_weight"])] = b"\x00" * py.choice([0, 4, 4096, 1 << 20])
         return msgpack.packb(m, use_bin_type=True)
-    if pick == 5:  # ext types, which the wire forbids
+    if pick == 5:  # ext types, which no field holds
         return b"\x81\xa1v" + b"\xc7\xff\x01" + b"\x00" * 255
     return struct.pack("<Q", py.getrandbits(64)) * py.randrange(1, 64)
 
