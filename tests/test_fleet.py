@@ -61,13 +61,13 @@ def pod_template(path: Path = PER_JOB / "aggregator.yaml") -> dict:
 # --- --file-sd-path -------------------------------------------------------------------------------
 
 
-def _aggregator(tmp_path: Path, **settings) -> Aggregator:
+def _aggregator(**settings) -> Aggregator:
     return Aggregator(load(listen="tcp://127.0.0.1:0", metrics_port=0, **settings))
 
 
 def test_target_file_names_the_bound_port_while_the_aggregator_serves(tmp_path):
     path = tmp_path / "job-a.json"
-    agg = _aggregator(tmp_path, file_sd_path=str(path), file_sd_labels={"job_id": "job-a", "cluster": "c1"}).start()
+    agg = _aggregator(file_sd_path=str(path), file_sd_labels={"job_id": "job-a", "cluster": "c1"}).start()
     try:
         assert agg.metrics_port != 0
         assert json.loads(path.read_text()) == [
@@ -81,26 +81,29 @@ def test_target_file_names_the_bound_port_while_the_aggregator_serves(tmp_path):
     assert not path.exists()
 
 
-def test_target_host_is_this_hosts_name_when_metrics_bind_every_interface(tmp_path):
+def test_target_host_is_this_hosts_name_when_metrics_bind_every_interface():
     import socket
 
+    from gradwatch.aggregator.discovery import target_host
+
+    assert target_host("0.0.0.0") == target_host("::") == socket.gethostname()
+    assert target_host("0.0.0.0", "node7.example") == "node7.example"
+    assert (target_host("127.0.0.1"), target_host("::1"), target_host("0.0.0.0", "fd00::7")) == ("127.0.0.1", "[::1]", "[fd00::7]")
+
+
+def test_file_sd_host_overrides_the_target_host(tmp_path):
     path = tmp_path / "t.yml"  # YAML too: Prometheus reads it by suffix, and JSON is YAML
-    agg = _aggregator(tmp_path, metrics_host="0.0.0.0", file_sd_path=str(path)).start()
+    agg = _aggregator(file_sd_path=str(path), file_sd_host="node7.example").start()
     try:
-        assert yaml.safe_load(path.read_text()) == [{"targets": [f"{socket.gethostname()}:{agg.metrics_port}"], "labels": {}}]
-    finally:
-        agg.stop()
-    agg = _aggregator(tmp_path, metrics_host="0.0.0.0", file_sd_path=str(path), file_sd_host="node7.example").start()
-    try:
-        assert json.loads(path.read_text())[0]["targets"] == [f"node7.example:{agg.metrics_port}"]
+        assert yaml.safe_load(path.read_text()) == [{"targets": [f"node7.example:{agg.metrics_port}"], "labels": {}}]
     finally:
         agg.stop()
 
 
 def test_stop_leaves_a_target_file_another_aggregator_wrote_since(tmp_path):
     path = tmp_path / "job.json"
-    first = _aggregator(tmp_path, file_sd_path=str(path)).start()
-    second = _aggregator(tmp_path, file_sd_path=str(path)).start()  # e.g. the job requeued
+    first = _aggregator(file_sd_path=str(path)).start()
+    second = _aggregator(file_sd_path=str(path)).start()  # e.g. the job requeued
     try:
         first.stop()
         assert json.loads(path.read_text())[0]["targets"] == [f"127.0.0.1:{second.metrics_port}"]
@@ -324,6 +327,11 @@ def fleet(tmp_path_factory):
             a.stop()
 
 
+def _logs(tmp: Path) -> str:
+    """The training jobs' and aggregators' logs, for a failure message."""
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in sorted(tmp.glob("*.log")))
+
+
 def _instance(agg) -> str:
     return agg.metrics_url.split("//", 1)[1].rsplit("/", 1)[0]
 
@@ -331,7 +339,7 @@ def _instance(agg) -> str:
 @pytest.mark.stack
 @pytest.mark.ddp
 def test_one_prometheus_scrapes_each_jobs_aggregator_found_through_its_target_file(fleet):
-    aggs, prom, targets, _ = fleet
+    aggs, prom, targets, tmp = fleet
     assert sorted(os.listdir(targets)) == ["job-a.json", "job-b.json"]
     up = wait_for(lambda: len(r := prom.query('up{job="gradwatch"} == 1')) == 2 and r, 30,
                   what=f"both aggregators up in Prometheus\n{prom.log_tail()}")
@@ -342,7 +350,7 @@ def test_one_prometheus_scrapes_each_jobs_aggregator_found_through_its_target_fi
 
     # each job's series come from its own aggregator, and only from it
     steps = wait_for(lambda: len(r := prom.query("gradwatch_rank_steps_total > 0")) == 2 and r, 60,
-                     what=f"both jobs' steps in Prometheus\n{prom.log_tail()}")
+                     what=f"both jobs' steps in Prometheus\n{prom.log_tail()}\n{_logs(tmp)}")
     # exactly these labels: without honor_labels the target's job_id would add exported_job_id
     assert by_job(steps) == {j: {"__name__": "gradwatch_rank_steps_total", "job": "gradwatch", "instance": _instance(a),
                                  "job_id": j, "rank": "0"} for j, a in aggs.items()}
