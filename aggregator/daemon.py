@@ -103,7 +103,8 @@ class Aggregator:
         clock: monotonic clock, seconds.
 
     Raises (from :meth:`start`):
-        ConfigError: the ZeroMQ endpoint cannot be bound, or the HTTP port is in use.
+        ConfigError: the ZeroMQ endpoint cannot be bound, the HTTP port is in use, or the
+            ``file_sd_path`` target file cannot be written.
     """
 
     def __init__(
