@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from functools import cached_property
 from typing import Optional
 
@@ -19,6 +20,9 @@ from gradwatch.errors import ConfigError  # the one config error; gradwatch.aggr
 from gradwatch.settings import describe
 
 from .checks import Thresholds, resolve
+from .discovery import SUFFIXES
+
+_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
 class AggregatorConfig(BaseSettings):
@@ -69,6 +73,17 @@ class AggregatorConfig(BaseSettings):
     max_intake_frames: int = Field(50_000, ge=100, description="Frames waiting for the writer thread, all agents together; beyond it frames are dropped and counted (reason overload). Bounds how stale what the aggregator shows gets under overload: at most this many frames behind (~3 s at the writer's rate on a small core).")
     publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read; when building one takes longer than a quarter of that (jobs of thousands of ranks), 4x its build time instead, so the receive thread spends at most a quarter of its time on them.")
     events_path: str = Field("", description="JSON-lines file findings are appended to as they are raised and resolved ('' for none).")
+    file_sd_path: str = Field(
+        "",
+        description="Prometheus file_sd target file (.json, .yml or .yaml) written atomically once the HTTP port is bound "
+        "and removed at shutdown, so a Prometheus reading its directory scrapes this aggregator while it runs (one per "
+        "Slurm job; README: Beyond one job). '' for none.",
+    )
+    file_sd_host: str = Field("", description="Host written into the --file-sd-path target; default --metrics-host, or this host's name when that is 0.0.0.0.")
+    file_sd_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Target labels written into it: job_id=J,cluster=C (or JSON). 'job' is refused: the rules need job=\"gradwatch\".",
+    )
     grafana_url: str = Field("", description="Grafana base URL (http[s]://host[:port][/path]) to post each raised finding to as an annotation ('' for none).")
     grafana_token: str = Field("", description="Grafana service account token for --grafana-url (prefer the environment variable GRADWATCH_AGGREGATOR_GRAFANA_TOKEN).")
     grafana_basic_auth: str = Field("", description="USER:PASSWORD for --grafana-url with basic auth (GRADWATCH_AGGREGATOR_GRAFANA_BASIC_AUTH); ignored when a token is set.")
@@ -102,6 +117,23 @@ class AggregatorConfig(BaseSettings):
         most = info.data.get("max_message_bytes")
         if most is not None and v < most:
             raise ValueError(f"must be at least max_message_bytes ({most}), got {v}: the largest message would never fit")
+        return v
+
+    @field_validator("file_sd_path")
+    @classmethod
+    def _file_sd_path(cls, v: str) -> str:
+        if v and not v.endswith(SUFFIXES):  # Prometheus picks the format by suffix, and refuses others
+            raise ValueError(f"must end in {', '.join(SUFFIXES)} (Prometheus reads the format from it), got {v!r}")
+        return v
+
+    @field_validator("file_sd_labels")
+    @classmethod
+    def _file_sd_labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not _LABEL.fullmatch(name) or name.startswith("__"):
+                raise ValueError(f"{name!r} is not a Prometheus label name (letters, digits, _; no leading __)")
+            if name == "job":  # would rename the scrape job: up{job="gradwatch"} in the rules would miss it
+                raise ValueError("'job' is the scrape job's label (the rules need job=\"gradwatch\"); use another name")
         return v
 
     @field_validator("listen")

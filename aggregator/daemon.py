@@ -31,6 +31,7 @@ from gradwatch import auth, wire
 
 from .checks import Runner
 from .config import AggregatorConfig, ConfigError
+from .discovery import TargetFile, target_host
 from .exporter import SnapshotCollector
 from .reconcile import Snapshot, snapshot
 from .state import State
@@ -102,7 +103,8 @@ class Aggregator:
         clock: monotonic clock, seconds.
 
     Raises (from :meth:`start`):
-        ConfigError: the ZeroMQ endpoint cannot be bound, or the HTTP port is in use.
+        ConfigError: the ZeroMQ endpoint cannot be bound, the HTTP port is in use, or the
+            ``file_sd_path`` target file cannot be written.
     """
 
     def __init__(
@@ -144,6 +146,7 @@ class Aggregator:
         self._auth = None  # zmq.auth.thread.ThreadAuthenticator with CURVE
         self._refused = None  # monitor socket of refused CURVE handshakes
         self._http: Optional[_HTTPServer] = None
+        self._target_file: Optional[TargetFile] = None  # --file-sd-path, while written
         self.endpoint = ""
         self.metrics_port = 0
         self._internal_warned = False
@@ -201,13 +204,24 @@ class Aggregator:
                 "(pick another with --metrics-port)"
             ) from None
         self.metrics_port = self._http.server_port
+        if self.cfg.file_sd_path:  # announced once the port is bound: Prometheus may scrape at once
+            target = f"{target_host(self.cfg.metrics_host, self.cfg.file_sd_host)}:{self.metrics_port}"
+            sd = TargetFile(self.cfg.file_sd_path, target, self.cfg.file_sd_labels)
+            try:
+                sd.write()
+            except OSError as e:
+                self._http.server_close()
+                self._close_sockets(sock)
+                raise ConfigError(f"aggregator.file_sd_path: cannot write {self.cfg.file_sd_path!r}: {e}") from None
+            self._target_file = sd
         threading.Thread(target=self._http.serve_forever, name="gradwatch-http", daemon=True).start()
         self._intake_thread = threading.Thread(target=self._receive, name="gradwatch-intake", daemon=True)
         self._thread = threading.Thread(target=self._loop, name="gradwatch-writer", daemon=True)
         self._intake_thread.start()
         self._thread.start()
-        log.info("gradwatch aggregator: listening on %s%s, metrics at %s", self.endpoint,
-                 " (CURVE)" if keys else "", self.metrics_url)
+        log.info("gradwatch aggregator: listening on %s%s, metrics at %s%s", self.endpoint,
+                 " (CURVE)" if keys else "", self.metrics_url,
+                 f" (file_sd target in {self.cfg.file_sd_path})" if self._target_file else "")
         return self
 
     def _close_sockets(self, sock) -> None:
@@ -223,6 +237,9 @@ class Aggregator:
         self._ctx = None
 
     def stop(self) -> None:
+        if self._target_file is not None:  # first: Prometheus stops scraping before the port closes
+            self._target_file.remove()
+            self._target_file = None
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)

@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import requests
+import yaml
 
 from gradwatch.commands import stack
 
@@ -151,3 +154,64 @@ def start_promstack(workdir: Path, metrics_targets: list[str], **overrides) -> P
     except Exception:
         webhook.stop()
         raise
+
+
+class Prometheus:
+    """One real Prometheus on a free loopback port, running ``config`` (a parsed configuration),
+    data and log under ``workdir``; for the tests of the fleet configurations, which need no
+    Alertmanager. :meth:`stop` ends it."""
+
+    def __init__(self, workdir: Path, config: dict, timeout: float = 30.0):
+        require("prometheus")
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = workdir / "prometheus.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [stack.find_binary(("prometheus",)), f"--config.file={workdir / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address={self.url.split('//')[1]}"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"prometheus exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/-/ready", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"prometheus not ready after {timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    @property
+    def address(self) -> str:
+        """HOST:PORT, as a scrape target."""
+        return self.url.split("//", 1)[1]
+
+    def query(self, promql: str) -> list[dict]:
+        """The instant vector ``promql`` gives now: [{metric: labels, value: [t, "v"]}]."""
+        r = requests.get(self.url + "/api/v1/query", params={"query": promql}, timeout=5)
+        r.raise_for_status()
+        return r.json()["data"]["result"]
+
+    def targets(self) -> dict:
+        """/api/v1/targets: {activeTargets: [...], droppedTargets: [...]}."""
+        r = requests.get(self.url + "/api/v1/targets", timeout=5)
+        r.raise_for_status()
+        return r.json()["data"]
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
