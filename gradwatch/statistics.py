@@ -30,7 +30,21 @@ from typing import Callable, Optional
 import numpy as np
 
 #: cross-rank aggregations a statistic may ask for, each a NaN-ignoring numpy reduction over ranks
-AGG_FUNCS: dict[str, Callable] = {"min": np.nanmin, "median": np.nanmedian, "max": np.nanmax}
+def nanmedian(a: np.ndarray, axis: int = 0) -> np.ndarray:
+    """The median along ``axis`` ignoring NaN, as ``np.nanmedian`` (NaN where all are), without its
+    masked-array path for small arrays (20x slower): one sort, NaNs last, then the middle values."""
+    s = np.sort(a, axis=axis)
+    n = (~np.isnan(a)).sum(axis=axis)
+    lo, hi = (np.maximum(i, 0) for i in ((n - 1) // 2, n // 2))
+
+    def at(i):
+        return np.take_along_axis(s, np.expand_dims(i, axis), axis).squeeze(axis)
+
+    out = (at(lo) + at(hi)) / 2
+    return np.where(n > 0, out, np.nan)
+
+
+AGG_FUNCS: dict[str, Callable] = {"min": np.nanmin, "median": nanmedian, "max": np.nanmax}
 AGGS = ("min", "median", "max")
 
 

@@ -290,3 +290,22 @@ def test_adding_a_row_is_enough():
     assert out["1"] == sorted(["blocks", a, v] for a, v in zip(aggs, (7.0, 7.5, 8.0)))  # merged by max
     assert out["combined"] == 4.0
     assert len(out["catalog"]) == 2 and "Largest absolute output activation" in out["catalog"][0]  # metrics and statistics tables
+
+
+def test_nanmedian_equals_numpys_bit_for_bit():
+    """The aggregations' median (statistics.nanmedian) gives np.nanmedian's values exactly, NaN
+    where a column holds none, on either axis."""
+    import warnings
+
+    from gradwatch.statistics import nanmedian
+
+    rng = np.random.default_rng(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's own all-NaN warning
+        for _ in range(2000):
+            a = rng.standard_normal((int(rng.integers(1, 9)), int(rng.integers(1, 6))))
+            a[rng.random(a.shape) < 0.3] = np.nan
+            if rng.random() < 0.2:
+                a = np.round(a)  # ties
+            for axis in (0, 1):
+                assert np.array_equal(nanmedian(a, axis), np.nanmedian(a, axis=axis), equal_nan=True)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -178,7 +179,8 @@ class Explosion(Check):
 
     def _median(self, hist) -> float:
         """The rolling median of ``hist`` once it holds spike_min_history values, else NaN."""
-        return float(np.median(hist)) if len(hist) >= self._min_history else math.nan
+        # statistics.median: a deque of at most spike_window floats, ~5x faster than np.median
+        return float(statistics.median(hist)) if len(hist) >= self._min_history else math.nan
 
     def _judge(self, norm: float, median: float, global_: bool) -> tuple[dict, float]:
         """Kinds of trouble ``norm`` shows against the thresholds and its rolling ``median`` (NaN:

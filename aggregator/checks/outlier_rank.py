@@ -136,28 +136,35 @@ class OutlierRank(Check):
         if r.step <= self._last_step.get(jid, -1):
             return None  # an older round closed late: it must not break the consecutive count
         self._last_step[jid] = r.step
-        scores = np.zeros(len(r.ranks))
-        worst: list[dict] = [{} for _ in r.ranks]
-        peers: list[list[int]] = [[] for _ in r.ranks]
+        R = len(r.ranks)
+        scores = np.zeros(R)
+        # each rank's worst statistic: (feature, value, the peers' median, z), and its peer group
+        worst_feat = np.full(R, -1, np.int64)
+        worst_val, worst_med, worst_z = np.zeros(R), np.zeros(R), np.zeros(R)
+        group_of = np.full(R, -1, np.int64)
+        feats: list[str] = []
         scored = False
-        for rows in groups:
+        for g, rows in enumerate(groups):
             for feat, x in rank_features(r, rows).items():
                 z, med = robust_z(x, self.t.outlier_min_mad, 1.0 if feat == "nonfinite" else 0.0)
                 if not np.isfinite(z).any():
                     continue
                 scored = True
-                for i, k in enumerate(rows):
-                    peers[k] = [r.ranks[q] for q in rows]
-                    if np.isfinite(z[i]) and abs(z[i]) > scores[k]:
-                        scores[k] = abs(z[i])
-                        worst[k] = {"statistic": feat, "value": float(x[i]), "median": med, "z": float(z[i])}
+                group_of[rows] = g
+                if feat not in feats:
+                    feats.append(feat)
+                az = np.abs(z)
+                better = np.isfinite(z) & (az > scores[rows])
+                ks = rows[better]
+                scores[ks], worst_feat[ks] = az[better], feats.index(feat)
+                worst_val[ks], worst_med[ks], worst_z[ks] = x[better], med, z[better]
         if not scored:
             return Evaluation.no_data()
         streak = self._streak.setdefault(jid, {})
         zs = self._z.setdefault(jid, {})
         why = self._why.setdefault(jid, {})
         for k, rank in enumerate(r.ranks):
-            if not peers[k]:  # fewer than three peers (a small pipeline stage): not scored
+            if group_of[k] < 0:  # fewer than three peers (a small pipeline stage): not scored
                 streak.pop(rank, None)
                 zs.pop(rank, None)
                 continue
@@ -165,7 +172,10 @@ class OutlierRank(Check):
             out = scores[k] > self.t.outlier_z
             streak[rank] = streak.get(rank, 0) + 1 if out else 0
             if out and streak[rank] >= self.t.outlier_probes:
-                why[rank] = dict(worst[k], step=r.step, probes=streak[rank], peers=peers[k])
+                worst = {"statistic": feats[worst_feat[k]], "value": float(worst_val[k]), "median": float(worst_med[k]),
+                         "z": float(worst_z[k])} if worst_feat[k] >= 0 else {}
+                why[rank] = dict(worst, step=r.step, probes=streak[rank],
+                                 peers=[r.ranks[q] for q in groups[group_of[k]]])
         self._values.pop(jid, None)
         for rank in [k for k in streak if k not in job.ranks]:  # forgotten ranks
             streak.pop(rank, None)
