@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import zmq
 
 from gradwatch import agent, wire
@@ -426,6 +425,8 @@ def test_records_that_cannot_share_a_message_and_a_full_batch_split_it(collector
         collector.wait(lambda: 9 in collector.reports(), what="the split batch")
         assert layout(stream(collector)) == [("steps", 0, 1), ("steps", 2, 2), ("steps", 3, 4), ("steps", 5, 5),
                                              ("steps", 6, 7), ("steps", 8, 8), ("steps", 8, 8), ("report", 9)]
+        got = collector.reports()
+        assert got[4].grad_norms.tolist() == [4.0] * 4 and got[7].grad_sq == (((0,), 7.0),) and got[2].schema == "t"
         width = (BATCH_BYTES // (4 * 1000)) + 1  # records of 1,000 norms: full after this many
         n = wire.MAX_STEPS + 5
         for k in range(n):
