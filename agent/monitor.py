@@ -8,8 +8,9 @@ probed steps and switches the module hooks of :class:`.hooks.ProbeRecorder`; :cl
 sees buckets before all-reduce (case C13); :class:`.amp.ScalerWatch` counts steps the loss scaler
 skips (case C10). At the end of a step :func:`.frame.pack` concatenates it all into one flat device
 tensor copied to the host once, non-blocking; the sender thread builds the report from it
-(:func:`.report.build`). The training thread never synchronises with the device and never sees an
-exception from the agent: every part reports failures to one :class:`.failures.Failures`.
+(:func:`.report.build`) and sends unprobed steps' reports coalesced (:mod:`.transport`). The
+training thread never synchronises with the device and never sees an exception from the agent:
+every part reports failures to one :class:`.failures.Failures`.
 """
 
 from __future__ import annotations
