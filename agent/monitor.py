@@ -8,8 +8,9 @@ probed steps and switches the module hooks of :class:`.hooks.ProbeRecorder`; :cl
 sees buckets before all-reduce (case C13); :class:`.amp.ScalerWatch` counts steps the loss scaler
 skips (case C10). At the end of a step :func:`.frame.pack` concatenates it all into one flat device
 tensor copied to the host once, non-blocking; the sender thread builds the report from it
-(:func:`.report.build`). The training thread never synchronises with the device and never sees an
-exception from the agent: every part reports failures to one :class:`.failures.Failures`.
+(:func:`.report.build`) and sends unprobed steps' reports coalesced (:mod:`.transport`). The
+training thread never synchronises with the device and never sees an exception from the agent:
+every part reports failures to one :class:`.failures.Failures`.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ class Monitor:
         self.sender = Sender(
             cfg.endpoint, header=self._header, schema=self._schema_msg, heartbeat=self._heartbeat_msg,
             queue_size=cfg.queue_size, send_hwm=cfg.send_hwm, heartbeat_s=cfg.heartbeat_s,
-            schema_every_s=cfg.schema_every_s,
-            keys=cfg.curve_keys(),
+            schema_every_s=cfg.schema_every_s, coalesce_s=cfg.coalesce_s, watch=self._watch,
+            errors=lambda: self.failures.errors, keys=cfg.curve_keys(),
         )
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and cfg.local_norms:
             self.comm.install(model)
@@ -194,6 +195,7 @@ class Monitor:
             errors=self.errors + self.sender.errors, closing=self._closed,
             in_step_s=time.perf_counter() - self._last_step_end, waiting=self.comm.first_bucket is not None,
             reason=self._close_reason if self._closed else "", run_s=measure.thread_run_s(self._train_tid),
+            schema=self._schema.hash if self._schema is not None else "",
         )
 
     def _stop_parts(self) -> None:
@@ -287,9 +289,12 @@ class Monitor:
         self.sender.submit(lambda h: self._finalise(h, layout, host), ready, urgent=probe)
 
     def _finalise(self, h: wire.Header, partial_layout: Callable[..., report.StepLayout], host: torch.Tensor) -> wire.Report:
-        """Sender thread: the step's report, and a burst of probes if its gradient norm asks."""
+        """Sender thread: the step's report (unprobed ones join the sender's batch of steps)."""
         layout = partial_layout(agent_cost=self.schedule.fraction)
-        rep = report.build(h, layout, host.numpy(), self.sender.drops)
-        self.schedule.watch(layout.step, rep.grad_norm, rep.grad_nonfinite, scheduled=self.step)
-        return rep
+        return report.build(h, layout, host.numpy(), self.sender.drops)
+
+    def _watch(self, r: wire.Report) -> bool:
+        """Sender thread, each step's report in order: a burst of probes if its gradient norm asks
+        for one; True (an anomaly) sends the batch it joins at once."""
+        return self.schedule.watch(r.step, r.grad_norm, r.grad_nonfinite, scheduled=self.step)
 

@@ -233,18 +233,21 @@ class ProbeSchedule:
         except Exception as e:
             self.on_error(PART, e)
 
-    def watch(self, step: int, grad_norm: float, grad_nonfinite: int, scheduled: int) -> None:
+    def watch(self, step: int, grad_norm: float, grad_nonfinite: int, scheduled: int) -> bool:
         """Sender thread: ask for a burst after a non-finite or spiking gradient norm of ``step``.
 
         ``scheduled`` is the training thread's current step count; a NaN norm with no non-finite
-        parameter means "no gradients", not a fault. Raises only what ``statistics`` would; the
-        sender counts it with the report it drops.
+        parameter means "no gradients", not a fault. Returns whether the norm was non-finite or a
+        spike (burst or not: the sender then sends the step's record at once). Raises only what
+        ``statistics`` would; the sender counts it in its errors.
         """
         recent = self._recent
         spike = len(recent) >= 4 and grad_norm > self.spike_factor * statistics.median(recent)
-        if self.burst and (grad_nonfinite > 0 or math.isinf(grad_norm) or spike):
+        anomaly = grad_nonfinite > 0 or math.isinf(grad_norm) or spike
+        if self.burst and anomaly:
             # ``burst`` probes from the first step the training thread has not yet scheduled: the
             # request arrives a step or two after the faulty one, and ranks may start one step apart
             self._burst_until = max(self._burst_until, max(step + 1, scheduled + 1) + self.burst)
         if math.isfinite(grad_norm):
             recent.append(grad_norm)
+        return anomaly

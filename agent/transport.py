@@ -13,11 +13,23 @@ never touches the socket, never waits and never sees an exception from here. The
   built and refused is counted as dropped once; schemas and heartbeats are retried, not counted.
   ZMTP heartbeats drop a silent peer after 3 s (partition, stopped aggregator) and reconnection
   backs off from 0.1 s to 1 s, so reports flow again within ~2 s of the aggregator's return;
+* coalesces (issue 14): the records of unprobed steps gather in a batch that goes out as one
+  ``wire.Steps`` message once its oldest record is ``coalesce_s`` old, so the message rate does
+  not grow with the step rate. The batch goes out sooner before any other queued message (a
+  probe's report: steps stay in order), at once when a record shows an anomaly (``watch``: a
+  non-finite or spiking gradient norm, so detection waits for no timer), before a record that
+  cannot share its message (another schema, another ``grad_norms`` width or ``grad_sq`` dims, a
+  step not after the last), when it holds :data:`wire.MAX_STEPS` records or :data:`BATCH_BYTES`,
+  and when stopping. A batch ZeroMQ refuses is dropped whole, each record counted once;
 * stamps a per-rank sequence number on each message actually handed to ZeroMQ, so the
   aggregator can count messages lost in flight (case C28);
-* sends a heartbeat every ``heartbeat_s`` and the schema every ``schema_every_s``, on demand,
-  and whenever the connection (re)establishes (socket monitor ``EVENT_CONNECTED``), so a late or
-  restarted aggregator learns the schema (case C24);
+* sends a heartbeat only when no message went out for ``heartbeat_s`` (any message says the rank
+  is alive), when the error count changed since the last one (only a heartbeat carries it; at
+  most one per ``heartbeat_s``), after a (re)connection, and always when stopping (the goodbye);
+* sends the full schema on demand (it changed), whenever the connection (re)establishes (socket
+  monitor ``EVENT_CONNECTED``), so a late or restarted aggregator learns it (case C24), and again
+  after ``schema_every_s``, the gap doubling after each resend up to ``32 x schema_every_s``;
+  the heartbeats carry its hash in between;
 * survives any failure of one message: it is dropped and counted in ``errors`` (case C32).
 """
 
@@ -25,10 +37,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from typing import Callable, Optional
 
+import msgspec
 import zmq
 import zmq.utils.monitor
 
@@ -38,6 +52,35 @@ log = logging.getLogger("gradwatch.agent")
 
 Build = Callable[[wire.Header], Optional[wire.Message]]
 Ready = Optional[Callable[[], bool]]
+
+#: most bytes of records one steps message gathers (well below the aggregator's 16 MiB frame cap,
+#: and a refused message loses at most this much)
+BATCH_BYTES = 1 << 20
+#: the schema resend gap doubles up to this multiple of ``schema_every_s``
+SCHEMA_BACKOFF = 32
+_ROW_BYTES = 8 * len(wire.STEP_COLUMNS)
+
+
+def nonfinite(r: wire.Report) -> bool:
+    """Whether a record shows a non-finite gradient (a NaN norm without non-finite parameters
+    means the step had no gradients: not a fault)."""
+    return r.grad_nonfinite > 0 or math.isinf(r.grad_norm)
+
+
+def _record_bytes(r: wire.Report) -> int:
+    """What a record adds to a steps message, bytes (about)."""
+    g = r.grad_norms
+    return _ROW_BYTES + (4 * len(g) if g is not None else 0) + (8 * len(r.grad_sq) if r.grad_sq else 0)
+
+
+def _joins(last: wire.Report, r: wire.Report) -> bool:
+    """Whether ``r`` can follow ``last`` in one steps message: a later step of the same schema,
+    with ``grad_norms`` of the same width and ``grad_sq`` over the same dims."""
+    a, b = last.grad_norms, r.grad_norms
+    return (r.step > last.step and r.schema == last.schema
+            and (a is None) == (b is None) and (a is None or len(a) == len(b))
+            and (last.grad_sq is None) == (r.grad_sq is None)
+            and (r.grad_sq is None or [d for d, _ in last.grad_sq] == [d for d, _ in r.grad_sq]))
 
 
 class Sender:
@@ -50,7 +93,15 @@ class Sender:
         heartbeat: ``header -> wire.Heartbeat``.
         queue_size: most pending reports; the oldest is dropped beyond it.
         send_hwm: ZeroMQ send high-water mark, messages.
-        heartbeat_s, schema_every_s: periods, seconds.
+        heartbeat_s: seconds without a message before a heartbeat goes out.
+        schema_every_s: seconds from a (re)connect or a schema change to the first resend; the gap
+            doubles after each resend, up to ``SCHEMA_BACKOFF x schema_every_s``.
+        coalesce_s: seconds the records of unprobed steps gather before going out as one message
+            (0: at the sender's next turn).
+        watch: ``report -> bool``, called on the sender thread for every step report built, in
+            step order; True (an anomaly) sends the batch at once. Default :func:`nonfinite`.
+        errors: ``() -> int``, the owner's error count, which its heartbeats report beside the
+            sender's own (a change brings a heartbeat forward).
         clock: monotonic clock, seconds (injectable for tests).
         keys: CURVE keys (:class:`gradwatch.auth.ClientKeys`) to authenticate and encrypt with;
             None for plain TCP.
@@ -67,12 +118,17 @@ class Sender:
         send_hwm: int = 256,
         heartbeat_s: float = 1.0,
         schema_every_s: float = 10.0,
+        coalesce_s: float = 0.25,
+        watch: Optional[Callable[[wire.Report], bool]] = None,
+        errors: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.monotonic,
         keys=None,
     ):
         self._header = header
         self._schema = schema
         self._heartbeat = heartbeat
+        self._watch = watch if watch is not None else nonfinite
+        self._owner_errors = errors
         self._queue: collections.deque[tuple[Build, Ready]] = collections.deque()
         self._queue_size = queue_size
         self._wake_at = max(1, min(16, queue_size // 2))
@@ -83,9 +139,16 @@ class Sender:
         self._clock = clock
         self._heartbeat_s = heartbeat_s
         self._schema_every_s = schema_every_s
+        self._schema_gap = schema_every_s  # until the next periodic resend; doubles after each
+        self.coalesce_s = coalesce_s
+        # the batch: built unprobed reports waiting to go out as one steps message
+        self._batch: list[wire.Report] = []
+        self._batch_at = 0.0  # clock when its oldest record joined
+        self._batch_bytes = 0
         self.seq = 0
-        self.sent = 0  # messages handed to ZeroMQ, and the reports among them
+        self.sent = 0  # messages handed to ZeroMQ, and the step records among them
         self.reports = 0
+        self.batches = 0  # steps messages handed to ZeroMQ
         self.connected = False  # the socket reached a peer at least once
         self.errors = 0
         # one counter per writing thread: a shared += from two threads can lose counts
@@ -98,7 +161,10 @@ class Sender:
         self.backoff_max_s = min(10.0, max(1.0, heartbeat_s))
         self._backoff = self.backoff_min_s
         self.retry_at = 0.0  # monotonic time of the next attempt after a refusal
-        self._next_beat = self._next_schema = 0.0
+        self._next_schema = 0.0
+        self._last_sent = self._last_beat = 0.0  # clock of the latest message, and heartbeat, handed over
+        self._beat_due = True  # a heartbeat at the first turn and after each (re)connect
+        self._beat_errors = 0  # the error count the latest heartbeat said
         self.turns = 0  # sender loop turns (tests bound them)
         self.blocked = 0  # attempts that found ZeroMQ refusing
         self._ctx = zmq.Context(io_threads=1)
@@ -137,9 +203,11 @@ class Sender:
 
         ``ready``, if given, says whether the builder's data has arrived (a CUDA event's
         ``query``); reports go out in order, and an unready one holds back those after it
-        without holding back heartbeats. Only ``urgent`` reports (probes) or a filling queue wake
-        the thread at once; others wait for its next turn, at most ``flush_s`` later, so a short
-        step does not pay a thread switch (measured: a wake-up per 5 ms step cost ~20% wall)."""
+        without holding back heartbeats. An unprobed report (``wire.Report`` with ``probe``
+        false) joins the batch of steps; any other message goes out as it is, after the batch.
+        Only ``urgent`` reports (probes) or a filling queue wake the thread at once; others wait
+        for its next turn, at most ``flush_s`` later, so a short step does not pay a thread
+        switch (measured: a wake-up per 5 ms step cost ~20% wall)."""
         if len(self._queue) >= self._queue_size:
             try:
                 self._queue.popleft()
@@ -160,16 +228,23 @@ class Sender:
     @property
     def drops(self) -> int:
         """Reports dropped so far, each counted once: pushed out of the full queue (the sender could
-        not hand them to ZeroMQ in time) or built and refused by ZeroMQ. Heartbeats and schemas
-        that could not go out are retried, not counted."""
+        not hand them to ZeroMQ in time) or built and refused by ZeroMQ (alone, or in a steps
+        message: each of its records). Heartbeats and schemas that could not go out are retried,
+        not counted."""
         return self._queue_drops + self._send_drops
+
+    @property
+    def pending(self) -> int:
+        """Reports neither sent nor dropped: queued, or built and waiting in the batch."""
+        return len(self._queue) + len(self._batch)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
     def close(self, timeout: float = 1.0) -> None:
-        """Flush what is queued without blocking, stop the thread, close socket and context."""
+        """Flush what is queued and batched without blocking (what ZeroMQ cannot take at once
+        stays unsent), send the goodbye, stop the thread, close socket and context."""
         self._stop.set()
         self._wake.set()
         if self._thread.ident is None:  # never started: the thread would have closed these
@@ -189,18 +264,28 @@ class Sender:
         except zmq.ZMQError:
             return False
 
-    def _send(self, make: Build) -> Optional[bool]:
-        """Build, encode and hand one message to ZeroMQ without blocking: True when handed over,
-        False when ZeroMQ refused it (no peer, high-water mark), None when there was nothing to
-        send or it failed to build (counted in ``errors``)."""
+    def _build(self, make: Build) -> Optional[wire.Message]:
+        """``make``'s message, or None (nothing to send, or it failed: counted in ``errors``)."""
         try:
-            msg = make(self._header(self.seq))
-            if msg is None:
-                return None
-            frame = wire.encode(msg)
+            return make(self._header(self.seq))
         except Exception as e:
             self.errors += 1
             log.debug("gradwatch: dropped a message that failed to build: %r", e)
+            return None
+
+    def _hand(self, msg: Optional[wire.Message]) -> Optional[bool]:
+        """Encode ``msg`` and hand it to ZeroMQ without blocking: True when handed over, False
+        when ZeroMQ refused it (no peer, high-water mark), None when there was nothing to send or
+        it failed to encode (counted in ``errors``). Stamps the sequence number due now."""
+        if msg is None:
+            return None
+        try:
+            if msg.header.seq != self.seq:  # built before a message that went out ahead of it
+                msg = msgspec.structs.replace(msg, header=msgspec.structs.replace(msg.header, seq=self.seq))
+            frame = wire.encode(msg)
+        except Exception as e:
+            self.errors += 1
+            log.debug("gradwatch: dropped a message that failed to encode: %r", e)
             return None
         try:
             self._sock.send(frame, zmq.NOBLOCK)
@@ -212,6 +297,7 @@ class Sender:
             return None
         self.seq += 1
         self.sent += 1
+        self._last_sent = self._clock()
         return True
 
     def _reconnected(self) -> bool:
@@ -241,24 +327,93 @@ class Sender:
         self._backoff = min(self._backoff * 2, self.backoff_max_s)
         self.blocked += 1
 
-    def _schema_first(self) -> Optional[bool]:
-        """Send a due schema; False when ZeroMQ refused it (it stays due)."""
-        ok = self._send(self._schema)
+    def _send_schema(self, now: float) -> Optional[bool]:
+        """Send the schema if due (on demand, or the resend timer); False when ZeroMQ refused it
+        (it stays due). A resend on demand restarts the resend backoff, a timed one doubles it."""
+        on_demand = self._schema_due
+        if not on_demand and now < self._next_schema:
+            return None
+        ok = self._hand(self._build(self._schema))
+        if ok is False:
+            return False
         if ok:
             self._schema_due = False
+            top = SCHEMA_BACKOFF * self._schema_every_s
+            self._schema_gap = self._schema_every_s if on_demand else min(2 * self._schema_gap, top)
+        # sent, or no schema yet (no probe ran): request_schema() makes it due again
+        self._next_schema = now + self._schema_gap
         return ok
+
+    def _flush(self) -> Optional[bool]:
+        """Send the batch as one steps message; its records are dropped (counted) if ZeroMQ
+        refuses it or it fails to encode. The result as :meth:`_hand`'s (True with no batch)."""
+        batch = self._batch
+        if not batch:
+            return True
+        self._batch, self._batch_bytes = [], 0
+        try:
+            msg = wire.Steps.of(batch, self._header(self.seq))
+            msg = msgspec.structs.replace(msg, drops=self.drops)  # the latest count, not the last record's
+        except Exception as e:
+            self.errors += 1
+            log.debug("gradwatch: dropped a steps message that failed to build: %r", e)
+            msg = None
+        ok = self._hand(msg)
+        if ok:
+            self.reports += len(batch)
+            self.batches += 1
+        else:  # built and lost: each record counted once
+            self._send_drops += len(batch)
+        return ok
+
+    def _add(self, r: wire.Report, now: float, alarm: bool) -> Optional[bool]:
+        """Put an unprobed report in the batch (after sending the batch if ``r`` cannot join it);
+        send the batch at once after an anomaly (``alarm``) or when full. False: refused."""
+        if self._batch and not _joins(self._batch[-1], r) and self._flush() is False:
+            self._send_drops += 1
+            return False
+        if not self._batch:
+            self._batch_at = now
+        self._batch.append(r)
+        self._batch_bytes += _record_bytes(r)
+        if alarm or len(self._batch) >= wire.MAX_STEPS or self._batch_bytes >= BATCH_BYTES:
+            return self._flush()
+        return True
+
+    def _alarm(self, msg: wire.Report) -> bool:
+        try:
+            return bool(self._watch(msg))
+        except Exception as e:  # the record itself is fine: it still goes out
+            self.errors += 1
+            log.debug("gradwatch: watching a report failed: %r", e)
+            return False
+
+    def _beat_is_due(self, now: float) -> bool:
+        if self._beat_due or now >= self._quiet_until:
+            return True
+        # only a heartbeat says the error count: a change is said within heartbeat_s, steps flowing or not
+        return now >= self._last_beat + self._heartbeat_s and self._errors() != self._beat_errors
+
+    @property
+    def _quiet_until(self) -> float:
+        """When a heartbeat falls due: ``heartbeat_s`` after the latest message (or the latest
+        heartbeat attempt, so one that fails to build is not retried at every turn)."""
+        return max(self._last_sent, self._last_beat) + self._heartbeat_s
+
+    def _errors(self) -> int:
+        try:
+            return self._owner_errors() + self.errors
+        except Exception:
+            return self.errors
 
     def _work(self, now: float, stopping: bool) -> bool:
         """One turn's sending; returns whether an unready report holds back the queue."""
         if not self._writable():
             self._blocked(now)
             return False
-        if self._schema_due or now >= self._next_schema:
-            if self._schema_first() is False:
-                self._blocked(now)
-                return False
-            # sent, or no schema yet (no probe ran): request_schema() makes it due again
-            self._next_schema = now + self._schema_every_s
+        if self._send_schema(now) is False:
+            self._blocked(now)
+            return False
         waiting = False
         while self._queue:
             try:
@@ -269,38 +424,61 @@ class Sender:
                 waiting = True
                 break
             # a report never overtakes the schema it names (request_schema() may come any time)
-            if self._schema_due and self._schema_first() is False:
+            if self._schema_due and self._send_schema(now) is False:
                 self._blocked(now)
                 return False
             try:
                 self._queue.popleft()
             except IndexError:
                 break
-            ok = self._send(build)
-            if ok:
-                self.reports += 1
-            elif ok is False:  # built but refused: this report is lost, counted once
-                self._send_drops += 1
+            msg = self._build(build)
+            if msg is None:
+                continue
+            alarm = isinstance(msg, wire.Report) and self._alarm(msg)
+            if isinstance(msg, wire.Report) and not msg.probe:
+                ok = self._add(msg, now, alarm)
+            else:  # a probe travels with its step: after the steps before it, in its own message
+                ok = self._flush()
+                if ok is False:
+                    self._send_drops += 1  # refused before its turn came: lost with the batch
+                else:
+                    ok = self._hand(msg)
+                    if ok:
+                        self.reports += 1
+                    elif ok is False:  # built but refused: this report is lost, counted once
+                        self._send_drops += 1
+            if ok is False:
                 self._blocked(now)
                 return False
-        if now >= self._next_beat or stopping:
-            if self._send(self._heartbeat) is False:
+        if self._batch and (stopping or now - self._batch_at >= self.coalesce_s):
+            if self._flush() is False:
                 self._blocked(now)
                 return False
-            self._next_beat = now + self._heartbeat_s
+        if stopping or self._beat_is_due(now):
+            errors = self._errors()
+            if self._hand(self._build(self._heartbeat)) is False:
+                self._blocked(now)
+                return False
+            self._beat_due, self._beat_errors, self._last_beat = False, errors, now
         self._backoff = self.backoff_min_s
         return waiting
 
+    def _next_turn(self, now: float, waiting: bool) -> float:
+        """Seconds until the next timer (heartbeat, schema, the batch's age) or ``flush_s``."""
+        due = min(self._quiet_until, self._next_schema)
+        if self._batch:
+            due = min(due, self._batch_at + self.coalesce_s)
+        return min(due - now, 0.002 if waiting else self.flush_s)
+
     def _run(self) -> None:
-        self._next_beat = self._next_schema = self._clock()
+        self._next_schema = self._clock()
         try:
             while True:
                 self.turns += 1
                 stopping = self._stop.is_set()
                 now = self._clock()
                 if self._reconnected():  # a (new) aggregator: schema and heartbeat at once
-                    self._schema_due = True
-                    self._next_beat = now
+                    self._schema_due = self._beat_due = True
                     self._backoff = self.backoff_min_s
                     self.retry_at = now
                 waiting = self._work(now, stopping) if stopping or now >= self.retry_at else False
@@ -310,7 +488,7 @@ class Sender:
                 if now < self.retry_at:  # blocked: nothing can go out before then
                     timeout = self.retry_at - now
                 else:  # a turn every flush_s at least: reports that did not wake the thread wait no longer
-                    timeout = min(self._next_beat - now, self._next_schema - now, 0.002 if waiting else self.flush_s)
+                    timeout = self._next_turn(now, waiting)
                 # never a zero wait: a turn that could not send does not come round at once
                 self._wake.wait(max(timeout, 0.001))
                 self._wake.clear()

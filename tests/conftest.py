@@ -129,8 +129,34 @@ def run_demo(endpoint: str, *, ranks: int = 3, steps: int = 40, every: int = 10,
     return run
 
 
+_SENDER_FIELDS = ("drops", "agent_cost", "probe_interval", "over_budget")
+
+
+def expand(m) -> list:
+    """The records of a ``wire.Steps`` as one ``wire.Report`` per step (the message's header and
+    sender fields on each), so tests read every step alike however it travelled."""
+    sender = {k: getattr(m, k) for k in _SENDER_FIELDS}
+    cols = {c.name: getattr(m, c.name).tolist() for c in wire.STEP_COLUMNS}
+    out = []
+    for i in range(len(m)):
+        grad_sq = None if m.grad_sq is None else tuple(zip(m.grad_sq_dims, m.grad_sq[i].tolist()))
+        out.append(wire.Report(m.header, m.schema, **{k: v[i] for k, v in cols.items()}, **sender, grad_sq=grad_sq,
+                               grad_norms=None if m.grad_norms is None else m.grad_norms[i]))
+    return out
+
+
+def records(msg) -> list:
+    """The per-step records a decoded message carries: a report itself, a steps message's
+    records expanded (:func:`expand`), none for the other kinds."""
+    if isinstance(msg, wire.Steps):
+        return expand(msg)
+    return [msg] if isinstance(msg, wire.Report) else []
+
+
 class Collector:
-    """A PULL socket bound on loopback (at ``port`` if given) keeping every decoded message."""
+    """A PULL socket bound on loopback (at ``port`` if given) keeping every decoded message
+    (``msgs``, as received: a steps message stays one); :meth:`records` and :meth:`reports` see
+    each step's record, coalesced or not."""
 
     def __init__(self, port: int | None = None):
         self.ctx = zmq.Context()
@@ -148,11 +174,16 @@ class Collector:
             while self.sock.poll(0):
                 self.msgs.append(wire.decode(self.sock.recv()))
 
+    def records(self, job: str | None = None, rank: int | None = None) -> list[wire.Report]:
+        """Every step's record received, in arrival order (reports, and steps expanded)."""
+        return [r for m in self.msgs if job in (None, m.header.job) and rank in (None, m.header.rank) for r in records(m)]
+
     def reports(self, job: str | None = None, rank: int | None = None) -> dict[int, wire.Report]:
-        return {
-            m.step: m for m in self.msgs
-            if isinstance(m, wire.Report) and job in (None, m.header.job) and rank in (None, m.header.rank)
-        }
+        return {r.step: r for r in self.records(job, rank)}
+
+    def of(self, kind) -> list:
+        """The messages of one type received (``wire.Steps``, ``wire.Heartbeat``, ...), in order."""
+        return [m for m in self.msgs if isinstance(m, kind)]
 
     def wait(self, predicate, timeout_s: float = 30.0, what: str = "messages"):
         deadline = time.monotonic() + timeout_s

@@ -13,14 +13,14 @@ import torch
 import gradwatch.agent as gw
 from gradwatch import wire
 
+from .conftest import records
+
 
 def _reports(sock, n, timeout=10.0):
     out, deadline = [], time.monotonic() + timeout
     while len(out) < n and time.monotonic() < deadline:
         if sock.poll(100):
-            m = wire.decode(sock.recv())
-            if isinstance(m, wire.Report):
-                out.append(m)
+            out += records(wire.decode(sock.recv()))
     return out
 
 

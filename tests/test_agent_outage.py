@@ -164,7 +164,7 @@ def test_late_killed_and_stopped_aggregator_metrics_come_back_and_sender_stays_i
         t.stop()
         if agg is not None:
             agg.stop()
-    assert sender.reports + sender.drops + len(sender._queue) == t.steps
+    assert sender.reports + sender.drops + sender.pending == t.steps
     assert sender.reports > 0 and not sender.alive
     assert t.monitor.errors == 0 and sender.errors == 0
 

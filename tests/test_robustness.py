@@ -19,7 +19,7 @@ from gradwatch.aggregator.checks import Runner, Thresholds
 from gradwatch.aggregator.reconcile import snapshot
 from gradwatch.aggregator.state import State
 
-from .conftest import start_aggregator, wait_for
+from .conftest import records, start_aggregator, wait_for
 
 
 class Clock:
@@ -99,9 +99,8 @@ def _probes(sock, want_steps, timeout=10.0):
     reports, deadline = {}, time.monotonic() + timeout
     while time.monotonic() < deadline and not want_steps <= set(reports):
         if sock.poll(100):
-            m = wire.decode(sock.recv())
-            if isinstance(m, wire.Report):
-                reports[m.step] = m
+            for r in records(wire.decode(sock.recv())):
+                reports[r.step] = r
     return reports
 
 
