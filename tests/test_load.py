@@ -21,11 +21,12 @@ def test_every_message_is_counted_and_the_healthy_job_stays_healthy(tmp_path, mo
     argv += ["--reports", str(64 * 40)] if mode == "max" else ["--steps-per-s", "10", "--duration", "3"]
     res = main(argv)
     sent = res["sent"]
-    assert sent["report"] >= 64 * 30 and sent["schema"] >= 64 and sent["junk"] > 0
-    # none lost: what was sent is what the aggregator counted, each kind as itself
+    assert sent["records"] >= 64 * 30 and sent["steps"] > 0 and sent["schema"] >= 64 and sent["junk"] > 0
+    # none lost: what was sent is what the aggregator counted, each kind as itself, every record applied
     assert res["lost"] == 0, res
-    for kind in ("schema", "report", "heartbeat"):
+    for kind in ("schema", "steps", "report", "heartbeat"):
         assert res["received"].get(kind, 0) == sent.get(kind, 0), (kind, res)
+    assert res["rank_steps_applied"] == sent["records"], res
     assert res["rejected"] == {"version": sent["junk"]}, res
     assert res["findings"] == [], res["findings"]
     assert res["ranks_visible"] == {"load0": 64}
