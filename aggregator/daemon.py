@@ -4,7 +4,10 @@ the state, an HTTP server.
 The intake thread only receives: it moves frames from ZeroMQ into :class:`Intake`, a queue bounded
 in bytes over all agents together (``max_intake_bytes``; beyond it frames are dropped and counted,
 reason ``overload``), so that under overload memory does not grow with the number of connected
-agents times ZeroMQ's per-connection high-water mark. The writer thread decodes frames
+agents times ZeroMQ's per-connection high-water mark. Once the queue is half full, each job (the
+identity its frames' headers claim, :func:`gradwatch.wire.peek`, and with CURVE the sender's key)
+may hold only its fair share of it: a job flooding the aggregator loses its own frames, not
+another job's. The writer thread decodes frames
 (:mod:`gradwatch.wire`, with explicit limits), applies them to :class:`~.state.State`, closes
 rounds whose grace period ran out, and publishes an immutable snapshot at most every
 ``publish_interval_s``. The HTTP server's threads only read the published snapshot. A peer's bytes
@@ -52,10 +55,18 @@ class _QuietHandler(WSGIRequestHandler):
 class Intake:
     """Received frames waiting for the writer: the intake thread puts, the writer takes.
 
+    Frames wait in one queue per job (the identity a frame's header claims,
+    :func:`gradwatch.wire.peek`, with the sender's CURVE key; frames without a readable header
+    share one queue), each in arrival order; the writer takes from the jobs in turn.
+
     Args:
         max_bytes: most bytes of frames held (memory).
         max_frames: most frames held (how far behind the writer may fall).
-        A frame that would pass either is dropped and counted.
+        Past half of either, a job holds at most its share: the limit over one more than the
+        jobs holding frames. A frame past its job's share is dropped; a frame that finds no room
+        while its job is below its share makes room by dropping the oldest frame of the job
+        holding the most. Under overload a job flooding the aggregator thus loses its own frames,
+        never another job's share, whichever came first. Every drop is counted.
 
     Attributes:
         bytes: bytes of frames held now.
@@ -66,32 +77,80 @@ class Intake:
     def __init__(self, max_bytes: int, max_frames: int):
         self.max_bytes, self.max_frames = max_bytes, max_frames
         self.bytes = 0
+        self.frames = 0
         self.dropped = 0
         self.ready = threading.Event()
-        self._frames: collections.deque = collections.deque()
+        self._queues: dict = {}  # job -> deque of (frame, user id), oldest first
+        self._bytes: collections.Counter = collections.Counter()  # job -> bytes held
         self._lock = threading.Lock()
+
+    @property
+    def held(self) -> dict:
+        """``{job: frames held}`` (a copy)."""
+        with self._lock:
+            return {job: len(q) for job, q in self._queues.items()}
 
     def put(self, batch: list) -> None:
         """Intake thread: hold ``(frame bytes, CURVE user id or None)`` items while room lasts."""
+        jobs = [(key, wire.peek(frame)) for frame, key in batch]  # read outside the lock
         with self._lock:
-            for item in batch:
-                n = len(item[0])
-                if self.bytes + n > self.max_bytes or len(self._frames) >= self.max_frames:
-                    self.dropped += 1
-                    continue
-                self._frames.append(item)
-                self.bytes += n
+            for item, job in zip(batch, jobs):
+                self._put(item, job)
         self.ready.set()
 
+    def _put(self, item, job) -> None:
+        n = len(item[0])
+        q = self._queues.get(job)
+        held, held_bytes = (len(q), self._bytes[job]) if q is not None else (0, 0)
+        if n > self.max_bytes:
+            self.dropped += 1
+            return
+        full = self.frames + 1 > self.max_frames or self.bytes + n > self.max_bytes
+        if full or 2 * (self.frames + 1) > self.max_frames or 2 * (self.bytes + n) > self.max_bytes:
+            shares = len(self._queues) + (q is None) + 1  # and one for a newcomer
+            if held + 1 > self.max_frames / shares or held_bytes + n > self.max_bytes / shares:
+                self.dropped += 1  # past its share: its own frame goes
+                return
+            while full:  # below its share and no room: the largest holder's oldest frame makes room
+                self._evict(max(self._queues, key=lambda j: (len(self._queues[j]), self._bytes[j])))
+                full = self.frames + 1 > self.max_frames or self.bytes + n > self.max_bytes
+        if q is None:
+            q = self._queues[job] = collections.deque()
+        q.append(item)
+        self.frames += 1
+        self.bytes += n
+        self._bytes[job] += n
+
+    def _evict(self, job) -> None:
+        frame, _ = self._queues[job].popleft()
+        self._forget(job, len(frame))
+        self.dropped += 1
+
+    def _forget(self, job, n: int) -> None:
+        self.frames -= 1
+        self.bytes -= n
+        self._bytes[job] -= n
+        if not self._queues[job]:
+            del self._queues[job], self._bytes[job]
+
     def take(self, most: int) -> list:
-        """Writer thread: up to ``most`` items, oldest first; ``ready`` stays set while more wait."""
+        """Writer thread: up to ``most`` ``(frame, user id)`` items, the jobs in turn, each job's
+        oldest first; ``ready`` stays set while more wait."""
+        out: list = []
         with self._lock:
-            n = min(most, len(self._frames))
-            items = [self._frames.popleft() for _ in range(n)]
-            self.bytes -= sum(len(f) for f, _ in items)
-            if not self._frames:
+            while self._queues and len(out) < most:
+                each = max(1, (most - len(out)) // len(self._queues))
+                for job in list(self._queues):
+                    q = self._queues[job]
+                    for _ in range(min(each, len(q), most - len(out))):
+                        item = q.popleft()
+                        out.append(item)
+                        self._forget(job, len(item[0]))
+                        if job not in self._queues:
+                            break
+            if not self._queues:
                 self.ready.clear()
-        return items
+        return out
 
 
 class Aggregator:

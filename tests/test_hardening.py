@@ -12,6 +12,7 @@ import hashlib
 import secrets
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import requests
@@ -582,12 +583,42 @@ def test_memory_under_overload_is_bounded_for_all_agents_together():
         m = samples(requests.get(agg.metrics_url, timeout=5).text, "gradwatch_messages_rejected_total")
         assert m[(("reason", "overload"),)] == agg.intake.dropped > 0
         # and at most max_intake_frames wait: how far behind what /metrics shows may fall
-        small = Intake(1 << 30, 3)
-        small.put([(b"x", None)] * 5)
-        assert (len(small.take(10)), small.dropped, small.bytes) == (3, 2, 0)
+        small = Intake(1 << 30, 4)
+        small.put([(b"x", None)] * 5)  # past half, one sender holds its share: half, the rest for others
+        assert (len(small.take(10)), small.dropped, small.bytes) == (2, 3, 0)
     finally:
         go.set()
         for p in peers:
             p.sock.close(0)
         ctx.term()
         agg.stop()
+
+
+def _frames(job: str, n: int, key: str = "") -> list:
+    h = wire.Header(job, 0, 1, "b", 0, 0.0, key)
+    return [(wire.encode(wire.Heartbeat(msgspec.structs.replace(h, seq=i), i, i, 0, 0)), None) for i in range(n)]
+
+
+def test_a_job_flooding_the_intake_loses_its_own_frames_not_another_jobs():
+    """Issue 9: the intake's room is shared among jobs once it is half full. A job sending ten
+    times what fits keeps at most its share; jobs arriving after it, however full the intake, get
+    theirs (the flooder's oldest frames make room), and so do frames without a readable header,
+    as one identity of their own. The writer takes from the jobs in turn, each in order."""
+    intake = Intake(1 << 30, 1000)
+    intake.put(_frames("flood", 10_000))
+    assert intake.held == {(None, ("flood", "")): 500} and intake.dropped == 9_500
+    intake.put(_frames("quiet", 200))
+    intake.put(_frames("late", 150))
+    intake.put([(b"\xc1" * 10, None)] * 500)  # garbage: nobody's, and capped like a job
+    intake.put(_frames("flood", 50, key="other"))  # the same id under another key is another job
+    held = intake.held
+    assert held[(None, ("quiet", ""))] == 200 and held[(None, ("late", ""))] == 150
+    assert held[(None, ("flood", "other"))] == 50 and 0 < held[(None, None)] < 500
+    assert sum(held.values()) <= 1000 and held[(None, ("flood", ""))] < 500
+    first = intake.take(10)
+    assert len({wire.peek(f) for f, _ in first}) == 5  # the jobs in turn
+    rest = intake.take(10**6)
+    quiet = [wire.decode(f).header.seq for f, _ in first + rest if wire.peek(f) == ("quiet", "")]
+    assert quiet == list(range(200))  # a job's frames in order
+    assert intake.bytes == intake.frames == 0 and not intake.held and not intake.ready.is_set()
+    assert intake.dropped + len(first + rest) == 10_000 + 200 + 150 + 500 + 50  # each frame taken or counted
