@@ -27,7 +27,7 @@ class RankSilent(Check):
     severity = "critical"
     description = (
         "Names a rank that has sent no message (not even a heartbeat, which the agent sends from its "
-        "own thread every second) for silent_after_s seconds without saying goodbye: the process died, "
+        "own thread after a second without other messages) for silent_after_s seconds without saying goodbye: the process died, "
         "its host or network failed, or it hangs holding the interpreter lock. Also a rank whose agent said "
         "goodbye (closed, disabled after errors) while its live peers' steps pass its own by more than skew_steps."
     )

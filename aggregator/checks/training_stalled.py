@@ -17,7 +17,7 @@ blocked (a sleep, a lock, I/O, a dead data loader) and adds nothing. A rank spin
 looks busy too, and is named after ``stall_outside_after_s``.
 
 A stall is judged only while the job is heard: nothing at all from it for ``DARK_S`` (a partition,
-a stopped aggregator; heartbeats come every second) is no data, and the stall clock starts over
+a stopped aggregator; every agent sends something at least every second) is no data, and the stall clock starts over
 when it is heard again (agents send a heartbeat before the reports they held back): steps nobody
 could see are not a stall.
 
@@ -76,7 +76,7 @@ class TrainingStalled(Check):
     WINDOW = 64
     #: share of a heartbeat interval a training thread ran or waited for a CPU above which it is busy
     RUNNABLE = 0.5
-    #: seconds without any message from the job (heartbeats come every second) after which the
+    #: seconds without any message from the job (every agent sends something at least every second) after which the
     #: aggregator was blind to it and the stall clock starts over
     DARK_S = 2.0
 
