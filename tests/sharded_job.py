@@ -218,6 +218,11 @@ def _run(rank: int, world: int, port: int, args) -> None:
     torch.save({n: _local(p).detach().clone() for n, p in m.named_parameters()}, os.path.join(args.out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    print(f"{DONE} {rank}", flush=True)
+
+
+#: printed by each rank once its results are saved and its process group is gone (test_sharded.run_job)
+DONE = "sharded_job: rank finished"
 
 
 def main() -> None:
