@@ -80,6 +80,7 @@ class StepTable:
         self.world = world
         self.max_rows = max(MIN_ROWS, 1 << max(0, (max_cells // max(world, 1)).bit_length() - 1))
         self.released = -1  # highest step released so far
+        self.oldest = -1  # lowest step waiting, -1 when none
         self._alloc(min(MIN_ROWS, self.max_rows))
         self.norms: dict[int, dict[int, tuple]] = {}  # step -> rank -> (schema, row)
         self.grad_sq: dict[int, dict[int, tuple]] = {}  # step -> rank -> grad_sq
@@ -108,9 +109,10 @@ class StepTable:
             norms: ``(schema hash, float32 [n, n_params])`` of the records, or None.
             grad_sq: per record its ``grad_sq`` (sharded layouts), or None.
         """
-        steps, values, norms, grad_sq = _only(steps > self.released, steps, values, norms, grad_sq)
-        if not len(steps):  # late: steps the checks have judged already
-            return []
+        if steps[0] <= self.released:  # late, some or all: steps the checks have judged already
+            steps, values, norms, grad_sq = _only(steps > self.released, steps, values, norms, grad_sq)
+            if not len(steps):
+                return []
         if len(steps) > self.max_rows:  # more than the table holds: a table's worth at a time
             out = []
             for i in range(0, len(steps), self.max_rows):
@@ -119,14 +121,24 @@ class StepTable:
                                 None if norms is None else (norms[0], norms[1][part]),
                                 None if grad_sq is None else grad_sq[part])
             return out
-        out = self._room(int(steps[0]), int(steps[-1]))
-        steps, values, norms, grad_sq = _only(steps > self.released, steps, values, norms, grad_sq)
-        idx = steps % self.rows
+        first, last = int(steps[0]), int(steps[-1])
+        out = self._room(first, last)
+        if out:  # the room it took may have released some of these steps' peers' records
+            steps, values, norms, grad_sq = _only(steps > self.released, steps, values, norms, grad_sq)
+            if not len(steps):
+                return out
+            first = int(steps[0])
+        i0 = first % self.rows
+        if last - first + 1 == len(steps) and i0 + len(steps) <= self.rows:
+            idx = slice(i0, i0 + len(steps))  # consecutive steps, not wrapping: plain slices, no gather
+        else:
+            idx = steps % self.rows
         self.step_of[idx] = steps
         self.count[idx] += ~self.have[idx, rank]
         self.have[idx, rank] = True
         for name in COLUMNS:
             self.cols[name][idx, rank] = values[name]
+        self.oldest = first if self.oldest < 0 else min(self.oldest, first)
         if norms is not None:
             schema, rows = norms
             for s, row in zip(steps.tolist(), rows):
@@ -134,9 +146,9 @@ class StepTable:
         if grad_sq is not None:
             for s, sq in zip(steps.tolist(), grad_sq):
                 self.grad_sq.setdefault(s, {})[rank] = sq
-        done = self.count[idx] >= self.world
-        if done.any():
-            last = int(steps[done][-1])
+        done = np.flatnonzero(self.count[idx] >= self.world)
+        if len(done):
+            last = int(steps[done[-1]])
             out += self._release(self.step_of[(self.step_of >= 0) & (self.step_of <= last)])
         return out
 
@@ -163,9 +175,11 @@ class StepTable:
     def _room(self, first: int, last: int) -> list[StepView]:
         """Make the rows span ``first..last`` together with the steps waiting: grow, else release
         the oldest."""
-        held = self.step_of[self.step_of >= 0]
-        lo = min(first, int(held.min())) if held.size else first
+        lo = first if self.oldest < 0 else min(first, self.oldest)
         span = last - lo + 1
+        if span <= self.rows:
+            return []
+        held = self.step_of[self.step_of >= 0]
         if span > self.rows and self.rows < self.max_rows:
             self._grow(min(self.max_rows, 1 << (span - 1).bit_length()))
         if span <= self.rows:
@@ -192,6 +206,9 @@ class StepTable:
             self.step_of[i], self.count[i], self.seen[i] = -1, 0, math.nan
             self.have[i] = False
             self.released = max(self.released, s)
+        if out:
+            held = self.step_of[self.step_of >= 0]
+            self.oldest = int(held.min()) if held.size else -1
         return out
 
 

@@ -574,21 +574,26 @@ def _finish_report(m, limits: Limits, sizes):
     return msgspec.structs.replace(m, **out)
 
 
+_STEP_DTYPES = tuple((c, np.dtype(c.dtype)) for c in STEP_COLUMNS[1:])
+
+
 def _finish_steps(m, limits: Limits, sizes):
     first = COLUMNS["step"]
     step = _typed(m.step, "step", first.dtype, 0, None)
     n = len(step)
     if not 1 <= n <= MAX_STEPS:
         raise WireError("bad_array", f"step: {n} records (1 to {MAX_STEPS})")
-    if step[0] < 0 or (n > 1 and not (np.diff(step) > 0).all()):
+    if step[0] < 0 or (n > 1 and not (step[1:] > step[:-1]).all()):
         raise WireError("bad_array", "step: not strictly increasing non-negative steps")
     out = {"step": step}
-    for c in STEP_COLUMNS[1:]:
+    for c, dtype in _STEP_DTYPES:
         raw = getattr(m, c.name)
         if raw is None:  # left out: every value is the column's default (never a required one)
-            out[c.name] = np.full(n, c.default, c.dtype)
+            out[c.name] = np.full(n, c.default, dtype)
+        elif len(raw) != n * dtype.itemsize:
+            raise WireError("bad_array", f"{c.name}: {len(raw)} bytes for {n} records")
         else:
-            out[c.name] = _typed(raw, c.name, c.dtype, 0, n)
+            out[c.name] = raw.view(dtype)
     if m.grad_norms is not None:
         n_params = sizes(m.header, m.schema)[0] if sizes is not None else None
         g = _typed(m.grad_norms, "grad_norms", "<f4", 0, None)

@@ -206,17 +206,17 @@ class Straggler(Check):
         for v in views:
             if v.step <= 0:
                 continue  # start-up
-            keep = part[v.ranks] >= 0
+            keep = part[v.ranks] >= 0  # ranks the job still knows
             source, ranks, x = _times(v, keep)
             if not len(ranks):
                 continue
             closed = False
             gid = part[ranks]
-            for g in np.unique(gid):
-                sel = gid == g
-                if sel.sum() < 2:
-                    continue  # no peer at this step
+            for g in (0,) if len(groups) == 1 else np.unique(gid):  # one group of peers: DDP, FSDP
+                sel = slice(None) if len(groups) == 1 else gid == g
                 ks, xs = ranks[sel], x[sel]
+                if len(ks) < 2:
+                    continue  # no peer at this step
                 peer = _peer_medians(xs)
                 i = w.fill[ks]
                 w.times[ks, i] = xs
