@@ -60,6 +60,7 @@ from gradwatch.statistics import ARRAYS, STATISTICS
 
 from .reconcile import RoundResult, reconcile
 from .shards import global_norms, mesh_of
+from .steps import COLUMNS as TABLE_COLUMNS
 from .steps import StepTable
 
 
@@ -476,36 +477,48 @@ class State:
         """A rank's per-step records (a ``steps`` batch, or a report's one record): its gauges and
         counters, the job's step table (the checks judge the steps it releases), a probe's round."""
         probe = isinstance(m, wire.Report) and m.probe
-        steps, values = _columns(m)
+        one = isinstance(m, wire.Report) or len(m.step) == 1  # 1 step/s and slower: no numpy per record
+        if one:
+            rec = _record(m)
+            last, n, skipped = rec["step"], 1, rec["skipped"]
+            nonfinite = rec["grad_nonfinite"] > 0 or math.isinf(rec["grad_norm"])
+        else:
+            rec = dict(zip(_NAMES, m.records[-1].item()))
+            last, n, skipped = rec["step"], len(m.step), int(m.skipped.sum())
+            nonfinite = int(((m.grad_nonfinite > 0) | np.isinf(m.grad_norm)).sum())
         r.boot_step = -1
         if r.steps == 0:
             r.first_report_at = now
-        last = int(steps[-1])
         job.max_step, job.last_report_at = max(job.max_step, last), now
         r.step = max(r.step, last)
-        r.step_time, r.compute_time = float(values["step_time"][-1]), float(values["compute_time"][-1])
-        r.loss, r.loss_scale = float(values["loss"][-1]), float(values["loss_scale"][-1])
+        r.step_time, r.compute_time, r.loss, r.loss_scale = rec["step_time"], rec["compute_time"], rec["loss"], rec["loss_scale"]
+        r.local_grad_norm = rec["local_grad_norm"]
         sharded = m.grad_sq is not None
         if not sharded:  # a sharded rank's global norm is known once its shard group reported (_released)
-            r.grad_norm, r.local_grad_norm = float(values["grad_norm"][-1]), float(values["local_grad_norm"][-1])
-            r.grad_nonfinite = int(values["grad_nonfinite"][-1])
-        else:
-            r.local_grad_norm = float(values["local_grad_norm"][-1])
-        r.skipped_steps += int(values["skipped"].sum())
+            r.grad_norm, r.grad_nonfinite = rec["grad_norm"], int(rec["grad_nonfinite"])
+        r.skipped_steps += skipped
         r.agent_drops = max(r.agent_drops, m.drops)
-        r.steps += len(steps)
+        r.steps += n
         # a NaN norm with no non-finite parameter means "no gradients this step", not a fault
-        r.nonfinite_steps += int(((values["grad_nonfinite"] > 0) | np.isinf(values["grad_norm"])).sum())
+        r.nonfinite_steps += int(nonfinite)
         r.last_report_at = now
-        if job.table is None or job.table.world != job.world:
-            job.table = StepTable(job.world)
+        table = job.table
+        if table is None or table.world != job.world:
+            table = job.table = StepTable(job.world)
         norms = None
         if m.grad_norms is not None:
-            norms = (m.schema, m.grad_norms.reshape(len(steps), -1))
+            norms = (m.schema, m.grad_norms.reshape(n, -1))
         grad_sq = None
         if sharded:
             grad_sq = [m.grad_sq] if isinstance(m, wire.Report) else [tuple(zip(m.grad_sq_dims, row)) for row in m.grad_sq.tolist()]
-        self._released(job, job.table.add(r.rank, steps, values, norms, grad_sq))
+        if one:
+            rec["probe"] = 1.0 if probe else 0.0
+            released = table.add_one(r.rank, last, rec, norms and (norms[0], norms[1][0]), grad_sq and grad_sq[0])
+        else:
+            values = {name: getattr(m, name) for name in TABLE_COLUMNS if name != "probe"}
+            values["probe"] = np.zeros(n)
+            released = table.add(r.rank, m.step, values, norms, grad_sq)
+        self._released(job, released)
         if not probe:
             return
         r.probes += 1
@@ -643,13 +656,11 @@ def _steps_of(msg) -> tuple[int, int]:
     return step, step
 
 
-def _columns(m) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """The records of ``m`` (a ``steps`` batch, or a report's one record) as ``(steps int64 [n],
-    {STEP_COLUMNS name or "probe": float64 [n]})``."""
-    if isinstance(m, wire.Steps):
-        values = {c.name: getattr(m, c.name) for c in wire.STEP_COLUMNS[1:]}
-        values["probe"] = np.zeros(len(m.step))
-        return m.step, values
-    values = {c.name: np.array([getattr(m, c.name)], np.float64) for c in wire.STEP_COLUMNS[1:]}
-    values["probe"] = np.array([1.0 if m.probe else 0.0])
-    return np.array([m.step], np.int64), values
+def _record(m) -> dict:
+    """A message's one record as Python numbers (a report, or a ``steps`` batch of one)."""
+    if isinstance(m, wire.Report):
+        return {c.name: getattr(m, c.name) for c in wire.STEP_COLUMNS}
+    return dict(zip(_NAMES, m.records[0].item()))
+
+
+_NAMES = tuple(c.name for c in wire.STEP_COLUMNS)

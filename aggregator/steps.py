@@ -152,6 +152,32 @@ class StepTable:
             out += self._release(self.step_of[(self.step_of >= 0) & (self.step_of <= last)])
         return out
 
+    def add_one(self, rank: int, step: int, values: dict, norms: Optional[tuple] = None,
+                grad_sq=None) -> list[StepView]:
+        """:meth:`add` for one record (``values``: each of :data:`COLUMNS` -> a number; ``norms``:
+        ``(schema hash, float32 [n_params])``), without an array per column: one step per second
+        from thousands of ranks comes a record at a time."""
+        if step <= self.released:
+            return []
+        out = self._room(step, step)
+        if step <= self.released:
+            return out
+        i = step % self.rows
+        self.step_of[i] = step
+        if not self.have[i, rank]:
+            self.have[i, rank] = True
+            self.count[i] += 1
+        for name in COLUMNS:
+            self.cols[name][i, rank] = values[name]
+        self.oldest = step if self.oldest < 0 else min(self.oldest, step)
+        if norms is not None:
+            self.norms.setdefault(step, {})[rank] = norms
+        if grad_sq is not None:
+            self.grad_sq.setdefault(step, {})[rank] = grad_sq
+        if self.count[i] >= self.world:
+            out += self._release(self.step_of[(self.step_of >= 0) & (self.step_of <= step)])
+        return out
+
     def tick(self, now: float) -> list[StepView]:
         """Release the steps first seen ``WAIT_S`` or more before ``now`` (and older ones)."""
         held = self.step_of >= 0

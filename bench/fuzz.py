@@ -200,7 +200,7 @@ def _forge(py: random.Random, rng: np.random.Generator) -> bytes:
     if kind == 5:  # a batch of records: far ahead, behind, or across a restart
         first = py.choice([0, 1, 2**40, py.randrange(10_000)])
         n = py.choice([1, 7, wire.MAX_STEPS])
-        return wire.encode(wire.Steps(h, wire.schema_hash(PARAMS, SLOTS), step=np.arange(first, first + n),
+        return wire.encode(wire.Steps.columns(h, wire.schema_hash(PARAMS, SLOTS), step=np.arange(first, first + n),
                                       step_time=np.full(n, 0.05), grad_norm=np.full(n, py.choice([1.0, 1e30, math.nan])),
                                       grad_nonfinite=np.full(n, py.choice([0, 7]))))
     if kind == 0:
@@ -234,7 +234,7 @@ def _huge(py: random.Random) -> bytes:
             m.update(params=[], slots=[["m", "", "L", "f"]] * 10_001)
         else:
             n = wire.MAX_STEPS + 1
-            m.update(kind="steps", schema="0" * 16, **{c.name: np.arange(n).astype(c.dtype).tobytes() for c in wire.STEP_COLUMNS})
+            m.update(kind="steps", schema="0" * 16, records=np.zeros(n, wire.RECORD).tobytes())
         return msgpack.packb(m, use_bin_type=True)
     if pick == 4:  # probe arrays that do not fit the schema
         m = msgpack.unpackb(_templates(np.random.default_rng(0))[1])

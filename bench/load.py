@@ -129,7 +129,7 @@ def steps_frame(job: Job, rank: int, seq: int, steps: list[int], step_s: float) 
     s = np.asarray(steps, np.int64)
     n = len(s)
     g = 1.0 + 0.01 * np.sin(s)  # the same global norm on every rank, no spike
-    return wire.encode(wire.Steps(
+    return wire.encode(wire.Steps.columns(
         _header(job, rank, seq), job.hash, step=s, step_time=np.full(n, step_s), grad_norm=g,
         grad_nonfinite=np.zeros(n), local_grad_norm=g * math.sqrt(job.world) * (1 + 0.01 * ((rank * 7919) % 11 - 5) / 5),
         compute_time=np.full(n, 0.05), loss=np.full(n, 2.0), loss_scale=np.full(n, math.nan), skipped=np.zeros(n),
@@ -231,6 +231,10 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
         step += 1
     if pending:
         flush(step_s)
+    for job, r in mine:  # the goodbye agents send at the end of training
+        s = seq[(job.name, r)]
+        send(job, r, wire.encode(wire.Heartbeat(_header(job, r, s), step - 1, s, 0, 0, closing=True, reason="finished")),
+             "heartbeat")
     res.cpu_s = time.process_time()
     res.sent = dict(res.sent)
     sock.close()  # LINGER -1: waits until every queued frame went out

@@ -31,7 +31,8 @@ Per-step records. The values an agent measures at every optimizer step are the c
 :data:`STEP_COLUMNS` (step, step time, compute time, gradient norm after and before all-reduce,
 non-finite parameter count, loss, loss scale, skipped steps). ``steps`` carries the records of
 consecutive unprobed steps, coalesced by the agent's sender thread (a few messages per second,
-whatever the step rate): one little-endian array per column, ``[n]`` each (1 <= n <=
+whatever the step rate): ``records``, raw bytes of n packed records of :data:`RECORD` (the columns
+in order, little-endian ``int64`` step, ``uint32`` counts, ``float64`` values; 1 <= n <=
 :data:`MAX_STEPS`, steps strictly increasing), plus ``schema`` (the hash the steps refer to),
 optionally ``grad_norms`` float32 ``[n, n_params]`` (see below) and ``grad_sq_dims`` with
 ``grad_sq`` float64 ``[n, len(grad_sq_dims)]`` (sharded layouts, below), and the sender's latest
@@ -353,49 +354,70 @@ Positional: ``Report(header, schema, step, step_time, grad_norm, grad_nonfinite,
 by keyword. Arrays may be given in any dtype and are encoded in the wire's; decoded, they are
 read-only numpy views of the frame: float32 [rows, columns] (uint64 [n_params] fingerprints)."""
 
-Steps = msgspec.defstruct(
-    "Steps",
-    [
-        ("header", Header),
-        ("schema", _Str64),
-        *((c.name, np.ndarray) for c in STEP_COLUMNS if c.default is REQUIRED),
-        *((c.name, _Array, None) for c in STEP_COLUMNS if c.default is not REQUIRED),
-        *_SENDER_FIELDS,
-        ("grad_norms", _Array, None),  # float32 [n, n_params]
-        ("grad_sq_dims", Annotated[tuple[_Dims, ...], msgspec.Meta(max_length=64)], ()),
-        ("grad_sq", _Array, None),  # float64 [n, len(grad_sq_dims)]
-        ("v", int, PROTOCOL_VERSION),
-    ],
-    bases=(_Message,), tag="steps", frozen=True, eq=False, module=__name__,
-)
-Steps.__doc__ = """Coalesced records of consecutive unprobed steps (module docstring: ``steps``).
-
-Every column of :data:`STEP_COLUMNS` is an array [n] (built from any sequence; encoded in its
-column's dtype; decoded as a read-only view of the frame, a left-out column filled with its
-default). Build it with :meth:`of` from a list of :class:`Report`\\ s."""
+#: one record of a ``steps`` message: the columns of :data:`STEP_COLUMNS` packed, little-endian
+RECORD = np.dtype([(c.name, c.dtype) for c in STEP_COLUMNS])
 
 
-def _steps_of(reports, header: Optional[Header] = None) -> "Steps":
-    """The ``steps`` message of ``reports`` (unprobed :class:`Report`\\ s of one rank, ascending
-    steps, one schema; the sender fields and ``header`` from the last one unless given). Raises
-    ``ValueError`` on an empty list."""
-    if not reports:
-        raise ValueError("no records")
-    last = reports[-1]
-    cols = {c.name: np.fromiter((getattr(r, c.name) for r in reports), c.dtype, len(reports)) for c in STEP_COLUMNS}
-    extra = {}
-    if last.grad_norms is not None:
-        extra["grad_norms"] = np.stack([np.asarray(r.grad_norms, np.float32) for r in reports])
-    if last.grad_sq is not None:
-        dims = tuple(d for d, _ in last.grad_sq)
-        extra["grad_sq_dims"] = dims
-        extra["grad_sq"] = np.array([[v for _, v in r.grad_sq] for r in reports], np.float64)
-    return Steps(header if header is not None else last.header, last.schema, **cols, **extra,
-                 **{name: getattr(last, name) for name, _, _ in _SENDER_FIELDS})
+class Steps(_Message, tag="steps", eq=False):
+    """Coalesced records of consecutive unprobed steps (module docstring: ``steps``).
+
+    ``records`` is a structured array [n] of :data:`RECORD` (a read-only view of the frame when
+    decoded); each column of :data:`STEP_COLUMNS` reads as an attribute, an array [n]
+    (``m.step``, ``m.grad_norm``). Build one with :meth:`of` from reports or with :meth:`columns`
+    from arrays."""
+
+    header: Header
+    schema: _Str64
+    records: np.ndarray  # RECORD [n], raw bytes on the wire
+    drops: _Nat = 0
+    agent_cost: float = math.nan
+    probe_interval: _Nat = 0
+    over_budget: bool = False
+    grad_norms: _Array = None  # float32 [n, n_params]
+    grad_sq_dims: Annotated[tuple[_Dims, ...], msgspec.Meta(max_length=64)] = ()
+    grad_sq: _Array = None  # float64 [n, len(grad_sq_dims)]
+    v: int = PROTOCOL_VERSION
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @classmethod
+    def columns(cls, header: Header, schema: str, **kw) -> "Steps":
+        """A steps message from one array [n] (or sequence) per column of :data:`STEP_COLUMNS`;
+        a column left out holds its default (a required one raises ``ValueError``). Other keywords
+        are the message's own fields."""
+        n = len(kw["step"])
+        rec = np.zeros(n, RECORD)
+        for c in STEP_COLUMNS:
+            if c.name in kw:
+                rec[c.name] = kw.pop(c.name)
+            elif c.default is REQUIRED:
+                raise ValueError(f"a steps message needs {c.name}")
+            else:
+                rec[c.name] = c.default
+        return cls(header, schema, rec, **kw)
+
+    @classmethod
+    def of(cls, reports, header: Optional[Header] = None) -> "Steps":
+        """The steps message of ``reports`` (unprobed :class:`Report`\\ s of one rank, ascending
+        steps, one schema; the sender fields and ``header`` from the last one unless given).
+        Raises ``ValueError`` on an empty list."""
+        if not reports:
+            raise ValueError("no records")
+        last = reports[-1]
+        rec = np.array([tuple(getattr(r, c.name) for c in STEP_COLUMNS) for r in reports], RECORD)
+        extra = {}
+        if last.grad_norms is not None:
+            extra["grad_norms"] = np.stack([np.asarray(r.grad_norms, np.float32) for r in reports])
+        if last.grad_sq is not None:
+            extra["grad_sq_dims"] = tuple(d for d, _ in last.grad_sq)
+            extra["grad_sq"] = np.array([[v for _, v in r.grad_sq] for r in reports], np.float64)
+        return cls(header if header is not None else last.header, last.schema, rec, **extra,
+                   **{name: getattr(last, name) for name, _, _ in _SENDER_FIELDS})
 
 
-Steps.of = staticmethod(_steps_of)
-Steps.__len__ = lambda self: len(self.step)
+for _c in STEP_COLUMNS:  # m.step, m.grad_norm, ...: the records' columns
+    setattr(Steps, _c.name, property(lambda self, _n=_c.name: self.records[_n], doc=f"{_c.dtype} [n]: the records' {_c.name}"))
 
 Heartbeat = msgspec.defstruct(
     "Heartbeat",
@@ -478,9 +500,11 @@ def encode(msg: Message) -> bytes:
             arrays["grad_norms"] = _bytes(np.reshape(msg.grad_norms, -1), "<f4", (None,))
         msg = msgspec.structs.replace(msg, **arrays)
     elif isinstance(msg, Steps):
-        n = len(msg.step)
-        arrays = {c.name: _bytes(getattr(msg, c.name), c.dtype, (n,)) for c in STEP_COLUMNS
-                  if getattr(msg, c.name) is not None}
+        rec = msg.records
+        if rec.dtype != RECORD or rec.ndim != 1:
+            raise ValueError(f"records must be wire.RECORD [n], got {rec.dtype} {list(rec.shape)}")
+        n = len(rec)
+        arrays = {"records": np.ascontiguousarray(rec).tobytes()}
         if msg.grad_norms is not None:
             arrays["grad_norms"] = _bytes(msg.grad_norms, "<f4", (n, None))
         if msg.grad_sq is not None:
@@ -574,26 +598,18 @@ def _finish_report(m, limits: Limits, sizes):
     return msgspec.structs.replace(m, **out)
 
 
-_STEP_DTYPES = tuple((c, np.dtype(c.dtype)) for c in STEP_COLUMNS[1:])
-
-
 def _finish_steps(m, limits: Limits, sizes):
-    first = COLUMNS["step"]
-    step = _typed(m.step, "step", first.dtype, 0, None)
-    n = len(step)
+    raw = m.records
+    if len(raw) % RECORD.itemsize:
+        raise WireError("bad_array", f"records: {len(raw)} bytes is not a multiple of {RECORD.itemsize}")
+    rec = raw.view(RECORD)
+    n = len(rec)
     if not 1 <= n <= MAX_STEPS:
-        raise WireError("bad_array", f"step: {n} records (1 to {MAX_STEPS})")
+        raise WireError("bad_array", f"records: {n} (1 to {MAX_STEPS})")
+    step = rec["step"]
     if step[0] < 0 or (n > 1 and not (step[1:] > step[:-1]).all()):
         raise WireError("bad_array", "step: not strictly increasing non-negative steps")
-    out = {"step": step}
-    for c, dtype in _STEP_DTYPES:
-        raw = getattr(m, c.name)
-        if raw is None:  # left out: every value is the column's default (never a required one)
-            out[c.name] = np.full(n, c.default, dtype)
-        elif len(raw) != n * dtype.itemsize:
-            raise WireError("bad_array", f"{c.name}: {len(raw)} bytes for {n} records")
-        else:
-            out[c.name] = raw.view(dtype)
+    out = {"records": rec}
     if m.grad_norms is not None:
         n_params = sizes(m.header, m.schema)[0] if sizes is not None else None
         g = _typed(m.grad_norms, "grad_norms", "<f4", 0, None)

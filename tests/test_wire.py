@@ -243,7 +243,7 @@ def test_encode_rejects_arrays_of_the_wrong_shape():
     with pytest.raises(ValueError):
         wire.encode(report(act=None))  # a probe carries its arrays
     with pytest.raises(ValueError):
-        wire.encode(msgspec.structs.replace(steps(), loss=np.zeros(4)))  # a column per record
+        wire.encode(msgspec.structs.replace(steps(), records=np.zeros((2, 2), wire.RECORD)))  # one record per step
     with pytest.raises(TypeError):
         wire.encode({"v": 1})
 
@@ -543,9 +543,10 @@ def test_report_without_the_optional_fields():
 
 def test_steps_round_trip_every_column_bit_for_bit():
     st = steps(n=7, grad_norms=np.linspace(0, 1, N_PARAMS).astype(np.float32))
-    st = msgspec.structs.replace(st, loss=np.array([1.5, np.nan, np.inf, -0.0, 2.0, 3.0, 4.0]))
+    st.records["loss"] = [1.5, np.nan, np.inf, -0.0, 2.0, 3.0, 4.0]
     got = wire.decode(wire.encode(st), schema_sizes=sizes())
     assert isinstance(got, wire.Steps) and len(got) == 7
+    assert got.records.dtype == wire.RECORD and got.records.tobytes() == st.records.tobytes()
     for c in wire.STEP_COLUMNS:
         a, want = getattr(got, c.name), np.asarray(getattr(st, c.name), c.dtype)
         assert a.dtype == np.dtype(c.dtype) and a.tobytes() == want.tobytes(), c.name
@@ -565,6 +566,17 @@ def test_steps_of_reports_keeps_every_records_values():
         wire.Steps.of([])
 
 
+def test_steps_from_columns_hold_the_defaults_of_the_columns_left_out():
+    got = wire.decode(wire.encode(wire.Steps.columns(header(), "h", step=[3, 4], step_time=[0.1, 0.2], grad_norm=[1.0, 2.0],
+                                                      grad_nonfinite=[0, 1])))
+    assert got.step.tolist() == [3, 4] and got.grad_nonfinite.tolist() == [0, 1]
+    assert np.isnan(got.loss).all() and np.isnan(got.compute_time).all() and (got.skipped == 0).all()
+    with pytest.raises(ValueError, match="grad_norm"):
+        wire.Steps.columns(header(), "h", step=[3], step_time=[0.1], grad_nonfinite=[0])
+    with pytest.raises(ValueError):  # records of another layout
+        wire.encode(msgspec.structs.replace(steps(), records=np.zeros(3, [("step", "<i8")])))
+
+
 def test_steps_carry_sharded_sums_of_squares_per_record():
     reps = [report(probe=False, step=s, grad_sq=(((), 1.0 + s), ((0,), 2.0 * s))) for s in range(3)]
     got = wire.decode(wire.encode(wire.Steps.of(reps)))
@@ -576,31 +588,25 @@ def test_steps_carry_sharded_sums_of_squares_per_record():
     assert reason_of(pack(m)) == "missing_field"
 
 
-def test_a_steps_message_may_leave_out_a_column_whose_values_are_its_default():
-    m = raw(steps(n=3))
-    for name in ("loss", "loss_scale", "local_grad_norm", "compute_time", "skipped"):
-        del m[name]
-    got = wire.decode(pack(m))
-    assert np.isnan(got.loss).all() and np.isnan(got.compute_time).all() and (got.skipped == 0).all()
-    for c in wire.STEP_COLUMNS:
-        if c.default is wire.REQUIRED:
-            m2 = dict(m)
-            del m2[c.name]
-            assert reason_of(pack(m2)) == "missing_field", c.name
+def _records(steps) -> bytes:
+    r = np.zeros(len(steps), wire.RECORD)
+    r["step"] = steps
+    return r.tobytes()
 
 
 @pytest.mark.parametrize(
     "change, want",
     [
-        (lambda m: m.update(step=np.array([3, 2, 5], "<i8").tobytes()), "bad_array"),  # not increasing
-        (lambda m: m.update(step=np.array([3, 3, 5], "<i8").tobytes()), "bad_array"),
-        (lambda m: m.update(step=np.array([-1, 2, 5], "<i8").tobytes()), "bad_array"),
-        (lambda m: m.update(step=b""), "bad_array"),  # no record
-        (lambda m: m.update(step=m["step"][:-1]), "bad_array"),  # not whole int64s
-        (lambda m: m.update(step_time=m["step_time"][:-8]), "bad_array"),  # a column short of the records
-        (lambda m: m.update(grad_nonfinite=m["grad_nonfinite"] + b"\x00" * 4), "bad_array"),
-        (lambda m: m.update(grad_norm=[1.0, 2.0, 3.0]), "bad_field"),  # not bytes
+        (lambda m: m.update(records=_records([3, 2, 5])), "bad_array"),  # not increasing
+        (lambda m: m.update(records=_records([3, 3, 5])), "bad_array"),
+        (lambda m: m.update(records=_records([-1, 2, 5])), "bad_array"),
+        (lambda m: m.update(records=b""), "bad_array"),  # no record
+        (lambda m: m.update(records=m["records"][:-1]), "bad_array"),  # not whole records
+        (lambda m: m.update(records=m["records"] + b"\x00" * 8), "bad_array"),
+        (lambda m: m.update(records=[1.0, 2.0, 3.0]), "bad_field"),  # not bytes
+        (lambda m: m.pop("records"), "missing_field"),
         (lambda m: m.update(grad_norms=b"\x00" * 4 * (3 * N_PARAMS + 1)), "bad_array"),
+        (lambda m: m.update(grad_norms=b"\x00" * 4 * (3 * N_PARAMS - 3)), "bad_array"),  # one parameter short
         (lambda m: m.update(drops=-1), "bad_field"),
         (lambda m: m.update(grad_sq_dims=[[9]]), "bad_field"),  # mesh dims are 0..7
     ],
@@ -612,13 +618,10 @@ def test_bad_steps_fields_are_rejected_with_reason(change, want):
 
 
 def test_steps_are_capped_in_records():
-    n = wire.MAX_STEPS + 1
     m = raw(steps(n=1))
-    for c in wire.STEP_COLUMNS:
-        m[c.name] = np.arange(n, dtype=c.dtype).tobytes()
+    m["records"] = _records(np.arange(wire.MAX_STEPS + 1))
     assert reason_of(pack(m)) == "bad_array"
-    for c in wire.STEP_COLUMNS:
-        m[c.name] = m[c.name][: np.dtype(c.dtype).itemsize * (n - 1)]
+    m["records"] = _records(np.arange(wire.MAX_STEPS))
     assert len(wire.decode(pack(m))) == wire.MAX_STEPS
 
 
@@ -628,9 +631,11 @@ def test_steps_are_capped_in_records():
 def test_the_step_columns_are_declared_once_for_both_messages():
     """Every column of the per-step record is a scalar field of a report and an array of a steps
     message, under one name; a report's first six fields are its positional arguments."""
-    report_fields, steps_fields = set(wire.Report.__struct_fields__), set(wire.Steps.__struct_fields__)
+    report_fields = set(wire.Report.__struct_fields__)
+    assert wire.RECORD.names == tuple(c.name for c in wire.STEP_COLUMNS)  # a steps message's records
     for c in wire.STEP_COLUMNS:
-        assert c.name in report_fields and c.name in steps_fields
+        assert c.name in report_fields and wire.RECORD[c.name] == np.dtype(c.dtype)
+        assert isinstance(getattr(wire.Steps, c.name), property)
     assert wire.Report.__struct_fields__[:6] == ("header", "schema", "step", "step_time", "grad_norm", "grad_nonfinite")
     assert [c.name for c in wire.STEP_COLUMNS if c.default is wire.REQUIRED] == ["step", "step_time", "grad_norm", "grad_nonfinite"]
     for kind, cls in (("schema", wire.Schema), ("steps", wire.Steps), ("report", wire.Report), ("heartbeat", wire.Heartbeat)):
