@@ -380,7 +380,7 @@ def snapshot(state, wall_now: float) -> Snapshot:
                 r.local_grad_norm, r.compute_time, r.closing,
                 r.loss, r.loss_scale, r.skipped_steps,
             )
-            for r in sorted(job.ranks.values(), key=lambda x: x.rank)
+            for r in job.in_order()
         )
         totals = collections.Counter(getattr(job, "forgotten", ()))
         for r in job.ranks.values():

@@ -152,6 +152,13 @@ class JobState:
     table: Optional[StepTable] = None  # every rank's records of the steps not yet judged
     #: counters of ranks forgotten after rank_ttl_s, so the job's totals never decrease
     forgotten: collections.Counter = field(default_factory=collections.Counter)
+    _order: Optional[list] = field(default=None, repr=False)  # ranks by rank, until one comes or goes
+
+    def in_order(self) -> list:
+        """The job's :class:`RankState`\ s by rank (cached: checks ask every tick, for every rank)."""
+        if self._order is None or len(self._order) != len(self.ranks):
+            self._order = [r for _, r in sorted(self.ranks.items())]
+        return self._order
 
 
 class State:
@@ -214,6 +221,7 @@ class State:
         self.decode_seconds = 0.0
         self.decode_count = 0
         self.version = 0  # bumped on every change; the publisher compares it
+        self._ttl_scan = -math.inf  # clock of the latest scan for ranks past rank_ttl_s
 
     # --- inputs ---------------------------------------------------------------------------------
 
@@ -325,6 +333,7 @@ class State:
         job.touched = now
         if r is None:
             r = job.ranks[h.rank] = RankState(h.rank)
+            job._order = None
         if h.boot != r.boot:
             if r.boot:  # the agent restarted: its sequence and counters start over
                 r.restarts += 1
@@ -573,17 +582,21 @@ class State:
             if self.runner is not None:
                 self.runner.dispatch("on_tick", job, now)
                 self.version += 1  # checks may have raised or resolved findings
-            for rank, r in list(job.ranks.items()):
-                if now - r.last_seen > self.rank_ttl_s:
-                    job.forgotten.update(rank_counters(r))
-                    del job.ranks[rank]
-                    self.version += 1
+            if now - self._ttl_scan >= min(1.0, self.rank_ttl_s / 10):  # a second late in 600 s is no matter
+                for rank, r in list(job.ranks.items()):
+                    if now - r.last_seen > self.rank_ttl_s:
+                        job.forgotten.update(rank_counters(r))
+                        del job.ranks[rank]
+                        job._order = None
+                        self.version += 1
             if len(job.schemas) > len(job.ranks):  # keep the schemas a rank or a pending round uses
                 used = {r.schema for r in job.ranks.values()}
                 used.update(rep.schema for rnd in job.rounds.values() for rep in rnd.reports.values())
                 job.schemas = {k: v for k, v in job.schemas.items() if k in used}
             if not job.ranks:
                 self._drop(job)
+        if now - self._ttl_scan >= min(1.0, self.rank_ttl_s / 10):
+            self._ttl_scan = now
 
     def _close(self, job: JobState, rnd: Round, complete: bool) -> None:
         del job.rounds[rnd.step]

@@ -43,7 +43,8 @@ class RankSilent(Check):
         findings = []
         live = [r.step for r in job.ranks.values() if not r.closing and now - r.last_seen <= self.t.silent_after_s]
         lead = max(live, default=-1)
-        for k, r in sorted(job.ranks.items()):
+        for r in job.in_order():
+            k = r.rank
             age = now - r.last_seen
             if r.closing and lead - r.step > self.t.skew_steps:
                 why = getattr(r, "close_reason", "") or "no reason given"

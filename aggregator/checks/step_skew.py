@@ -46,7 +46,7 @@ class StepSkew(Check):
 
     def on_tick(self, job, now):
         live = [
-            r for _, r in sorted(job.ranks.items())
+            r for r in job.in_order()
             if not r.closing and r.step >= 0 and now - r.last_seen <= self.t.silent_after_s
         ]
         if len(live) < 2:

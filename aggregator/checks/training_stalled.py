@@ -100,7 +100,7 @@ class TrainingStalled(Check):
         return max(self.t.stall_after_s, self.t.stall_steps * median)
 
     def on_tick(self, job, now):
-        live = [r for _, r in sorted(job.ranks.items()) if not r.closing]
+        live = [r for r in job.in_order() if not r.closing]
         last = max((r.last_report_at for r in live if r.steps), default=None)
         if not live:
             self._idle.pop(job.job, None)
