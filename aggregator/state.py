@@ -155,7 +155,7 @@ class JobState:
     _order: Optional[list] = field(default=None, repr=False)  # ranks by rank, until one comes or goes
 
     def in_order(self) -> list:
-        """The job's :class:`RankState`\ s by rank (cached: checks ask every tick, for every rank)."""
+        """The job's :class:`RankState` objects by rank (cached: checks ask every tick, for every rank)."""
         if self._order is None or len(self._order) != len(self.ranks):
             self._order = [r for _, r in sorted(self.ranks.items())]
         return self._order
