@@ -21,7 +21,7 @@ import numpy as np
 
 from gradwatch import statistics, wire
 
-from .shards import combine_params, global_norms, holders, parts
+from .shards import combine_groups, global_norms, holders, parts
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -167,41 +167,182 @@ def step_norms(schemas: dict, step: int, norms: dict[int, tuple[str, np.ndarray]
                              len(params)))
 
 
-def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Report], complete: bool) -> RoundResult:
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Everything about a round that depends only on its distinct schemas (in order of first use
+    by ascending rank): names, their unions and orders, where each schema's rows go, the modules'
+    merge plan, shard holders, pipeline parts. A job's rounds share one (:class:`LayoutCache`).
+
+    Attributes:
+        schemas: the schemas, first use order.
+        layers, modules, params, layer_types: as in :class:`RoundResult`.
+        slot_cols, param_cols: per schema, int64 [its slots] / [its parameters]: their columns
+            among ``layers`` / ``params``.
+        dense: one schema whose slots and parameters are exactly ``layers`` and ``params`` in
+            order (every rank's arrays stack as they are).
+        sharded: some schema has a mesh and shards (:func:`.shards.combine_params` has work).
+        module_plan: :class:`~gradwatch.statistics.MergePlan` of the parameters into ``modules``.
+        holders: int64 [n_schemas, n_params], :func:`.shards.holders` per schema (numbered as
+            over the ranks: in first use order).
+        parts: int64 [n_schemas], :func:`.shards.parts` per schema.
+    """
+
+    schemas: tuple
+    layers: tuple[str, ...]
+    modules: tuple[str, ...]
+    params: tuple[str, ...]
+    layer_types: tuple[str, ...]
+    slot_cols: tuple
+    param_cols: tuple
+    dense: bool
+    sharded: bool
+    module_plan: statistics.MergePlan
+    holders: np.ndarray
+    parts: np.ndarray
+
+    @staticmethod
+    def of(schemas) -> "Layout":
+        """The layout of ``schemas`` (:class:`~gradwatch.wire.Schema`, first use order)."""
+        schemas = tuple(schemas)
+        slot_names = [[m + o for m, o, _, _ in s.slots] for s in schemas]
+        layers = _union(slot_names)
+        lidx = {n: i for i, n in enumerate(layers)}
+        params, pcols = _param_columns({k: s for k, s in enumerate(schemas)})
+        types: dict[str, str] = {}
+        for s in schemas:
+            for m, o, typ, _ in s.slots:
+                types.setdefault(m + o, typ)
+        modules = _union([[_owner(p[0]) for p in s.params] for s in schemas])
+        owners: dict[str, list[int]] = {m: [] for m in modules}
+        for i, p in enumerate(params):
+            owners[_owner(p)].append(i)
+        slot_cols = tuple(np.array([lidx[n] for n in names], np.int64) for names in slot_names)
+        param_cols = tuple(pcols[k] for k in range(len(schemas)))
+        dense = (len(schemas) == 1 and np.array_equal(slot_cols[0], np.arange(len(layers)))
+                 and np.array_equal(param_cols[0], np.arange(len(params))))
+        return Layout(
+            schemas, layers, modules, params, tuple(types.get(n, "") for n in layers), slot_cols, param_cols, dense,
+            sharded=any(s.mesh is not None and s.shard for s in schemas),
+            module_plan=statistics.merge_plan([np.array(v, np.int64) for v in owners.values()]),
+            holders=holders([s.mesh for s in schemas], [s.shard for s in schemas], list(param_cols), len(params)),
+            parts=parts(list(schemas)),
+        )
+
+
+class LayoutCache:
+    """A job's recent :class:`Layout`\\ s, keyed by the tuple of their schemas' hashes (first use
+    order). A hit must hold the very schema objects the job holds now (a job that dropped and
+    relearned a schema, or another job's state under the same hashes, gets its own layout).
+
+    Args:
+        size: layouts kept, least recently used dropped first.
+    """
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self._layouts: collections.OrderedDict = collections.OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, order: tuple[str, ...], schemas: dict) -> Layout:
+        """The layout of ``schemas[h] for h in order``."""
+        lay = self._layouts.get(order)
+        if lay is not None and all(a is schemas[h] for a, h in zip(lay.schemas, order)):
+            self._layouts.move_to_end(order)
+            self.hits += 1
+            return lay
+        self.misses += 1
+        lay = self._layouts[order] = Layout.of(schemas[h] for h in order)
+        self._layouts.move_to_end(order)
+        while len(self._layouts) > self.size:
+            self._layouts.popitem(last=False)
+        return lay
+
+
+def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Report], complete: bool,
+              layouts: Optional[LayoutCache] = None) -> RoundResult:
+    """Line up one probed step's reports (``rank -> report``, each under a schema in ``schemas``)
+    into a :class:`RoundResult`. ``layouts``: the job's :class:`LayoutCache` (None: work the
+    layout out afresh)."""
     ranks = tuple(sorted(reports))
-    sch = [schemas[reports[r].schema] for r in ranks]
-    # names are worked out once per distinct schema (every rank of a job usually shares one), not
-    # once per rank; in rank order of first use, so unions and orders are what a per-rank pass gives
-    by_schema: dict[str, list[int]] = {}
-    for k, r in enumerate(ranks):
-        by_schema.setdefault(reports[r].schema, []).append(k)
-    distinct = [schemas[h] for h in by_schema]
-    slot_names = {h: [m + o for m, o, _, _ in schemas[h].slots] for h in by_schema}
-    layers = _union(slot_names.values())
-    modules = _union([[_owner(p[0]) for p in s.params] for s in distinct])
-    params, param_cols = _param_columns({h: schemas[h] for h in by_schema})
-    types: dict[str, str] = {}
-    for s in distinct:
-        for m, o, typ, _ in s.slots:
-            types.setdefault(m + o, typ)
-    lidx = {n: i for i, n in enumerate(layers)}
-    R = len(ranks)
-    act = np.full((R, len(layers), len(wire.ACT_FIELDS)), np.nan)
-    act_grad = np.full((R, len(layers), len(wire.ACT_GRAD_FIELDS)), np.nan)
-    act_count = np.full((R, len(layers), len(statistics.fields("act_count"))), np.nan)
-    param = np.full((R, len(params), len(wire.PARAM_FIELDS)), np.nan)
-    present = np.zeros((R, len(params)), bool)
-    fp_grad = np.zeros((R, len(params)), np.uint64)
-    fp_weight = np.zeros((R, len(params)), np.uint64)
-    fp_grad_seen = np.zeros((R, len(params)), bool)
-    fp_weight_seen = np.zeros((R, len(params)), bool)
-    all_pcols: list = [None] * R
-    for digest, ks in by_schema.items():
-        # the ranks of one schema at once: their rows go to the same columns
-        s = schemas[digest]
-        cols = np.array([lidx[n] for n in slot_names[digest]], dtype=np.int64)
-        pcols = param_cols[digest]
-        reps_g = [reports[ranks[k]] for k in ks]
+    reps = [reports[r] for r in ranks]
+    digests = [x.schema for x in reps]
+    order = tuple(dict.fromkeys(digests))
+    lay = layouts.get(order, schemas) if layouts is not None else Layout.of(schemas[h] for h in order)
+    R, L, P = len(ranks), len(lay.layers), len(lay.params)
+    # which schema each rank's report is under (index into lay.schemas)
+    if len(order) == 1:
+        which = np.zeros(R, np.int64)
+    else:
+        pos = {h: i for i, h in enumerate(order)}
+        which = np.fromiter((pos[h] for h in digests), np.int64, R)
+    full = all(x.act_count is not None and x.fp_grad is not None for x in reps)
+    if lay.dense and full:
+        # the usual job: one schema, every array present: the ranks' rows stack as they are
+        act = np.array([x.act for x in reps], np.float64).reshape(R, L, len(wire.ACT_FIELDS))
+        act_grad = np.array([x.act_grad for x in reps], np.float64).reshape(R, L, len(wire.ACT_GRAD_FIELDS))
+        act_count = np.array([x.act_count for x in reps], np.float64).reshape(R, L, len(statistics.fields("act_count")))
+        param = np.array([x.param for x in reps], np.float64).reshape(R, P, len(wire.PARAM_FIELDS))
+        present = np.ones((R, P), bool)
+        fp_grad = np.array([x.fp_grad for x in reps], np.uint64).reshape(R, P)
+        fp_weight = np.array([x.fp_weight for x in reps], np.uint64).reshape(R, P)
+        fp_grad_seen = statistics.observed_rows("param", param)  # had a gradient
+        fp_weight_seen = np.ones((R, P), bool)
+    else:
+        act, act_grad, act_count, param, present, fp_grad, fp_weight, fp_grad_seen, fp_weight_seen = _scatter(
+            lay, reps, which)
+    own_param = param
+    if lay.sharded:
+        # sharded parameters: each shard group's rows become the parameter's global figures
+        sch = [lay.schemas[i] for i in which.tolist()]
+        param = combine_groups([x.mesh for x in sch], [x.shard for x in sch], [lay.param_cols[i] for i in which.tolist()],
+                         param)
+    grad_norm = np.array([x.grad_norm for x in reps], np.float64)
+    sq = [k for k, x in enumerate(reps) if x.grad_sq is not None]
+    if sq:
+        norms = global_norms({k: (lay.schemas[which[k]].mesh, reps[k].grad_sq) for k in sq
+                              if lay.schemas[which[k]].mesh is not None})
+        grad_norm[sq] = [norms.get(k, math.nan) for k in sq]
+    # parameters merge into their module as layers merge into a group; summed in parameter order
+    module = statistics.merge("param", param, present, lay.module_plan, in_order=True)
+    arrays = {"act": act, "act_grad": act_grad, "param": module, "act_count": act_count}
+    agg = statistics.aggregate_all(arrays)
+    totals = _rank_totals(arrays)
+    return RoundResult(
+        step, complete, ranks, lay.layers, lay.modules, act, act_grad, module, agg, totals,
+        layer_types=lay.layer_types,
+        params=lay.params, fp_grad=fp_grad, fp_weight=fp_weight,
+        fp_grad_seen=fp_grad_seen, fp_weight_seen=fp_weight_seen,
+        grad_norm=grad_norm, holders=lay.holders[which], part=lay.parts[which], own_param=own_param,
+        local_grad_norm=np.array([x.local_grad_norm for x in reps], np.float64),
+        compute_time=np.array([x.compute_time for x in reps], np.float64),
+        batch=np.array([x.batch for x in reps], np.int64),
+        micro=np.array([x.micro for x in reps], np.int64),
+        burst=any(x.burst for x in reps), act_count=act_count,
+        agent_cost=np.array([x.agent_cost for x in reps], np.float64),
+        probe_interval=np.array([x.probe_interval for x in reps], np.int64),
+        over_budget=np.array([x.over_budget for x in reps], bool),
+    )
+
+
+def _scatter(lay: Layout, reps: list, which: np.ndarray) -> tuple:
+    """The round's per-rank arrays when ranks differ in schema (or some array is missing): each
+    schema's ranks at once, their rows put in their columns; NaN (or 0, False) elsewhere."""
+    R, L, P = len(reps), len(lay.layers), len(lay.params)
+    act = np.full((R, L, len(wire.ACT_FIELDS)), np.nan)
+    act_grad = np.full((R, L, len(wire.ACT_GRAD_FIELDS)), np.nan)
+    act_count = np.full((R, L, len(statistics.fields("act_count"))), np.nan)
+    param = np.full((R, P, len(wire.PARAM_FIELDS)), np.nan)
+    present = np.zeros((R, P), bool)
+    fp_grad = np.zeros((R, P), np.uint64)
+    fp_weight = np.zeros((R, P), np.uint64)
+    fp_grad_seen = np.zeros((R, P), bool)
+    fp_weight_seen = np.zeros((R, P), bool)
+    for i in range(len(lay.schemas)):
+        ks = np.flatnonzero(which == i).tolist()
+        if not ks:
+            continue
+        cols, pcols = lay.slot_cols[i], lay.param_cols[i]
+        reps_g = [reps[k] for k in ks]
         kk = np.array(ks, dtype=np.int64)[:, None]
         act[kk, cols] = np.stack([x.act for x in reps_g])
         act_grad[kk, cols] = np.stack([x.act_grad for x in reps_g])
@@ -209,8 +350,6 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         if counted:
             act_count[np.array(counted, dtype=np.int64)[:, None], cols] = np.stack(
                 [x.act_count for x in reps_g if x.act_count is not None])
-        for k in ks:
-            all_pcols[k] = pcols
         rows = np.stack([x.param for x in reps_g])
         param[kk, pcols] = rows
         present[kk, pcols] = True
@@ -223,37 +362,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
             at, col = np.nonzero(has)
             fp_grad_seen[fk[at, 0], pcols[col]] = True
             fp_weight_seen[fk, pcols] = True
-    own_param = param  # combine_params returns a new array
-    # sharded parameters: each shard group's rows become the parameter's global figures
-    param, holders = combine_params([x.mesh for x in sch], [x.shard for x in sch], all_pcols, param)
-    reps = [reports[r] for r in ranks]
-    norms = global_norms({k: (sch[k].mesh, x.grad_sq) for k, x in enumerate(reps)
-                          if x.grad_sq is not None and sch[k].mesh is not None})
-    grad_norm = np.array([norms.get(k, math.nan) if x.grad_sq is not None else x.grad_norm
-                          for k, x in enumerate(reps)], np.float64)
-    # parameters merge into their module as layers merge into a group; summed in parameter order
-    owners: dict[str, list[int]] = {m: [] for m in modules}
-    for i, p in enumerate(params):
-        owners[_owner(p)].append(i)
-    module = statistics.merge("param", param, present, [np.array(v, np.int64) for v in owners.values()], in_order=True)
-    arrays = {"act": act, "act_grad": act_grad, "param": module, "act_count": act_count}
-    agg = statistics.aggregate_all(arrays)
-    totals = _rank_totals(arrays)
-    return RoundResult(
-        step, complete, ranks, layers, modules, act, act_grad, module, agg, totals,
-        layer_types=tuple(types.get(n, "") for n in layers),
-        params=params, fp_grad=fp_grad, fp_weight=fp_weight,
-        fp_grad_seen=fp_grad_seen, fp_weight_seen=fp_weight_seen,
-        grad_norm=grad_norm, holders=holders, part=parts(sch), own_param=own_param,
-        local_grad_norm=np.array([x.local_grad_norm for x in reps], np.float64),
-        compute_time=np.array([x.compute_time for x in reps], np.float64),
-        batch=np.array([x.batch for x in reps], np.int64),
-        micro=np.array([x.micro for x in reps], np.int64),
-        burst=any(x.burst for x in reps), act_count=act_count,
-        agent_cost=np.array([x.agent_cost for x in reps], np.float64),
-        probe_interval=np.array([x.probe_interval for x in reps], np.int64),
-        over_budget=np.array([x.over_budget for x in reps], bool),
-    )
+    return act, act_grad, act_count, param, present, fp_grad, fp_weight, fp_grad_seen, fp_weight_seen
 
 
 def layer_group(name: str, depth: int) -> str:
@@ -261,11 +370,20 @@ def layer_group(name: str, depth: int) -> str:
     return ".".join(name.split(".")[:depth]) if depth > 0 else name
 
 
-def _groups(names: tuple[str, ...], depth: int) -> tuple[tuple[str, ...], list[np.ndarray]]:
+@functools.lru_cache(maxsize=64)
+def _groups(names: tuple[str, ...], depth: int) -> tuple[tuple[str, ...], statistics.MergePlan]:
+    """The groups of ``names`` at ``depth`` and their merge plan; cached: a job's layers (the
+    same tuple every round, :class:`Layout`) are grouped once per scrape of a new round."""
     members: dict[str, list[int]] = {}
     for i, n in enumerate(names):
         members.setdefault(layer_group(n, depth), []).append(i)
-    return tuple(members), [np.array(v, dtype=np.int64) for v in members.values()]
+    return tuple(members), statistics.merge_plan([np.array(v, dtype=np.int64) for v in members.values()])
+
+
+@functools.lru_cache(maxsize=64)
+def _group_types(types: tuple[str, ...], plan: statistics.MergePlan) -> tuple[str, ...]:
+    """Each group's layer type: its members' when they all agree, else ''."""
+    return tuple(types[idx[0]] if types and len({types[i] for i in idx}) == 1 else "" for idx in plan.groups)
 
 
 def group_layers(rr: RoundResult, depth: int) -> RoundResult:
@@ -281,20 +399,16 @@ def group_layers(rr: RoundResult, depth: int) -> RoundResult:
     """
     if depth <= 0:
         return rr
-    layers, lgroups = _groups(rr.layers, depth)
-    modules, mgroups = _groups(rr.modules, depth)
+    layers, lplan = _groups(rr.layers, depth)
+    modules, mplan = _groups(rr.modules, depth)
     act, act_grad, module, act_count = (
-        statistics.merge(name, values, np.ones(values.shape[:2], bool), groups)
-        for name, values, groups in (("act", rr.act, lgroups), ("act_grad", rr.act_grad, lgroups), ("param", rr.module, mgroups),
-                                     ("act_count", rr.act_count, lgroups))
+        statistics.merge(name, values, np.ones(values.shape[:2], bool), plan)
+        for name, values, plan in (("act", rr.act, lplan), ("act_grad", rr.act_grad, lplan), ("param", rr.module, mplan),
+                                   ("act_count", rr.act_count, lplan))
     )
     agg = statistics.aggregate_all({"act": act, "act_grad": act_grad, "param": module, "act_count": act_count})
-    types = tuple(
-        rr.layer_types[idx[0]] if rr.layer_types and len({rr.layer_types[i] for i in idx}) == 1 else ""
-        for idx in lgroups
-    )
     return replace(rr, layers=layers, modules=modules, act=act, act_grad=act_grad, module=module, agg=agg,
-                   layer_types=types, act_count=act_count)
+                   layer_types=_group_types(rr.layer_types, lplan), act_count=act_count)
 
 
 # --- the snapshot read at scrape time ---------------------------------------------------------

@@ -174,7 +174,13 @@ def combine_params(meshes: list, shards: list, pcols: list, param: np.ndarray) -
         summed squares; non-finite counts: summed); NaN on members of an incomplete group. And
         :func:`holders` int64 [R, P].
     """
-    R, P = param.shape[:2]
+    return combine_groups(meshes, shards, pcols, param), holders(meshes, shards, pcols, param.shape[1])
+
+
+def combine_groups(meshes: list, shards: list, pcols: list, param: np.ndarray) -> np.ndarray:
+    """:func:`combine_params`' ``param`` alone (its ``holders`` depend only on the schemas:
+    :class:`~.reconcile.Layout` keeps them)."""
+    R = param.shape[0]
     out = param.copy()
     groups: dict[tuple, list[int]] = {}
     need: dict[tuple, int] = {}
@@ -198,7 +204,7 @@ def combine_params(meshes: list, shards: list, pcols: list, param: np.ndarray) -
             out[members, j, 0] = norms[0]
             out[members, j, 1] = norms[1]
             out[members, j, 2] = key_rows[:, 2].sum()
-    return out, holders(meshes, shards, pcols, P)
+    return out
 
 
 def mesh_of(job, rank: int) -> Optional[wire.Mesh]:

@@ -58,7 +58,7 @@ import numpy as np
 from gradwatch import wire
 from gradwatch.statistics import ARRAYS, STATISTICS
 
-from .reconcile import RoundResult, reconcile
+from .reconcile import LayoutCache, RoundResult, reconcile
 from .shards import global_norms, mesh_of
 from .steps import COLUMNS as TABLE_COLUMNS
 from .steps import StepTable
@@ -152,6 +152,8 @@ class JobState:
     table: Optional[StepTable] = None  # every rank's records of the steps not yet judged
     #: counters of ranks forgotten after rank_ttl_s, so the job's totals never decrease
     forgotten: collections.Counter = field(default_factory=collections.Counter)
+    #: the layouts of its rounds (names, columns, groups), by their schemas: every round reuses one
+    layouts: LayoutCache = field(default_factory=LayoutCache)
     _order: Optional[list] = field(default=None, repr=False)  # ranks by rank, until one comes or goes
 
     def in_order(self) -> list:
@@ -605,7 +607,7 @@ class State:
             job.rounds_complete += 1
         else:
             job.rounds_incomplete += 1
-        result = reconcile(job.world, job.schemas, rnd.step, rnd.reports, complete)
+        result = reconcile(job.world, job.schemas, rnd.step, rnd.reports, complete, job.layouts)
         # a straggling older round must not replace a newer result on the dashboards
         if job.last_round is None or result.step >= job.last_round.step:
             # first come, first served: the series other jobs export keep theirs (a newcomer's

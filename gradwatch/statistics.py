@@ -34,6 +34,13 @@ def nanmedian(a: np.ndarray, axis: int = 0) -> np.ndarray:
     """The median along ``axis`` ignoring NaN, as ``np.nanmedian`` (NaN where all are), without its
     masked-array path for small arrays (20x slower): one sort, NaNs last, then the middle values."""
     s = np.sort(a, axis=axis)
+    m = a.shape[axis]
+    if m:
+        def row(i):  # s[..., i, ...] along axis (basic indexing: np.take is 10x slower here)
+            return s[(slice(None),) * (axis % s.ndim) + (i,)]
+
+        if not np.isnan(row(-1)).any():  # no NaN anywhere (NaNs sort last): the middles are fixed
+            return (row((m - 1) // 2) + row(m // 2)) / 2
     n = (~np.isnan(a)).sum(axis=axis)
     lo, hi = (np.maximum(i, 0) for i in ((n - 1) // 2, n // 2))
 
@@ -318,7 +325,60 @@ def observed_rows(array: str, values: np.ndarray) -> np.ndarray:
     return out
 
 
-def merge(array: str, values: np.ndarray, present: np.ndarray, groups: list[np.ndarray], *, in_order: bool = False) -> np.ndarray:
+@dataclass(frozen=True, eq=False)
+class MergePlan:
+    """Groups of members prepared for :func:`merge` once (a round's modules, a depth's layer
+    groups: the same every round of a job), so a merge does no Python work per group.
+
+    Attributes:
+        groups: int64 index arrays into the members, one per group.
+        by_size: ``(size, gs, idx)`` per distinct group size, in order of first appearance:
+            int64 [k] the groups of that size, int64 [k, size] their members.
+    """
+
+    groups: tuple
+    by_size: tuple
+
+
+def merge_plan(groups) -> MergePlan:
+    """The :class:`MergePlan` of ``groups`` (int64 index arrays into the members)."""
+    groups = tuple(np.asarray(g, np.int64) for g in groups)
+    sizes: dict[int, list[int]] = {}
+    for g, idx in enumerate(groups):
+        sizes.setdefault(len(idx), []).append(g)
+    by_size = tuple(
+        (size, np.array(gs, np.int64), np.stack([groups[g] for g in gs]) if size else np.zeros((len(gs), 0), np.int64))
+        for size, gs in sizes.items()
+    )
+    return MergePlan(groups, by_size)
+
+
+def _in_order_total(x: np.ndarray) -> np.ndarray:
+    # from 0, one member after another: a scatter-add's sum (np.add.accumulate's), to the last bit
+    acc = np.zeros(x.shape[0])
+    for j in range(x.shape[1]):
+        acc = acc + x[:, j]
+    return acc
+
+
+#: merge rules whose arithmetic is elementwise given the totals (see :func:`merge`)
+_ELEMENTWISE = frozenset({"l2", "sum", "mean", "pooled_std"})
+
+
+def _count(o: np.ndarray) -> np.ndarray:
+    """int64 [N]: ``o.sum(axis=1)`` of bool [N, m], a column at a time (a reduction along a short
+    last axis costs numpy a loop per row)."""
+    acc = np.zeros(o.shape[0], np.int64)
+    for j in range(o.shape[1]):
+        acc += o[:, j]
+    return acc
+
+
+def _pairwise_total(x: np.ndarray) -> np.ndarray:
+    return x.sum(axis=1)
+
+
+def merge(array: str, values: np.ndarray, present: np.ndarray, groups, *, in_order: bool = False) -> np.ndarray:
     """Merge members of ``array`` into groups, per rank, by each row's ``merge`` rule.
 
     Args:
@@ -326,7 +386,8 @@ def merge(array: str, values: np.ndarray, present: np.ndarray, groups: list[np.n
         values: float64 [R, N, width] member rows per rank.
         present: bool [R, N]: the member exists on that rank (the others count as not observed;
             an always-observed statistic merges over present members).
-        groups: int64 index arrays into N, the members of each group.
+        groups: int64 index arrays into N, the members of each group, or their
+            :class:`MergePlan` (prepared once, for groups that come back every round).
         in_order: sum members one after another in their order (as a scatter-add does) instead
             of numpy's pairwise summation; the two differ in the last bits from 8 members on.
 
@@ -335,26 +396,30 @@ def merge(array: str, values: np.ndarray, present: np.ndarray, groups: list[np.n
         observed is NaN for the rows with ``observed_by`` (0 for an always-observed L2 norm or
         sum over no member).
     """
+    plan = groups if isinstance(groups, MergePlan) else merge_plan(groups)
     rows = of(array)
     R = values.shape[0]
-    out = np.full((R, len(groups), len(rows)), np.nan)
+    out = np.full((R, len(plan.groups), len(rows)), np.nan)
     masks = {s.observed_by: observed(s, values) & present for s in rows}  # one per observing column
-    if in_order:  # from 0, one member after another: a scatter-add's sum, to the last bit
-        total = lambda x: np.add.accumulate(np.pad(x, ((0, 0), (1, 0))), axis=1)[:, -1]  # noqa: E731
-    else:
-        total = lambda x: x.sum(axis=1)  # noqa: E731
+    total = _in_order_total if in_order else _pairwise_total
+    # numpy's pairwise sums, and its min and max of zeros of both signs, depend on the memory
+    # layout of the members (a[:, idx] gives one that depends on the groups' shape); in-order sums
+    # and the rules built on them alone are elementwise, so any layout gives the same bits
+    elementwise = in_order and all(s.merge in _ELEMENTWISE for s in rows)
     # groups of one size at a time, ranks x groups as the rules' rows: the same arithmetic per
     # row as one group at a time (bit for bit), without a Python turn per group
-    by_size: dict[int, list[int]] = {}
-    for g, idx in enumerate(groups):
-        by_size.setdefault(len(idx), []).append(g)
     with np.errstate(invalid="ignore", divide="ignore"):
-        for size, gs in by_size.items():
-            idx = np.stack([np.asarray(groups[g], np.int64) for g in gs]) if size else np.zeros((len(gs), 0), np.int64)
-            v = values[:, idx].reshape(R * len(gs), size, values.shape[-1])
+        for size, gs, idx in plan.by_size:
+            if not elementwise:
+                pick = lambda a, idx=idx: a[:, idx]  # noqa: E731
+            elif idx.size == values.shape[1] and np.array_equal(idx.reshape(-1), np.arange(idx.size)):
+                pick = lambda a: a  # noqa: E731  every member, in order: a view will do
+            else:
+                pick = lambda a, flat=idx.reshape(-1): np.take(a, flat, axis=1)  # noqa: E731  (2x a[:, idx])
+            v = pick(values).reshape(R * len(gs), size, values.shape[-1])
             members = {s.field: v[..., s.column] for s in rows}
-            seen = {k: m[:, idx].reshape(R * len(gs), size) for k, m in masks.items()}
-            counts = {k: o.sum(axis=1) for k, o in seen.items()}
+            seen = {k: pick(m).reshape(R * len(gs), size) for k, m in masks.items()}
+            counts = {k: _count(o) for k, o in seen.items()}
             done: dict[str, np.ndarray] = {}
             for s in rows:
                 o, cnt = seen[s.observed_by], counts[s.observed_by]
@@ -390,13 +455,78 @@ def aggregate(values: np.ndarray, seen: np.ndarray, aggs: tuple[str, ...] = AGGS
 
 
 def aggregate_all(arrays: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Every statistic aggregated over ranks: ``{name: aggregate(...)}``.
+    """Every statistic aggregated over ranks: ``{name: aggregate(...)}``, in table order, equal to
+    :func:`aggregate` of each row bit for bit.
 
     Args:
         arrays: key of :data:`ARRAYS` -> float64 [R, n, width] per-layer (or per-module) rows.
+
+    The statistics of one array observed by one column are reduced together, one numpy call per
+    aggregation over all their columns (a column's reduction does not depend on its neighbours).
+    One exception: numpy's SIMD min and max pick either zero of a tie between 0.0 and -0.0
+    depending on where the column sits in the array, so a statistic whose min or max is a zero
+    over zeros of both signs is aggregated again by :func:`aggregate`, as it always was.
     """
     out = {}
-    for s in STATISTICS:
-        a = arrays[s.array]
-        out[s.name] = aggregate(a[..., s.column], observed(s, a), s.aggs)
+    for stats in _observing_groups(STATISTICS):
+        a = arrays[stats[0].array]
+        seen = observed(stats[0], a)  # bool [R, n], shared by the group
+        cols = seen.any(axis=0)
+        names = tuple(dict.fromkeys(n for s in stats for n in s.aggs))
+        if not a.shape[0] or not set(names) <= set(_FAST):
+            out.update({s.name: aggregate(a[..., s.column], seen, s.aggs) for s in stats})
+            continue
+        k = [s.column for s in stats]
+        v = a[..., k]  # float64 [R, n, len(stats)]
+        if seen.all():
+            masked, bad = v, np.isnan(v).any(axis=0)
+        else:
+            masked = np.where(seen[..., None], v, np.nan)
+            bad = (np.isnan(v) & seen[..., None]).any(axis=0)
+        clean = cols[:, None] & ~bad  # [n, len(stats)]: observed, no observed NaN
+        got = np.where(clean, np.stack([_FAST[n](masked) for n in names]), np.nan)  # [len(names), n, len(stats)]
+        redo = _mixed_zeros(got, names, masked)  # bool [len(stats)]
+        for j, s in enumerate(stats):
+            if redo[j]:
+                out[s.name] = aggregate(a[..., s.column], seen, s.aggs)
+            else:
+                out[s.name] = (got[[names.index(n) for n in s.aggs], :, j], cols.copy())
+    return {s.name: out[s.name] for s in STATISTICS}
+
+
+#: aggregate_all's reductions over ranks, as :data:`AGG_FUNCS` computes them (np.nanmin is
+#: np.fmin.reduce, without the warning for a column no rank observed)
+_FAST: dict[str, Callable] = {
+    "min": lambda x: np.fmin.reduce(x, axis=0),
+    "median": lambda x: nanmedian(x, axis=0),
+    "max": lambda x: np.fmax.reduce(x, axis=0),
+}
+
+
+def _mixed_zeros(got: np.ndarray, names: tuple, masked: np.ndarray) -> np.ndarray:
+    """bool [k]: the statistics (last axis) with a min or max in ``got`` (float64 [len(names), n,
+    k]) that is a zero of a column whose values (``masked`` float64 [R, n, k]) hold both 0.0 and
+    -0.0."""
+    out = np.zeros(got.shape[-1], bool)
+    for i, n in enumerate(names):
+        if n in ("min", "max"):
+            z = got[i] == 0  # [n, k]
+            if z.any():
+                col = masked[:, z]  # [R, zeros]
+                zero, neg = col == 0, np.signbit(col)
+                mixed = (zero & neg).any(axis=0) & (zero & ~neg).any(axis=0)
+                out[np.nonzero(z)[1][mixed]] = True
     return out
+
+
+_GROUPS: list = [None, ()]  # (the table, its groups): the table may be replaced (tests add a row)
+
+
+def _observing_groups(table) -> tuple[tuple[Statistic, ...], ...]:
+    """The rows of ``table`` grouped by (array, observed_by), in order of first appearance."""
+    if _GROUPS[0] is not table:
+        groups: dict[tuple, list] = {}
+        for s in table:
+            groups.setdefault((s.array, s.observed_by), []).append(s)
+        _GROUPS[:] = [table, tuple(tuple(g) for g in groups.values())]
+    return _GROUPS[1]

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import collections
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -69,10 +68,58 @@ class _Episode:
     sources: dict = field(default_factory=dict)  # rank -> first bad global step it held the largest local norm
 
 
+class _LayerNorms:
+    """Each module's latest ``window`` probed gradient norms (finite, observed ones only), one
+    row per module ever seen: a deque per module, as arrays, so that a round is judged with a few
+    numpy calls whatever its modules.
+
+    Attributes:
+        rows: module name -> its row.
+        ring: float64 [n_rows, window]: the latest values in arrival order modulo ``window``, NaN
+            where fewer arrived.
+        count: int64 [n_rows]: values appended so far.
+    """
+
+    def __init__(self, window: int):
+        self.window = window
+        self.rows: dict[str, int] = {}
+        self.ring = np.full((0, window), np.nan)
+        self.count = np.zeros(0, np.int64)
+        self._modules: tuple = ()  # the latest round's modules and their rows (a job's rarely change)
+        self._at = np.zeros(0, np.int64)
+
+    def at(self, modules: tuple[str, ...]) -> np.ndarray:
+        """int64 [len(modules)]: the rows of ``modules``, new ones added (empty)."""
+        if modules is not self._modules and modules != self._modules:
+            at = np.array([self.rows.setdefault(m, len(self.rows)) for m in modules], np.int64)
+            grow = len(self.rows) - len(self.count)
+            if grow > 0:
+                self.ring = np.concatenate([self.ring, np.full((grow, self.window), np.nan)])
+                self.count = np.concatenate([self.count, np.zeros(grow, np.int64)])
+            self._modules, self._at = modules, at
+        return self._at
+
+    def medians(self, rows: np.ndarray, need: int) -> np.ndarray:
+        """float64 [len(rows)]: the median of each row's values as ``statistics.median`` gives it
+        (the middle value, or the mean of the two middle ones), NaN for fewer than ``need``."""
+        n = np.minimum(self.count[rows], self.window)
+        s = np.sort(self.ring[rows], axis=1)  # empty slots (NaN) last
+        k = np.arange(len(rows))
+        lo, hi = s[k, np.maximum(n - 1, 0) // 2], s[k, n // 2 % self.window]
+        with np.errstate(invalid="ignore", over="ignore"):
+            med = np.where(n % 2 == 1, hi, (lo + hi) / 2)
+        return np.where(n >= need, med, np.nan)
+
+    def append(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Append ``values[i]`` to row ``rows[i]`` (distinct rows), the oldest beyond ``window`` out."""
+        self.ring[rows, self.count[rows] % self.window] = values
+        self.count[rows] += 1
+
+
 @dataclass
 class _Job:
     norms: collections.deque
-    layer_norms: dict = field(default_factory=dict)  # module -> deque of probed norms
+    layer_norms: Optional[_LayerNorms] = None  # every module's probed norms
     episode: Optional[_Episode] = None
     last_step: int = -1  # latest step evaluated (globally or by a round)
     last_round: int = -1
@@ -142,16 +189,23 @@ class Explosion(Check):
             return None  # a straggling older round: its layers' history has moved on
         st.last_round = r.step
         values, observed = r.agg["grad_norm"]
+        if st.layer_norms is None:
+            st.layer_norms = _LayerNorms(self.t.spike_window)
+        hist = st.layer_norms
+        v = values[1]  # the median over ranks
+        judged = np.flatnonzero(observed & np.isfinite(v))
+        rows, v = hist.at(r.modules)[judged], v[judged]
+        medians = hist.medians(rows, self._min_history)
+        t = self.t
+        with np.errstate(invalid="ignore"):
+            suspect = (v > t.explode_above) | ((medians > 0) & (v > t.spike_factor * medians))
         bad = []
-        for i, module in enumerate(r.modules):
-            v = float(values[1, i])
-            if not observed[i] or not math.isfinite(v):
-                continue
-            hist = st.layer_norms.setdefault(module, collections.deque(maxlen=self.t.spike_window))
-            kinds, score = self._judge(v, self._median(hist), global_=False)
-            hist.append(v)
+        for j in np.flatnonzero(suspect).tolist():  # _judge() has the last word on the few
+            kinds, score = self._judge(float(v[j]), float(medians[j]), global_=False)
             if kinds:
-                bad.append((score, i, module, v, kinds))
+                i = int(judged[j])
+                bad.append((score, i, r.modules[i], float(v[j]), kinds))
+        hist.append(rows, v)
         bad.sort(key=lambda x: (-x[0], x[1]))
         if bad:
             e = self._open(st, r.step, None, bad[0][2])
@@ -176,11 +230,6 @@ class Explosion(Check):
         self._jobs.pop(job_id, None)
 
     # --- judging --------------------------------------------------------------------------------
-
-    def _median(self, hist) -> float:
-        """The rolling median of ``hist`` once it holds spike_min_history values, else NaN."""
-        # statistics.median: a deque of at most spike_window floats, ~5x faster than np.median
-        return float(statistics.median(hist)) if len(hist) >= self._min_history else math.nan
 
     def _judge(self, norm: float, median: float, global_: bool) -> tuple[dict, float]:
         """Kinds of trouble ``norm`` shows against the thresholds and its rolling ``median`` (NaN:

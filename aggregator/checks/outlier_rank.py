@@ -41,6 +41,8 @@ import warnings
 import numpy as np
 from pydantic import Field
 
+from gradwatch import statistics
+
 from . import Check, Evaluation, Finding, register
 
 _K = 0.6745  # Phi^-1(0.75): makes the MAD a consistent estimate of the standard deviation
@@ -79,13 +81,22 @@ def rank_features(r, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN layers and ranks
         std = np.where(np.isfinite(std), std, np.nan)
-        per_layer = np.nanmedian(std, axis=0) if std.shape[1] else np.zeros(0)
+        per_layer = _nanmedian(std, axis=0) if std.shape[1] else np.zeros(0)
         usable = np.isfinite(per_layer) & (per_layer > 0)
         if usable.any():
             ratio = std[:, usable] / per_layer[usable]
-            out["activation_std"] = np.nanmedian(ratio, axis=1)
+            out["activation_std"] = _nanmedian(ratio, axis=1)
     out["nonfinite"] = np.nansum(np.asarray(r.rank_totals, np.float64)[rows], axis=1)
     return out
+
+
+def _nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
+    """``np.nanmedian(a, axis)`` bit for bit, without numpy's masked-array path for small arrays
+    (:func:`gradwatch.statistics.nanmedian`; its middle of an odd count is ``(x + x) / 2``, which
+    overflows only beyond 1e307)."""
+    if a.size and np.nanmax(np.abs(a), initial=0.0) > 1e307:
+        return np.nanmedian(a, axis=axis)
+    return statistics.nanmedian(a, axis)
 
 
 def peer_groups(r) -> list[np.ndarray]:
@@ -160,24 +171,34 @@ class OutlierRank(Check):
                 worst_val[ks], worst_med[ks], worst_z[ks] = x[better], med, z[better]
         if not scored:
             return Evaluation.no_data()
-        streak = self._streak.setdefault(jid, {})
+        streak = self._streak.setdefault(jid, {})  # rank -> consecutive outlying probes (> 0 only)
         zs = self._z.setdefault(jid, {})
         why = self._why.setdefault(jid, {})
-        for k, rank in enumerate(r.ranks):
-            if group_of[k] < 0:  # fewer than three peers (a small pipeline stage): not scored
-                streak.pop(rank, None)
-                zs.pop(rank, None)
-                continue
-            zs[rank] = float(scores[k])
-            out = scores[k] > self.t.outlier_z
-            streak[rank] = streak.get(rank, 0) + 1 if out else 0
-            if out and streak[rank] >= self.t.outlier_probes:
+        ranks = np.asarray(r.ranks, np.int64)  # ascending
+        scored = group_of >= 0
+        for rank in ranks[~scored].tolist():  # fewer than three peers (a small pipeline stage): not scored
+            streak.pop(rank, None)
+            zs.pop(rank, None)
+        zs.update(zip(ranks[scored].tolist(), scores[scored].tolist()))
+        out = scored & (scores > self.t.outlier_z)
+        # a scored rank back among its peers ends its streak; ranks not in this round keep theirs
+        held = np.array(list(streak), np.int64)
+        at = np.searchsorted(ranks, held)
+        inside = at < len(ranks)
+        inside[inside] = ranks[at[inside]] == held[inside]
+        for rank in held[inside][~out[at[inside]]].tolist():
+            del streak[rank]
+            why.pop(rank, None)
+        for k in np.flatnonzero(out).tolist():
+            rank = r.ranks[k]
+            streak[rank] = streak.get(rank, 0) + 1
+            if streak[rank] >= self.t.outlier_probes:
                 worst = {"statistic": feats[worst_feat[k]], "value": float(worst_val[k]), "median": float(worst_med[k]),
                          "z": float(worst_z[k])} if worst_feat[k] >= 0 else {}
                 why[rank] = dict(worst, step=r.step, probes=streak[rank],
                                  peers=[r.ranks[q] for q in groups[group_of[k]]])
         self._values.pop(jid, None)
-        for rank in [k for k in streak if k not in job.ranks]:  # forgotten ranks
+        for rank in zs.keys() - job.ranks.keys():  # forgotten ranks
             streak.pop(rank, None)
             zs.pop(rank, None)
         findings = []
