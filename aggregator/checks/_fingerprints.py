@@ -58,9 +58,12 @@ def minority(fp: np.ndarray, seen: np.ndarray, holders: np.ndarray | None = None
                 out[k].extend(ps)
             tied.extend(t)
         return {k: sorted(v) for k, v in out.items()}, sorted(set(tied))
-    ref = fp[np.argmax(seen, axis=0), np.arange(fp.shape[1])]
-    differ = (fp != ref) if rtol is None else ~close(fp, ref, rtol)
-    suspect = np.flatnonzero((differ & seen).any(axis=0))  # fast path: usually empty
+    if rtol is None and seen.all():  # every rank has every value: the first rank's are the reference
+        suspect = np.flatnonzero((fp != fp[:1]).any(axis=0))
+    else:
+        ref = fp[np.argmax(seen, axis=0), np.arange(fp.shape[1])]
+        differ = (fp != ref) if rtol is None else ~close(fp, ref, rtol)
+        suspect = np.flatnonzero((differ & seen).any(axis=0))  # usually empty
     out: dict[int, list[int]] = collections.defaultdict(list)
     tied: list[int] = []
     for p in suspect:

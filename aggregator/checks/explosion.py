@@ -52,6 +52,8 @@ from typing import Optional
 import numpy as np
 from pydantic import Field
 
+from gradwatch import statistics as gw_statistics
+
 from . import Check, Evaluation, Finding, register
 
 
@@ -374,6 +376,8 @@ class Explosion(Check):
 def _medians(rows: list) -> np.ndarray:
     """float64 [len(rows)]: the median of each row's finite values (NaN for a row without any),
     as ``np.median`` of them gives it; rows of one length at once."""
+    if len(rows) == 1 and len(rows[0]) and np.isfinite(rows[0]).all():  # one step, every norm finite
+        return np.array([gw_statistics.finite_median(np.asarray(rows[0], np.float64))])
     if len({len(r) for r in rows}) == 1 and len(rows[0]):
         m = np.stack(rows)
         fin = np.isfinite(m)
@@ -396,8 +400,10 @@ def _medians(rows: list) -> np.ndarray:
 def _rolling_medians(hist: np.ndarray, new: np.ndarray, window: int, need: int) -> np.ndarray:
     """For each of ``new``, the median of the ``window`` values before it in ``hist`` then ``new``
     (fewer at the start), NaN while fewer than ``need`` precede it."""
-    seq = np.concatenate([hist[-window:], new])
     h = min(len(hist), window)
+    if len(new) == 1:  # one step: the median of the window before it
+        return np.array([gw_statistics.finite_median(hist[-window:]) if h >= min(need, window) else np.nan])
+    seq = np.concatenate([hist[-window:], new])
     out = np.full(len(new), np.nan)
     full = [i for i in range(len(new)) if h + i >= window]
     for i in range(len(new)):  # the first window of a job: fewer values before it

@@ -61,8 +61,8 @@ def robust_z(x: np.ndarray, min_mad: float, abs_floor: float = 0.0) -> tuple[np.
     if ok.sum() < 3:
         return z, math.nan
     v = x[ok]
-    med = float(np.median(v))
-    mad = float(np.median(np.abs(v - med)))
+    med = statistics.finite_median(v)
+    mad = statistics.finite_median(np.abs(v - med))
     scale = max(mad, min_mad * abs(med), abs_floor, _TINY)
     z[ok] = _K * (v - med) / scale
     return z, med

@@ -62,6 +62,21 @@ def _pairs(fp: np.ndarray, seen: np.ndarray, holders, p: int) -> tuple[list[tupl
     return pairs, others
 
 
+class _Index:
+    """``{item: its position}`` of a tuple (a round's ranks or parameter names), built on the
+    first lookup: only a tie between two holders looks anything up."""
+
+    __slots__ = ("items", "_pos")
+
+    def __init__(self, items: tuple):
+        self.items, self._pos = items, None
+
+    def get(self, key):
+        if self._pos is None:
+            self._pos = {k: i for i, k in enumerate(self.items)}
+        return self._pos.get(key)
+
+
 def _weights(r):
     """float64 [n_ranks, n_params]: each rank's own weight norm of each parameter, or None."""
     own = getattr(r, "own_param", None)
@@ -150,12 +165,13 @@ class ReplicaDrift(_Agreement):
                 details={"params": names[:50], "n_params": len(ps), "ranks": list(r.ranks), "candidates": candidates,
                          "evidence": ["fingerprints"], "last_step": r.step, **({"norms": why} if why else {})},
             ))
-        ok = seen.copy()  # agreed with every holder of the same bytes: a baseline for later ties
-        for k, v in bad.items():
-            ok[k, v] = False
-        ok[:, tied] = False
-        hist.append((r.step, {k: i for i, k in enumerate(r.ranks)}, {n: i for i, n in enumerate(r.params)},
-                     _weights(r), ok))
+        ok = seen  # agreed with every holder of the same bytes: a baseline for later ties
+        if bad or tied:
+            ok = seen.copy()
+            for k, v in bad.items():
+                ok[k, v] = False
+            ok[:, tied] = False
+        hist.append((r.step, _Index(r.ranks), _Index(r.params), _weights(r), ok))
         return self._judged(st, r.step, findings)
 
     def _decide(self, r, hist, a: int, b: int, ps: list[int]) -> tuple[int | None, dict]:
