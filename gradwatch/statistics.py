@@ -272,12 +272,25 @@ STATISTICS: tuple[Statistic, ...] = declare(
 
 def of(array: str) -> tuple[Statistic, ...]:
     """The rows of ``array`` in column order."""
-    return tuple(s for s in STATISTICS if s.array == array)
+    return _by_array(STATISTICS)[0].get(array, ())
 
 
 def fields(array: str) -> tuple[str, ...]:
     """Column names of ``array``, in order (``wire.ACT_FIELDS`` and friends)."""
-    return tuple(s.field for s in of(array))
+    return _by_array(STATISTICS)[1].get(array, ())
+
+
+_BY_ARRAY: list = [None, ({}, {})]  # (the table, its rows and fields per array): a round asks often
+
+
+def _by_array(table) -> tuple[dict, dict]:
+    if _BY_ARRAY[0] is not table:  # the table may be replaced (tests add a row)
+        rows: dict[str, list] = {}
+        for s in table:
+            rows.setdefault(s.array, []).append(s)
+        _BY_ARRAY[:] = [table, ({k: tuple(v) for k, v in rows.items()},
+                                {k: tuple(s.field for s in v) for k, v in rows.items()})]
+    return _BY_ARRAY[1]
 
 
 def records(array: str) -> tuple[str, ...]:
@@ -521,7 +534,8 @@ def _mixed_zeros(got: np.ndarray, names: tuple, masked: np.ndarray) -> np.ndarra
     if not ext:
         return out
     z = (got[ext] == 0).any(axis=0)  # [n, k]: a min or a max is a zero
-    if z.any():
+    # -0.0 anywhere at all is rare (it takes a min or a sum of negative zeros): one pass says so
+    if z.any() and (masked.view(np.int64) == np.iinfo(np.int64).min).any():
         bits = masked[:, z].view(np.int64)  # [R, zeros]: 0.0 is all zero bits, -0.0 the sign bit alone
         mixed = (bits == 0).any(axis=0) & (bits == np.iinfo(np.int64).min).any(axis=0)
         out[np.nonzero(z)[1][mixed]] = True

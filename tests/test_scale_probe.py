@@ -1,0 +1,412 @@
+"""Issue 14, probed steps: the round layout cache and the fast paths of reconciliation and of
+the checks keep their behaviour bit for bit. Each is compared with the general
+computation (or the straightforward one it replaced) on random inputs chosen to reach its corners:
+NaN, Inf, zeros of both signs, ties, several schemas in a round, ranks joining and leaving."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics as pystats
+
+import msgspec
+import numpy as np
+import pytest
+
+from gradwatch import statistics, wire
+from gradwatch.aggregator.checks import Finding, Thresholds
+from gradwatch.aggregator.checks._fingerprints import minority
+from gradwatch.aggregator.checks.explosion import _LayerNorms, _medians, _rolling_medians
+from gradwatch.aggregator.checks.outlier_rank import OutlierRank
+from gradwatch.aggregator.reconcile import Layout, LayoutCache, _scatter, group_layers, reconcile
+
+MODULES = [f"blocks.{i // 3}.l{i % 3}" for i in range(9)]
+
+
+def _schema(rank: int, world: int, mods, bias: bool = True) -> wire.Schema:
+    slots = tuple((m, "", "ReLU" if m.endswith("l2") else "Linear", "float32") for m in mods)
+    params = tuple((f"{m}.{leaf}", (4,), "float32") for m in mods for leaf in (("weight", "bias") if bias else ("weight",)))
+    return wire.Schema(wire.Header("j", rank, world, "b", 0, 0.0), "h", 0, 1, params, slots)
+
+
+def _values(rng, shape, dtype=np.float32) -> np.ndarray:
+    """Random values with NaN, Inf and zeros of both signs in them."""
+    a = rng.standard_normal(shape)
+    u = rng.random(shape)
+    a[u < 0.08] = np.nan
+    a[(u >= 0.08) & (u < 0.2)] = 0.0
+    a[(u >= 0.2) & (u < 0.28)] = -0.0
+    a[(u >= 0.28) & (u < 0.3)] = np.inf
+    if rng.random() < 0.3:
+        a = np.round(a)  # ties
+    return a.astype(dtype)
+
+
+def _report(rng, rank: int, s: wire.Schema, step: int = 10, full: bool = True) -> wire.Report:
+    n_s, n_p = len(s.slots), len(s.params)
+    fp = rng.integers(0, 3, n_p).astype(np.uint64)
+    extra = dict(act_count=_values(rng, (n_s, 2)), fp_grad=fp, fp_weight=fp + np.uint64(rng.integers(0, 2)))
+    if not full:
+        extra[str(rng.choice(["act_count", "fp_grad"]))] = None
+        if extra["fp_grad"] is None:
+            extra["fp_weight"] = None
+    return wire.Report(wire.Header("j", rank, s.header.world, "b", 1, 0.0), s.hash, step, 0.1, float(rng.random()), 0,
+                       probe=True, act=_values(rng, (n_s, 6)), act_grad=_values(rng, (n_s, 2)),
+                       param=_values(rng, (n_p, 3)), local_grad_norm=float(rng.random()), batch=8, **extra)
+
+
+def _same(a, b, path="") -> None:
+    """Equal bit for bit: arrays (shape, dtype, bytes), dicts and tuples of them, plain values."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        assert (a.shape, a.dtype) == (b.shape, b.dtype) and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            _same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, tuple) and a and isinstance(a[0], np.ndarray):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def _same_round(a, b) -> None:
+    for f in dataclasses.fields(a):
+        _same(getattr(a, f.name), getattr(b, f.name), f.name)
+
+
+# --- the layout cache ------------------------------------------------------------------------------
+
+
+def test_a_jobs_rounds_share_one_layout_and_equal_rounds_worked_out_afresh():
+    rng = np.random.default_rng(0)
+    s = _schema(0, 4, MODULES)
+    schemas, cache = {s.hash: s}, LayoutCache()
+    for step in range(3):
+        reports = {r: _report(rng, r, s, step) for r in range(4)}
+        _same_round(reconcile(4, schemas, step, reports, True, cache), reconcile(4, schemas, step, reports, True))
+    assert (cache.hits, cache.misses) == (2, 1)
+    # a rank leaving the round and joining again: the same schemas, the same layout
+    for ranks in ([0, 2, 3], [1], [0, 1, 2, 3]):
+        reports = {r: _report(rng, r, s) for r in ranks}
+        _same_round(reconcile(4, schemas, 5, reports, False, cache), reconcile(4, schemas, 5, reports, False))
+    assert (cache.hits, cache.misses) == (5, 1)
+
+
+def test_a_rank_changing_its_schema_gets_a_new_layout_and_back_the_old_one():
+    rng = np.random.default_rng(1)
+    a, b = _schema(0, 3, MODULES), _schema(1, 3, MODULES[:4] + MODULES[5:], bias=False)
+    schemas, cache = {a.hash: a, b.hash: b}, LayoutCache()
+    for per_rank in ([a, a, a], [a, b, a], [b, a, a], [a, a, a]):
+        reports = {r: _report(rng, r, s) for r, s in enumerate(per_rank)}
+        got = reconcile(3, schemas, 7, reports, True, cache)
+        _same_round(got, reconcile(3, schemas, 7, reports, True))
+        assert got.params == tuple(dict.fromkeys(p[0] for s in dict.fromkeys(per_rank) for p in s.params))
+    # [a, b] and [b, a] are two layouts (first use order decides the names' order); [a] came back
+    assert (cache.hits, cache.misses) == (1, 3)
+
+
+def test_a_layout_is_not_reused_for_other_schema_objects_under_the_same_hashes():
+    """A job that relearned a schema, or a State whose label cut (max_label_len) differs: the hash
+    is the same, the names need not be."""
+    rng = np.random.default_rng(2)
+    s = _schema(0, 2, MODULES)
+    short = msgspec.structs.replace(s, slots=tuple((m[:8], o, t, d) for m, o, t, d in s.slots), hash=s.hash)
+    cache = LayoutCache()
+    reports = {r: _report(rng, r, s) for r in range(2)}
+    assert reconcile(2, {s.hash: s}, 1, reports, True, cache).layers == tuple(MODULES)
+    assert reconcile(2, {s.hash: short}, 1, reports, True, cache).layers == tuple(dict.fromkeys(m[:8] for m in MODULES))
+    assert cache.misses == 2
+
+
+def test_the_cache_keeps_its_size_least_recently_used_out():
+    schemas = {s.hash: s for s in (_schema(0, 1, MODULES[:k]) for k in range(1, 6))}
+    cache = LayoutCache(size=3)
+    order = list(schemas)
+    for h in order + [order[-1]]:
+        cache.get((h,), schemas)
+    assert list(cache._layouts) == [(h,) for h in order[2:]] and cache.hits == 1
+
+
+def test_one_schema_rounds_stack_as_the_general_path_scatters():
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        world = int(rng.integers(1, 7))
+        mods = list(rng.choice(MODULES, size=int(rng.integers(0, 6)), replace=False))
+        s = _schema(0, world, mods, bias=bool(rng.random() < 0.5))
+        lay = Layout.of([s])
+        assert lay.dense
+        reps = [_report(rng, r, s) for r in range(world)]
+        rr = reconcile(world, {s.hash: s}, 1, dict(enumerate(reps)), True, LayoutCache())
+        act, act_grad, act_count, param, present, fp_grad, fp_weight, fp_grad_seen, fp_weight_seen = _scatter(
+            lay, reps, np.zeros(world, np.int64))
+        for got, want in ((rr.act, act), (rr.act_grad, act_grad), (rr.act_count, act_count), (rr.own_param, param),
+                          (rr.fp_grad, fp_grad), (rr.fp_weight, fp_weight), (rr.fp_grad_seen, fp_grad_seen),
+                          (rr.fp_weight_seen, fp_weight_seen)):
+            _same(got, want)
+        assert present.all()
+
+
+def test_rounds_of_several_schemas_and_missing_arrays_equal_a_fresh_reconciliation_grouped_too():
+    rng = np.random.default_rng(4)
+    cache = LayoutCache()
+    for trial in range(150):
+        world = int(rng.integers(1, 6))
+        pool = [_schema(0, world, list(rng.choice(MODULES, size=int(rng.integers(1, 6)), replace=bool(rng.random() < 0.2))),
+                        bias=bool(rng.random() < 0.5)) for _ in range(int(rng.integers(1, 3)))]
+        per_rank = [pool[int(rng.integers(0, len(pool)))] for _ in range(world)]
+        ranks = sorted(rng.choice(world, size=int(rng.integers(1, world + 1)), replace=False).tolist())
+        reports = {r: _report(rng, r, per_rank[r], full=bool(rng.random() < 0.8)) for r in ranks}
+        schemas = {s.hash: s for s in per_rank}
+        got, want = reconcile(world, schemas, 3, reports, True, cache), reconcile(world, schemas, 3, reports, True)
+        _same_round(got, want)
+        for depth in (1, 2):
+            _same_round(group_layers(got, depth), group_layers(want, depth))
+
+
+# --- statistics ------------------------------------------------------------------------------------
+
+
+def test_aggregate_all_equals_each_statistic_aggregated_alone_bit_for_bit():
+    """Reduced per array and observing column at once; a min or max zero over zeros of both signs
+    falls back to the statistic alone (numpy's SIMD picks either zero by position)."""
+    rng = np.random.default_rng(5)
+    for trial in range(1500):
+        R, n = int(rng.integers(1, 12)), int(rng.integers(0, 30))
+        arrays = {k: _values(rng, (R, n, len(statistics.fields(k))), np.float64) for k in statistics.ARRAYS}
+        got = statistics.aggregate_all(arrays)
+        want = {s.name: statistics.aggregate(arrays[s.array][..., s.column], statistics.observed(s, arrays[s.array]), s.aggs)
+                for s in statistics.STATISTICS}
+        _same(got, want)
+
+
+def _merge_reference(array, values, present, groups, in_order):
+    """statistics.merge as it was: one group size at a time, ``values[:, idx]``, numpy's sums."""
+    rows = statistics.of(array)
+    R = values.shape[0]
+    out = np.full((R, len(groups), len(rows)), np.nan)
+    masks = {s.observed_by: statistics.observed(s, values) & present for s in rows}
+    if in_order:
+        total = lambda x: np.add.accumulate(np.pad(x, ((0, 0), (1, 0))), axis=1)[:, -1]  # noqa: E731
+    else:
+        total = lambda x: x.sum(axis=1)  # noqa: E731
+    by_size: dict[int, list[int]] = {}
+    for g, idx in enumerate(groups):
+        by_size.setdefault(len(idx), []).append(g)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for size, gs in by_size.items():
+            idx = np.stack([groups[g] for g in gs]) if size else np.zeros((len(gs), 0), np.int64)
+            v = values[:, idx].reshape(R * len(gs), size, values.shape[-1])
+            members = {s.field: v[..., s.column] for s in rows}
+            seen = {k: m[:, idx].reshape(R * len(gs), size) for k, m in masks.items()}
+            counts = {k: o.sum(axis=1) for k, o in seen.items()}
+            done = {}
+            for s in rows:
+                o, cnt = seen[s.observed_by], counts[s.observed_by]
+                x = statistics.MERGE_RULES[s.merge].fn(v[..., s.column], o, cnt, members, done, total)
+                if s.observed_by is not None:
+                    x = np.where(cnt == 0, np.nan, x)
+                done[s.field] = x
+                out[:, gs, s.column] = x.reshape(R, len(gs))
+    return out
+
+
+def test_merge_with_a_plan_equals_the_group_by_group_merge_bit_for_bit():
+    rng = np.random.default_rng(6)
+    for trial in range(800):
+        R, n = int(rng.integers(1, 6)), int(rng.integers(1, 30))
+        perm = np.arange(n) if rng.random() < 0.5 else rng.permutation(n)
+        cuts = np.sort(rng.choice(np.arange(1, n), size=min(n - 1, int(rng.integers(0, 5))), replace=False)) if n > 1 else []
+        groups = [np.asarray(g, np.int64) for g in np.split(perm, cuts)]
+        for array in statistics.ARRAYS:
+            values = _values(rng, (R, n, len(statistics.fields(array))), np.float64)
+            present = rng.random((R, n)) < 0.9
+            for in_order in (False, True):
+                want = _merge_reference(array, values, present, groups, in_order)
+                _same(statistics.merge(array, values, present, groups, in_order=in_order), want)
+                _same(statistics.merge(array, values, present, statistics.merge_plan(groups), in_order=in_order), want)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 33])
+def test_finite_median_and_nanmedian_equal_numpys_bit_for_bit(n):
+    rng = np.random.default_rng(n)
+    for trial in range(2000):
+        v = rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 300)
+        u = rng.random(n)
+        v[u < 0.2] = 0.0
+        v[(u >= 0.2) & (u < 0.4)] = -0.0
+        if rng.random() < 0.1:
+            v[u > 0.9] = np.inf
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = np.median(v)
+            assert np.array(statistics.finite_median(v)).tobytes() == want.tobytes(), v
+            for axis, a in ((0, v[:, None]), (1, v[None, :])):
+                got = statistics.nanmedian(a, axis)
+                assert got.tobytes() == _nanmedian_reference(a, axis).tobytes()
+                assert np.array_equal(got, np.nanmedian(a, axis=axis), equal_nan=True)
+
+
+def _nanmedian_reference(a, axis):
+    """statistics.nanmedian as it was, without its shortcut for arrays without NaN."""
+    s = np.sort(a, axis=axis)
+    n = (~np.isnan(a)).sum(axis=axis)
+    lo, hi = (np.maximum(i, 0) for i in ((n - 1) // 2, n // 2))
+    at = lambda i: np.take_along_axis(s, np.expand_dims(i, axis), axis).squeeze(axis)  # noqa: E731
+    return np.where(n > 0, (at(lo) + at(hi)) / 2, np.nan)
+
+
+# --- the checks ------------------------------------------------------------------------------------
+
+
+def test_fingerprints_all_seen_find_what_a_vote_on_every_parameter_finds():
+    """The first rank's fingerprints as the reference when every rank has every one: the same
+    minorities and ties as a majority vote on each parameter."""
+    rng = np.random.default_rng(7)
+    for trial in range(2000):
+        R, P = int(rng.integers(1, 7)), int(rng.integers(1, 6))
+        fp = rng.integers(0, int(rng.integers(1, 4)), (R, P)).astype(np.uint64)
+        want_bad, want_tied = collections.defaultdict(list), []
+        for p in range(P):
+            (top, n), *rest = collections.Counter(fp[:, p].tolist()).most_common()
+            if rest and rest[0][1] == n:
+                want_tied.append(p)
+                continue
+            for k in np.flatnonzero(fp[:, p] != top).tolist():
+                want_bad[k].append(p)
+        assert minority(fp, np.ones((R, P), bool)) == (dict(want_bad), want_tied)
+
+
+def test_layer_norm_history_medians_equal_statistics_median_of_each_modules_deque():
+    rng = np.random.default_rng(8)
+    window, need = 5, 3
+    hist, deques = _LayerNorms(window), collections.defaultdict(lambda: collections.deque(maxlen=window))
+    pool = [f"m{i}" for i in range(8)]
+    modules = tuple(pool[:5])
+    for step in range(300):
+        if rng.random() < 0.1:  # the modules change (a schema change)
+            modules = tuple(rng.choice(pool, size=int(rng.integers(1, 8)), replace=False))
+        rows = hist.at(modules)
+        judged = np.flatnonzero(rng.random(len(modules)) < 0.8)
+        v = np.round(rng.random(len(judged)) * 4) / 4
+        got = hist.medians(rows[judged], need)
+        want = [pystats.median(deques[modules[i]]) if len(deques[modules[i]]) >= need else np.nan for i in judged]
+        assert np.array_equal(got, np.array(want, np.float64), equal_nan=True)
+        hist.append(rows[judged], v)
+        for i, x in zip(judged, v):
+            deques[modules[i]].append(float(x))
+
+
+def test_explosion_judges_a_lone_step_as_it_judges_it_among_others():
+    rng = np.random.default_rng(9)
+    for trial in range(3000):
+        row = rng.random(int(rng.integers(1, 9))) * 10.0 ** rng.uniform(-3, 300)
+        if rng.random() < 0.3:
+            row[rng.random(len(row)) < 0.5] = float(rng.choice([0.0, -0.0, np.inf, np.nan]))
+        other = rng.random(len(row))
+        with np.errstate(over="ignore", invalid="ignore"):
+            assert _medians([row]).tobytes() == _medians([row, other])[:1].tobytes()
+            hist = np.round(rng.random(int(rng.integers(0, 25))) * 8) / 8
+            window, need = int(rng.integers(3, 21)), int(rng.integers(1, 6))
+            x = rng.random(2)
+            assert (_rolling_medians(hist, x[:1], window, need).tobytes()
+                    == _rolling_medians(hist, x, window, need)[:1].tobytes())
+
+
+class _ReferenceOutlierRank(OutlierRank):
+    """outlier_rank with its per-rank loop as it was: every scored rank keeps a streak, 0 included."""
+
+    name = "outlier_rank_reference"
+
+    def on_round(self, job, r):
+        import gradwatch.aggregator.checks.outlier_rank as mod
+        from gradwatch.aggregator.checks import Evaluation
+
+        jid = job.job
+        groups = [g for g in mod.peer_groups(r) if len(g) >= 3]
+        if not groups:
+            return Evaluation.no_data()
+        if r.step <= self._last_step.get(jid, -1):
+            return None
+        self._last_step[jid] = r.step
+        R = len(r.ranks)
+        scores, worst_feat = np.zeros(R), np.full(R, -1, np.int64)
+        worst_val, worst_med, worst_z, group_of = np.zeros(R), np.zeros(R), np.zeros(R), np.full(R, -1, np.int64)
+        feats, scored = [], False
+        for g, rows in enumerate(groups):
+            for feat, x in mod.rank_features(r, rows).items():
+                z, med = mod.robust_z(x, self.t.outlier_min_mad, 1.0 if feat == "nonfinite" else 0.0)
+                if not np.isfinite(z).any():
+                    continue
+                scored = True
+                group_of[rows] = g
+                if feat not in feats:
+                    feats.append(feat)
+                az = np.abs(z)
+                better = np.isfinite(z) & (az > scores[rows])
+                ks = rows[better]
+                scores[ks], worst_feat[ks] = az[better], feats.index(feat)
+                worst_val[ks], worst_med[ks], worst_z[ks] = x[better], med, z[better]
+        if not scored:
+            return Evaluation.no_data()
+        streak, zs, why = (d.setdefault(jid, {}) for d in (self._streak, self._z, self._why))
+        for k, rank in enumerate(r.ranks):
+            if group_of[k] < 0:
+                streak.pop(rank, None)
+                zs.pop(rank, None)
+                continue
+            zs[rank] = float(scores[k])
+            out = scores[k] > self.t.outlier_z
+            streak[rank] = streak.get(rank, 0) + 1 if out else 0
+            if out and streak[rank] >= self.t.outlier_probes:
+                worst = {"statistic": feats[worst_feat[k]], "value": float(worst_val[k]),
+                         "median": float(worst_med[k]), "z": float(worst_z[k])} if worst_feat[k] >= 0 else {}
+                why[rank] = dict(worst, step=r.step, probes=streak[rank], peers=[r.ranks[q] for q in groups[group_of[k]]])
+        self._values.pop(jid, None)
+        for rank in [k for k in streak if k not in job.ranks]:
+            streak.pop(rank, None)
+            zs.pop(rank, None)
+        findings = []
+        for rank, n in sorted(streak.items()):
+            if n < self.t.outlier_probes:
+                why.pop(rank, None)
+                continue
+            w = why[rank]
+            findings.append(Finding(self.name, jid, w["step"], f"rank {rank} {n}", rank=rank,
+                                    details={**w, "ranks": list(r.ranks),
+                                             "zscores": {str(k): v for k, v in sorted(zs.items())}}))
+        return Evaluation.found(*findings)
+
+
+class _FakeJob:
+    def __init__(self, world):
+        self.job = "j"
+        self.ranks = dict.fromkeys(range(world))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_outlier_rank_streaks_as_arrays_equal_the_rank_by_rank_loop(seed):
+    """Random rounds: outlying ranks that come and go, ranks missing from a round, pipeline
+    stages too small to score, ranks forgotten."""
+    rng = np.random.default_rng(seed)
+    world, t = 9, Thresholds(outlier_probes=2)
+    s = _schema(0, world, MODULES[:4])
+    base = reconcile(world, {s.hash: s}, 0, {r: _report(rng, r, s) for r in range(world)}, True)
+    fast, ref, job = OutlierRank(t), _ReferenceOutlierRank(t), _FakeJob(world)
+    for step in range(1, 120):
+        ranks = tuple(sorted(rng.choice(world, size=int(rng.integers(2, world + 1)), replace=False).tolist()))
+        k = np.array(ranks)
+        local = 1.0 + 0.05 * rng.standard_normal(len(k))
+        local[np.isin(k, rng.choice(world, size=int(rng.integers(0, 3))))] *= 8.0
+        act = np.abs(base.act[k]) + 1.0
+        part = None if rng.random() < 0.7 else (k >= 6).astype(np.int64)  # a stage of at most 3 ranks
+        rr = dataclasses.replace(base, step=step, ranks=ranks, local_grad_norm=local, act=act,
+                                 rank_totals=np.zeros((len(k), 3)), part=part)
+        if rng.random() < 0.05:
+            job.ranks.pop(int(rng.integers(0, world)), None)
+        a, b = fast.on_round(job, rr), ref.on_round(job, rr)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.outcome == b.outcome
+            assert [(f.rank, f.step, f.details) for f in a.findings] == [(f.rank, f.step, f.details) for f in b.findings]
+        assert fast.values("j") == ref.values("j")
