@@ -282,7 +282,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         act_grad = np.array([x.act_grad for x in reps], np.float64).reshape(R, L, len(wire.ACT_GRAD_FIELDS))
         act_count = np.array([x.act_count for x in reps], np.float64).reshape(R, L, len(statistics.fields("act_count")))
         param = np.array([x.param for x in reps], np.float64).reshape(R, P, len(wire.PARAM_FIELDS))
-        present = np.ones((R, P), bool)
+        present = None  # every rank has every parameter
         fp_grad = np.array([x.fp_grad for x in reps], np.uint64).reshape(R, P)
         fp_weight = np.array([x.fp_weight for x in reps], np.uint64).reshape(R, P)
         fp_grad_seen = statistics.observed_rows("param", param)  # had a gradient
@@ -312,7 +312,7 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         layer_types=lay.layer_types,
         params=lay.params, fp_grad=fp_grad, fp_weight=fp_weight,
         fp_grad_seen=fp_grad_seen, fp_weight_seen=fp_weight_seen,
-        grad_norm=grad_norm, holders=lay.holders[which], part=lay.parts[which], own_param=own_param,
+        grad_norm=grad_norm, holders=_per_rank(lay.holders, which, R), part=lay.parts[which], own_param=own_param,
         local_grad_norm=np.array([x.local_grad_norm for x in reps], np.float64),
         compute_time=np.array([x.compute_time for x in reps], np.float64),
         batch=np.array([x.batch for x in reps], np.int64),
@@ -322,6 +322,14 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         probe_interval=np.array([x.probe_interval for x in reps], np.int64),
         over_budget=np.array([x.over_budget for x in reps], bool),
     )
+
+
+def _per_rank(rows: np.ndarray, which: np.ndarray, R: int) -> np.ndarray:
+    """``rows[which]``: each rank's row of its schema; one schema's row read-only for every rank
+    (a 16,384-rank round would copy it 16,384 times)."""
+    if len(rows) == 1:
+        return np.broadcast_to(rows[0], (R, *rows.shape[1:]))
+    return rows[which]
 
 
 def _scatter(lay: Layout, reps: list, which: np.ndarray) -> tuple:

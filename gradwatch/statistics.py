@@ -407,7 +407,7 @@ def merge(array: str, values: np.ndarray, present: np.ndarray, groups, *, in_ord
         array: key of :data:`ARRAYS`.
         values: float64 [R, N, width] member rows per rank.
         present: bool [R, N]: the member exists on that rank (the others count as not observed;
-            an always-observed statistic merges over present members).
+            an always-observed statistic merges over present members); None: every member exists.
         groups: int64 index arrays into N, the members of each group, or their
             :class:`MergePlan` (prepared once, for groups that come back every round).
         in_order: sum members one after another in their order (as a scatter-add does) instead
@@ -422,12 +422,16 @@ def merge(array: str, values: np.ndarray, present: np.ndarray, groups, *, in_ord
     rows = of(array)
     R = values.shape[0]
     out = np.full((R, len(plan.groups), len(rows)), np.nan)
-    masks = {s.observed_by: observed(s, values) & present for s in rows}  # one per observing column
+    masks = {s.observed_by: observed(s, values) if present is None else observed(s, values) & present
+             for s in rows}  # one per observing column
     total = _in_order_total if in_order else _pairwise_total
     # numpy's pairwise sums, and its min and max of zeros of both signs, depend on the memory
     # layout of the members (a[:, idx] gives one that depends on the groups' shape); in-order sums
     # and the rules built on them alone are elementwise, so any layout gives the same bits
     elementwise = in_order and all(s.merge in _ELEMENTWISE for s in rows)
+    # elementwise, a mask without a gap is a scalar True and its counts the group size: the rules
+    # give the same numbers without the passes over the masks (the healthy round)
+    whole = {k: elementwise and bool(m.all()) for k, m in masks.items()}
     # groups of one size at a time, ranks x groups as the rules' rows: the same arithmetic per
     # row as one group at a time (bit for bit), without a Python turn per group
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -440,13 +444,14 @@ def merge(array: str, values: np.ndarray, present: np.ndarray, groups, *, in_ord
                 pick = lambda a, flat=idx.reshape(-1): np.take(a, flat, axis=1)  # noqa: E731  (2x a[:, idx])
             v = pick(values).reshape(R * len(gs), size, values.shape[-1])
             members = {s.field: v[..., s.column] for s in rows}
-            seen = {k: pick(m).reshape(R * len(gs), size) for k, m in masks.items()}
-            counts = {k: _count(o) for k, o in seen.items()}
+            full = {k: w and size > 0 for k, w in whole.items()}
+            seen = {k: np.True_ if full[k] else pick(m).reshape(R * len(gs), size) for k, m in masks.items()}
+            counts = {k: np.int64(size) if full[k] else _count(o) for k, o in seen.items()}
             done: dict[str, np.ndarray] = {}
             for s in rows:
                 o, cnt = seen[s.observed_by], counts[s.observed_by]
                 x = MERGE_RULES[s.merge].fn(v[..., s.column], o, cnt, members, done, total)
-                if s.observed_by is not None:
+                if s.observed_by is not None and not full[s.observed_by]:
                     x = np.where(cnt == 0, np.nan, x)
                 done[s.field] = x
                 out[:, gs, s.column] = x.reshape(R, len(gs))
