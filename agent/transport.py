@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import random
 import threading
 import time
 from typing import Callable, Optional
@@ -96,6 +97,9 @@ class Sender:
         heartbeat_s: seconds without a message before a heartbeat goes out.
         schema_every_s: seconds from a (re)connect or a schema change to the first resend; the gap
             doubles after each resend, up to ``SCHEMA_BACKOFF x schema_every_s``.
+        schema_jitter: each resend comes up to this fraction of its gap later, drawn at random:
+            the ranks of a job start together, and their resends should not reach the aggregator
+            as one wave (16,384 schemas at once).
         coalesce_s: seconds the records of unprobed steps gather before going out as one message
             (0: at the sender's next turn).
         watch: ``report -> bool``, called on the sender thread for every step report built, in
@@ -118,6 +122,7 @@ class Sender:
         send_hwm: int = 256,
         heartbeat_s: float = 1.0,
         schema_every_s: float = 10.0,
+        schema_jitter: float = 0.25,
         coalesce_s: float = 0.25,
         watch: Optional[Callable[[wire.Report], bool]] = None,
         errors: Callable[[], int] = lambda: 0,
@@ -140,6 +145,8 @@ class Sender:
         self._heartbeat_s = heartbeat_s
         self._schema_every_s = schema_every_s
         self._schema_gap = schema_every_s  # until the next periodic resend; doubles after each
+        self._schema_jitter = schema_jitter
+        self._rng = random.Random()  # the jitter: every agent its own
         self.coalesce_s = coalesce_s
         # the batch: built unprobed reports waiting to go out as one steps message
         self._batch: list[wire.Report] = []
@@ -341,7 +348,7 @@ class Sender:
             top = SCHEMA_BACKOFF * self._schema_every_s
             self._schema_gap = self._schema_every_s if on_demand else min(2 * self._schema_gap, top)
         # sent, or no schema yet (no probe ran): request_schema() makes it due again
-        self._next_schema = now + self._schema_gap
+        self._next_schema = now + self._schema_gap * (1 + self._schema_jitter * self._rng.random())
         return ok
 
     def _flush(self) -> Optional[bool]:

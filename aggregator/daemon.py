@@ -341,7 +341,7 @@ class Aggregator:
         st = self.state
         t0 = time.perf_counter()
         try:
-            msg = wire.decode(frame, self.cfg.limits, st.schema_sizes)
+            msg = wire.decode(frame, self.cfg.limits, st.schema_sizes, st.known_schema)
         except wire.WireError as e:
             st.reject(e.reason)
         else:

@@ -246,6 +246,11 @@ class State:
         label = self.labels.get(self.identity(h))
         return self.jobs.get(label) if label is not None else None
 
+    def known_schema(self, h: wire.Header, digest: str):
+        """The job's schema of that hash, if it holds one (wire.decode: resends are not parsed again)."""
+        job = self._job(h)
+        return job.schemas.get(digest) if job else None
+
     def schema_sizes(self, h: wire.Header, digest: str):
         job = self._job(h)
         s = job.schemas.get(digest) if job else None

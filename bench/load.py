@@ -191,8 +191,10 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
 
     while time.time() < t0:
         time.sleep(0.01)
-    next_schema = next_beat = time.time()
-    schema_gap = args.schema_every_s
+    next_beat = time.time()
+    rng = np.random.default_rng(idx)
+    next_schema = {(job.name, r): next_beat for job, r in mine}  # each rank's own schedule, as agents keep it
+    schema_gap = {k: args.schema_every_s for k in next_schema}
     step = 0
     step_s = 1.0 / args.steps_per_s if args.steps_per_s > 0 else 0.1
     while (n_steps is None or step < n_steps) and time.time() < deadline:
@@ -201,11 +203,12 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
             if wait > 0:
                 time.sleep(wait)
         now = time.time()
-        if now >= next_schema:  # as the agent does: at start, then after 10 s, 20 s, ... (at most 32x)
-            for job, r in mine:
-                send(job, r, schema_frame(job, r, seq[(job.name, r)]), "schema")
-            next_schema = now + schema_gap
-            schema_gap = min(2 * schema_gap, 32 * args.schema_every_s)
+        for job, r in mine:  # as the agent does: at start, then after 10 s, 20 s, ... (at most 32x), each up to 25 % late
+            k = (job.name, r)
+            if now >= next_schema[k]:
+                send(job, r, schema_frame(job, r, seq[k]), "schema")
+                next_schema[k] = now + schema_gap[k] * (1 + 0.25 * rng.random())
+                schema_gap[k] = min(2 * schema_gap[k], 32 * args.schema_every_s)
         if args.heartbeat_s > 0 and now >= next_beat:  # only ranks that sent nothing for heartbeat_s
             for job, r in mine:
                 if now - sent_at[(job.name, r)] >= args.heartbeat_s:

@@ -664,7 +664,21 @@ def _rejection(frame: bytes, e: msgspec.ValidationError) -> WireError:
     return WireError("bad_field", text[:80])
 
 
-def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None) -> Message:
+class _SchemaHead(msgspec.Struct, frozen=True):
+    """A schema message without its lists (they are skipped, not built): for a resend of a schema
+    the receiver holds already."""
+
+    header: Header
+    host: _Name
+    local_rank: _Nat
+    every: _Nat
+    hash: _Str64 = ""
+
+
+_SCHEMA_HEAD = msgspec.msgpack.Decoder(_SchemaHead)
+
+
+def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None, known_schema=None) -> Message:
     """Decode one frame into a :class:`Schema`, :class:`Steps`, :class:`Report` or :class:`Heartbeat`.
 
     Args:
@@ -673,6 +687,10 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None) -> Messag
         schema_sizes: optional ``(header, schema_hash) -> (n_params, n_slots)`` callable; when
             given, a probe report's arrays and any record's ``grad_norms`` must have exactly
             those row counts (it may return ``(None, None)`` for an unknown schema).
+        known_schema: optional ``(header, schema_hash) -> Schema | None``; a schema message whose
+            hash it knows is that schema under the message's own header, host, local rank and
+            cadence, its lists neither built nor hashed again (every rank of a large job resends
+            the same ones).
 
     Returns:
         The message; its arrays are read-only views of ``frame`` in the wire's dtypes.
@@ -683,11 +701,16 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None) -> Messag
     if len(frame) > limits.max_message_bytes:
         raise WireError("too_large", f"{len(frame)} bytes")
     try:  # the version first: a frame of another protocol is "version", whatever else it holds
-        v = _PEEK.decode(frame).v
+        env = _PEEK.decode(frame)
+        v, kind = env.v, env.kind
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
-        v = PROTOCOL_VERSION  # not a message at all: the full decode below says why
+        v, kind = PROTOCOL_VERSION, None  # not a message at all: the full decode below says why
     if v != PROTOCOL_VERSION:
         raise WireError("version", f"got {v!r:.20}, speak {PROTOCOL_VERSION}")
+    if kind == "schema" and known_schema is not None:
+        known = _known(frame, known_schema)
+        if known is not None:
+            return known
     try:
         m = _DECODER.decode(frame)
     except msgspec.ValidationError as e:
@@ -698,6 +721,19 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None) -> Messag
         raise WireError("malformed", "nested too deeply") from None
     _check_header(m.header)
     return _FINISH[type(m)](m, limits, schema_sizes)
+
+
+def _known(frame: bytes, known_schema) -> Optional[Schema]:
+    """The schema a resend names by its hash, if ``known_schema`` holds it (see :func:`decode`)."""
+    try:
+        head = _SCHEMA_HEAD.decode(frame)
+        _check_header(head.header)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError, WireError):
+        return None  # the full decode names the fault
+    s = known_schema(head.header, head.hash) if head.hash else None
+    if s is None:
+        return None
+    return msgspec.structs.replace(s, header=head.header, host=head.host, local_rank=head.local_rank, every=head.every)
 
 
 def peek(frame: bytes) -> Optional[tuple[str, str]]:

@@ -344,7 +344,7 @@ def test_schema_resends_back_off_from_schema_every_s_to_32_times_it_and_restart_
         sent_at.append(clock.t)
         return wire.Schema(h, "host", 0, 0, params, ())
 
-    s = sender(collector, clock, schema=schema, schema_every_s=10.0, heartbeat_s=1e9).start()
+    s = sender(collector, clock, schema=schema, schema_every_s=10.0, schema_jitter=0.0, heartbeat_s=1e9).start()
     try:
         connected(s, collector, clock)
         start = len(sent_at)
@@ -370,6 +370,36 @@ def test_schema_resends_back_off_from_schema_every_s_to_32_times_it_and_restart_
     diffs = np.diff(sent_at[-len(gaps) - 3:-2])
     assert diffs.tolist() == pytest.approx(gaps)
     collector.wait(lambda: len(collector.of(wire.Schema)) >= len(sent_at), what="every schema sent")
+
+
+def test_schema_resends_come_up_to_a_quarter_of_each_gap_late_at_random(collector):
+    """With the default jitter each resend comes 0-25 % of its gap late, drawn at random: the
+    ranks of a job that started together do not resend as one wave."""
+    clock = Clock()
+    sent_at = []
+
+    def schema(h):
+        sent_at.append(clock.t)
+        return wire.Schema(h, "host", 0, 0, (("w", (2,), "float32"),), ())
+
+    s = sender(collector, clock, schema=schema, schema_every_s=10.0, heartbeat_s=1e9).start()
+    try:
+        connected(s, collector, clock)
+        start = len(sent_at)
+        assert start >= 1
+        for k in range(4):  # resends 10, 20, 40, 80 s apart, each up to a quarter later
+            gap = 10.0 * 2 ** k
+            move_to(s, clock, sent_at[-1] + gap - 0.5)
+            assert len(sent_at) == start + k, f"a resend before its {gap} s"
+            for t in np.arange(gap, 1.25 * gap + 1.0, gap / 50):
+                move_to(s, clock, sent_at[start + k - 1] + t)
+                if len(sent_at) > start + k:
+                    break
+            assert len(sent_at) == start + k + 1, f"no resend within 1.25 x {gap} s"
+    finally:
+        s.close()
+    late = [(b - a) / (10.0 * 2 ** k) for k, (a, b) in enumerate(zip(sent_at[start - 1:], sent_at[start:]))]
+    assert all(1.0 <= x <= 1.25 + 0.03 for x in late) and len({round(x, 3) for x in late}) > 1, late
 
 
 def test_a_refused_steps_message_drops_each_of_its_records_once(collector):

@@ -674,3 +674,23 @@ def test_peek_reads_the_job_identity_alone():
         assert wire.peek(wire.encode(msg)) == ("j1", "k1")
     for junk in (b"", b"\xc1", pack([1]), pack({"header": 5}), b"\x91" * 10_000):
         assert wire.peek(junk) is None
+
+
+def test_a_resent_schema_with_a_known_hash_is_not_parsed_again():
+    """The aggregator passes the schemas it holds: a resend with a known hash takes their lists,
+    which the bogus lists of this frame prove (they would be rejected if parsed), under its own
+    header, host, local rank and cadence; an unknown hash is parsed and checked."""
+    s = schema()
+    m = raw(s)
+    m.update(params=[["bogus"]], slots=[[1]], host="other-host", every=3)
+    m["header"]["seq"] = 9
+    frame = pack(m)
+    assert reason_of(frame) == "bad_field"
+    got = wire.decode(frame, known_schema=lambda h, digest: s if digest == s.hash else None)
+    assert (got.params, got.slots, got.hash, got.mesh, got.shard) == (s.params, s.slots, s.hash, s.mesh, s.shard)
+    assert got.header.seq == 9 and got.host == "other-host" and got.every == 3
+    assert wire.decode(wire.encode(s), known_schema=lambda h, d: None) == s  # unknown: parsed
+    m["header"]["rank"] = 99  # a bad header is never taken for a known schema's
+    assert reason_of(pack(m)) == "bad_field"
+    with pytest.raises(wire.WireError):
+        wire.decode(pack(m), known_schema=lambda h, d: s)
