@@ -71,6 +71,8 @@ class Intake:
     Attributes:
         bytes: bytes of frames held now.
         dropped: frames dropped for lack of room (the writer counts them as ``overload``).
+        dropped_jobs: the jobs whose frames were dropped since the writer last asked
+            (:meth:`take_dropped`), by the identity their headers claim.
         ready: set when frames are waiting.
     """
 
@@ -79,6 +81,7 @@ class Intake:
         self.bytes = 0
         self.frames = 0
         self.dropped = 0
+        self.dropped_jobs: set = set()
         self.ready = threading.Event()
         self._queues: dict = {}  # job -> deque of (frame, user id), oldest first
         self._bytes: collections.Counter = collections.Counter()  # job -> bytes held
@@ -103,13 +106,13 @@ class Intake:
         q = self._queues.get(job)
         held, held_bytes = (len(q), self._bytes[job]) if q is not None else (0, 0)
         if n > self.max_bytes:
-            self.dropped += 1
+            self._drop(job)
             return
         full = self.frames + 1 > self.max_frames or self.bytes + n > self.max_bytes
         if full or 2 * (self.frames + 1) > self.max_frames or 2 * (self.bytes + n) > self.max_bytes:
             shares = len(self._queues) + (q is None) + 1  # and one for a newcomer
             if held + 1 > self.max_frames / shares or held_bytes + n > self.max_bytes / shares:
-                self.dropped += 1  # past its share: its own frame goes
+                self._drop(job)  # past its share: its own frame goes
                 return
             while full:  # below its share and no room: the largest holder's oldest frame makes room
                 self._evict(max(self._queues, key=lambda j: (len(self._queues[j]), self._bytes[j])))
@@ -124,7 +127,18 @@ class Intake:
     def _evict(self, job) -> None:
         frame, _ = self._queues[job].popleft()
         self._forget(job, len(frame))
+        self._drop(job)
+
+    def _drop(self, job) -> None:
         self.dropped += 1
+        if job is not None and job[1] is not None:
+            self.dropped_jobs.add(job[1])
+
+    def take_dropped(self) -> set:
+        """Writer thread: the ``(job, key)`` identities whose frames were dropped since the last call."""
+        with self._lock:
+            out, self.dropped_jobs = self.dropped_jobs, set()
+        return out
 
     def _forget(self, job, n: int) -> None:
         self.frames -= 1
@@ -397,6 +411,7 @@ class Aggregator:
                 dropped = intake.dropped  # read once: the intake thread may add more meanwhile
                 if dropped != self._overload_counted:
                     self.state.reject("overload", dropped - self._overload_counted)
+                    self.state.overloaded(intake.take_dropped())
                     self._overload_counted = dropped
                 if self._refused is not None and self._refused.poll(0):
                     self._count_refused()

@@ -150,6 +150,9 @@ class JobState:
     pending_bytes: int = 0  # array bytes of the reports its open rounds hold
     exported_series: int = 0  # per-layer series its last_round exports
     table: Optional[StepTable] = None  # every rank's records of the steps not yet judged
+    #: aggregator clock when the intake last dropped a frame of this job (overload): silence since
+    #: then may be the aggregator's own, not the ranks'
+    overloaded_at: float = -math.inf
     #: counters of ranks forgotten after rank_ttl_s, so the job's totals never decrease
     forgotten: collections.Counter = field(default_factory=collections.Counter)
     #: the layouts of its rounds (names, columns, groups), by their schemas: every round reuses one
@@ -231,6 +234,16 @@ class State:
         """Count ``n`` messages rejected for ``reason``."""
         self.rejected[reason] += n
         self.version += 1
+
+    def overloaded(self, identities) -> None:
+        """The intake dropped frames of these jobs (``(job id, key)`` as their headers claim): mark
+        them, so the checks that judge silence know the aggregator missed some of what was sent."""
+        now = self.clock()
+        for ident in identities:
+            label = self.labels.get(ident)
+            if label in self.jobs:
+                self.jobs[label].overloaded_at = now
+                self.version += 1
 
     @staticmethod
     def identity(h: wire.Header) -> tuple[str, str]:

@@ -359,6 +359,27 @@ def test_rank_silent_names_a_rank_without_messages_but_not_one_that_said_goodbye
     assert j.events("rank_silent") == [("raised", 1), ("resolved", 1)]
 
 
+def test_silence_while_the_intake_drops_the_jobs_frames_names_no_rank():
+    """Overload (issue 9/14): the aggregator's intake dropped frames of this job. A rank it did
+    not hear from may have spoken: rank_silent, step_skew and training_stalled name nobody new for
+    silent_after_s after the last drop; then they judge again. Another job's drops change nothing."""
+    j = Job(["rank_silent", "step_skew", "training_stalled"], silent_after_s=5, stall_after_s=4)
+    for r in range(3):
+        j.heartbeat(r)
+    j.tick(1)
+    for _ in range(8):  # rank 1 goes unheard; its frames are among those dropped
+        j.state.overloaded({("elsewhere", ""), ("j", "")})
+        j.tick(1)
+        j.heartbeat(0)
+        j.heartbeat(2)
+    assert j.named("rank_silent") == [] and j.named("training_stalled") == []
+    for _ in range(6):  # the overload is over: the silence is the rank's own
+        j.tick(1)
+        j.heartbeat(0)
+        j.heartbeat(2)
+    assert j.named("rank_silent") == [1]
+
+
 # --- training_stalled ----------------------------------------------------------------------------
 
 

@@ -12,6 +12,10 @@ A goodbye is believed only while the job ends with it: a rank whose agent said g
 switched off after repeated errors, ...: the heartbeat's ``reason``) while the steps of its peers
 that are still heard pass its last step by more than ``skew_steps`` is named too. Its training
 goes on without monitoring, which is as blind as a silent rank.
+
+While the aggregator's intake is dropping this job's frames (overload: counted as
+``gradwatch_messages_rejected_total{reason="overload"}``), and for ``silent_after_s`` after, silence
+may be the aggregator's own: nothing new is named then (what was named stays named).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class RankSilent(Check):
     def on_tick(self, job, now):
         if not job.ranks:
             return Evaluation.no_data()
+        if now - job.overloaded_at < self.t.silent_after_s:
+            return None  # the aggregator dropped some of this job's frames: silence proves nothing
         findings = []
         live = [r.step for r in job.ranks.values() if not r.closing and now - r.last_seen <= self.t.silent_after_s]
         lead = max(live, default=-1)

@@ -10,6 +10,9 @@ business), and names the most-behind rank (the lowest rank number among ties) wh
 exceeded ``skew_steps`` for ``skew_for_s``: reports of fast steps arrive in batches, so for a moment
 one rank's latest *reported* step can trail another's by many steps while training is in lockstep.
 Fewer than two such ranks with a step: no data.
+
+While the aggregator's intake drops this job's frames (overload), and for ``silent_after_s`` after,
+this check names nobody new: what the aggregator missed is not the ranks' doing.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class StepSkew(Check):
         self._since: dict[str, float] = {}  # when the gap last went over skew_steps
 
     def on_tick(self, job, now):
+        if now - job.overloaded_at < self.t.silent_after_s:
+            return None  # the aggregator dropped some of this job's frames: a rank may only look behind
         live = [
             r for r in job.in_order()
             if not r.closing and r.step >= 0 and now - r.last_seen <= self.t.silent_after_s

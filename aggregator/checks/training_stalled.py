@@ -31,6 +31,9 @@ checkpointing or the host) it raises one job-level finding instead. Details carr
 waiting flag and seconds since its latest step. Training before its first completed step is not
 judged (start-up, compilation and data loading may take long): no data. The finding resolves at
 the next completed step, or when every rank has said goodbye.
+
+While the aggregator's intake drops this job's frames (overload), and for ``silent_after_s`` after,
+this check names nobody new: what the aggregator missed is not the ranks' doing.
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ class TrainingStalled(Check):
         return max(self.t.stall_after_s, self.t.stall_steps * median)
 
     def on_tick(self, job, now):
+        if now - job.overloaded_at < self.t.silent_after_s:
+            return None  # the aggregator dropped some of this job's frames: missing steps prove nothing
         live = [r for r in job.in_order() if not r.closing]
         last = max((r.last_report_at for r in live if r.steps), default=None)
         if not live:
