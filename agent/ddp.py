@@ -4,7 +4,8 @@ After all-reduce every rank holds the same gradient, so a rank whose data or dev
 only shows in what it contributed. DDP hands each gradient bucket to a communication hook before
 reducing it; :class:`CommHook` registers one (only when the model has none) that records the
 bucket's L2 norm on the device and the moment the step's first bucket was ready (the rank's own
-compute time, without waiting for peers), then delegates to :func:`allreduce_mean`, which reduces
+compute time, without waiting for peers) with the CPU wait so far of the threads the monitor
+follows (:class:`.measure.RunQueueWait`) and the id of the thread running the hook, then delegates to :func:`allreduce_mean`, which reduces
 exactly as DDP does without a hook. A user's hook registered later becomes the delegate instead of
 failing; one registered before attach can be wrapped with :meth:`CommHook.wrap`.
 """
@@ -12,6 +13,7 @@ failing; one registered before attach can be wrapped with :meth:`CommHook.wrap`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable, Optional
 
@@ -55,6 +57,11 @@ class CommHook:
         local_sq: float32 0-d device tensors, the L2 norm of each bucket seen this step (squared
             and summed by the report builder).
         first_bucket: ``clock()`` time the step's first bucket was ready, or None.
+        first_wait: ``wait.read()`` at that moment (the followed threads' schedstat, parsed by
+            :func:`.measure.waited_s` on the sender thread), b"" when unknown.
+        hook_tid: native id of the thread that ran the hook for the first bucket (the training
+            thread on CPU, an autograd device thread on CUDA), 0 before one.
+        wait: the monitor's :class:`.measure.RunQueueWait`, or None.
         live: cleared by the monitor when it closes or the process forks: observation stops, the
             delegate keeps reducing (DDP cannot drop a hook).
         disabled: the monitor's set of parts switched off; observation stops when it holds
@@ -74,7 +81,17 @@ class CommHook:
         self.live = True
         self.local_sq: list[torch.Tensor] = []
         self.first_bucket: Optional[float] = None
+        self.first_wait = b""
+        self.hook_tid = 0
+        self._hook_ident = 0
+        self.wait = None  # the monitor's RunQueueWait
         self._inner = None  # (state, hook) the buckets go on to
+        self.wrapped = False  # wrap() handed out a hook that observes
+
+    @property
+    def observing(self) -> bool:
+        """Buckets may reach :meth:`observe` (installed, or a user's hook wrapped)."""
+        return self._inner is not None or self.wrapped
 
     def install(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register on ``ddp`` unless it already has a hook (then log how to wrap it)."""
@@ -104,6 +121,7 @@ class CommHook:
             self.observe(bucket)
             return hook(state, bucket)
 
+        self.wrapped = True
         return wrapped
 
     def _hook(self, state, bucket):
@@ -118,6 +136,10 @@ class CommHook:
         try:
             if self.first_bucket is None:
                 self.first_bucket = self.clock()
+                self.first_wait = self.wait.read() if self.wait is not None else b""
+                ident = threading.get_ident()  # pthread_self: no system call, unlike the native id
+                if ident != self._hook_ident:
+                    self._hook_ident, self.hook_tid = ident, threading.get_native_id()
             self.local_sq.append(l2_norms([bucket.buffer()])[0])
         except Exception as e:
             self.on_error(PART, e)
@@ -126,3 +148,4 @@ class CommHook:
         """Forget the step's buckets (a step ended or was skipped)."""
         self.local_sq = []
         self.first_bucket = None
+        self.first_wait = b""

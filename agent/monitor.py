@@ -94,6 +94,10 @@ class Monitor:
         self._last_step_end = self._acct_end = time.perf_counter()
         self._pre_s = self._carry_s = 0.0  # the agent's own host time in this step so far (budget)
         self._train_tid = threading.get_native_id()  # the thread stepping the optimizer (see _post_step)
+        # CPU wait of the training thread (and of the thread running the DDP hook, when another)
+        # within the compute time: read where the interval starts (_post_step) and at the first bucket
+        self._wait = measure.RunQueueWait()
+        self._last_wait = b""  # its reading at the previous step's end (measure.waited_s parses it)
         self._slots: tuple = ()
         self._schema: Optional[wire.Schema] = None
         # the socket first: if it cannot be made, attach fails before any hook is in place
@@ -105,6 +109,8 @@ class Monitor:
         )
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and cfg.local_norms:
             self.comm.install(model)
+        self.comm.wait = self._wait
+        self._follow_wait()
         self._step_handles = [
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
@@ -135,6 +141,7 @@ class Monitor:
         self._close_reason = reason
         self._closed = self.failures.stopped = True
         self._stop_parts()
+        self._wait.close()
         self.recorder.remove(final=True)
         for h in self._step_handles:
             h.remove()
@@ -198,6 +205,16 @@ class Monitor:
             schema=self._schema.hash if self._schema is not None else "",
         )
 
+    def _follow_wait(self) -> None:
+        """Where the compute time's interval starts: follow the training thread and the latest
+        hook thread (only while buckets are observed: else no compute time to split) and read them."""
+        if not self.comm.observing:
+            self._last_wait = b""
+            return
+        train, hook = self._train_tid, self.comm.hook_tid
+        self._wait.follow((train,) if hook in (0, train) else (train, hook))
+        self._last_wait = self._wait.read()
+
     def _stop_parts(self) -> None:
         """Hooks that cannot be removed (DDP's, the scaler's while forked) stop observing."""
         self.comm.live = False
@@ -233,10 +250,14 @@ class Monitor:
         self._train_tid = threading.get_native_id()
         first = self.comm.first_bucket
         compute_time = (first - self._last_step_end) if first is not None else float("nan")
+        # the CPU wait over the same interval: both readings of the same threads' files (follow()
+        # changes them only here, after this), parsed on the sender thread
+        waits = (self._last_wait, self.comm.first_wait) if first is not None else None
         step_time, self._last_step_end = now - self._last_step_end, now
+        self._follow_wait()
         probed, hooks_s = self.recorder.probing, self.recorder.host_s
         try:
-            self._submit(step, step_time, compute_time)
+            self._submit(step, step_time, compute_time, waits)
         except Exception as e:
             self.failures("step", e)
         self.step = step + 1
@@ -255,7 +276,7 @@ class Monitor:
             self._acct_end, self._pre_s = end, 0.0
             self._carry_s = time.perf_counter() - end
 
-    def _submit(self, step: int, step_time: float, compute_time: float) -> None:
+    def _submit(self, step: int, step_time: float, compute_time: float, waits: Optional[tuple[bytes, bytes]] = None) -> None:
         pre, self._pre = self._pre, None
         present, sections, rows = pre if pre is not None else ([], {}, ())
         probe, rec = self.recorder.probing, self.recorder
@@ -281,7 +302,7 @@ class Monitor:
             micro=rec.micro if probe else 0, n_params=len(self._params), n_slots=len(self._slots),
             act=tuple((i, n) for i, n, _ in rec.act) if probe else (), grad=tuple(i for i, _ in rec.grad) if probe else (),
             calls=tuple((i, c, n) for i, (c, n) in rec.counts.items()) if probe else (),
-            probe_interval=self.schedule.interval, over_budget=self.schedule.over_budget,
+            probe_interval=self.schedule.interval, over_budget=self.schedule.over_budget, waits=waits or (),
             shard_dims=self.layout.dims, norms=self.fingerprints.enabled,
         )
         # the sender polls ``ready`` rather than waiting: a collective stuck on the device must not

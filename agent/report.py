@@ -29,6 +29,10 @@ class StepLayout:
         step_time: seconds from the previous step's end to this one's.
         compute_time: seconds from the previous step's end to this step's first DDP bucket (NaN
             without a communication hook).
+        waits: ``(start, end)``, the schedstat readings (:class:`.measure.RunQueueWait`) of the
+            training thread (and of the thread that ran the communication hook, when another) at
+            the previous step's end and at this step's first bucket, for the wire's
+            ``compute_wait`` (:func:`waited_s`); () when unknown.
         skipped: steps the loss scaler skipped since the previous report.
         schema: hash of the schema the report refers to.
         present: indices (into the model's parameters) of the parameters that had a gradient, in
@@ -72,10 +76,24 @@ class StepLayout:
     grad: tuple[int, ...] = ()
     calls: tuple[tuple[int, int, int], ...] = ()
     agent_cost: float = math.nan
+    waits: tuple[bytes, ...] = ()
     probe_interval: int = 0
     over_budget: bool = False
     shard_dims: tuple[tuple[int, ...], ...] = ()
     norms: bool = False
+
+
+def waited_s(start: bytes, end: bytes) -> float:
+    """Seconds the threads waited for a CPU between two :attr:`RunQueueWait.read` readings of the
+    same threads (run-queue wait, schedstat's second field of each thread, summed); NaN when
+    either is unknown or unreadable. Parsed here, on the sender thread, not where it was read (:class:`.measure.RunQueueWait`)."""
+    try:
+        a, b = start.split(), end.split()
+        if not a or len(a) != len(b) or len(a) % 3:
+            return math.nan
+        return (sum(map(int, b[1::3])) - sum(map(int, a[1::3]))) * 1e-9
+    except ValueError:
+        return math.nan
 
 
 def grad_sq(sq: np.ndarray, present, shard_dims) -> tuple[tuple[tuple[int, ...], float], ...]:
@@ -131,7 +149,8 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
         grad_norms[np.asarray(L.present)] = norms
     common = dict(
         grad_sq=grad_sq(sq, L.present, L.shard_dims) if L.shard_dims else None, grad_norms=grad_norms,
-        drops=drops, local_grad_norm=local_norm, compute_time=L.compute_time, loss=loss,
+        drops=drops, local_grad_norm=local_norm, compute_time=L.compute_time,
+        compute_wait=waited_s(*L.waits) if L.waits else math.nan, loss=loss,
         loss_scale=loss_scale, skipped=L.skipped,
         agent_cost=L.agent_cost, probe_interval=L.probe_interval, over_budget=L.over_budget,
     )

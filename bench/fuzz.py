@@ -138,7 +138,7 @@ _BODY_KEYS = {
               "agent_cost", "probe_interval", "over_budget"),
     "schema": ("hash", "host", "local_rank", "every", "params", "slots"),
     "report": ("schema", "step", "step_time", "grad_norm", "grad_nonfinite", "micro", "drops", "probe",
-               "local_grad_norm", "compute_time", "loss", "loss_scale", "skipped", "batch", "burst",
+               "local_grad_norm", "compute_time", "compute_wait", "loss", "loss_scale", "skipped", "batch", "burst",
                "act", "act_grad", "param", "fp_grad", "fp_weight"),
     "heartbeat": ("step", "sent", "drops", "errors", "closing", "in_step_s", "waiting", "reason", "run_s", "schema"),
 }

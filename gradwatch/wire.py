@@ -28,8 +28,8 @@ heartbeats carry the hash, which is all the aggregator needs once it holds a sch
 (every rank of a DDP job, or of one pipeline stage, sends the same).
 
 Per-step records. The values an agent measures at every optimizer step are the columns of
-:data:`STEP_COLUMNS` (step, step time, compute time, gradient norm after and before all-reduce,
-non-finite parameter count, loss, loss scale, skipped steps). ``steps`` carries the records of
+:data:`STEP_COLUMNS` (step, step time, compute time and the CPU wait within it, gradient norm
+after and before all-reduce, non-finite parameter count, loss, loss scale, skipped steps). ``steps`` carries the records of
 consecutive unprobed steps, coalesced by the agent's sender thread (a few messages per second,
 whatever the step rate): ``records``, raw bytes of n packed records of :data:`RECORD` (the columns
 in order, little-endian ``int64`` step, ``uint32`` counts, ``float64`` values; 1 <= n <=
@@ -59,7 +59,10 @@ declared once in :mod:`gradwatch.statistics`):
 Column meanings: ``step`` optimizer steps completed before this one, from 0; ``step_time`` seconds
 since the previous step ended; ``compute_time`` seconds from the previous step's end until this
 rank's first gradient bucket was ready for all-reduce (the rank's own work, without waiting for
-peers; NaN when unknown); ``grad_norm`` global L2 norm of all gradients before the optimizer step,
+peers; NaN when unknown); ``compute_wait`` seconds of that interval the rank's training thread
+(and the thread that ran its DDP communication hook, when another: an autograd device thread)
+spent waiting for a CPU, runnable but not running (Linux schedstat's run-queue wait): time the host
+starved the rank of, not its own work (NaN when unknown: no hook, no ``/proc``); ``grad_norm`` global L2 norm of all gradients before the optimizer step,
 after all-reduce (NaN or Inf as measured; NaN with no non-finite parameter: the step had no
 gradients); ``local_grad_norm`` the same before all-reduce, from the DDP communication hook (NaN
 when unknown); ``grad_nonfinite`` parameters whose gradient holds a NaN or Inf; ``loss`` mean of
@@ -297,6 +300,7 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("grad_nonfinite", "<u4"),
     Column("local_grad_norm", "<f8", math.nan),
     Column("compute_time", "<f8", math.nan),
+    Column("compute_wait", "<f8", math.nan),
     Column("loss", "<f8", math.nan),
     Column("loss_scale", "<f8", math.nan),
     Column("skipped", "<u4", 0),
@@ -657,6 +661,8 @@ def _rejection(frame: bytes, e: msgspec.ValidationError) -> WireError:
     except msgspec.ValidationError:  # a map whose keys are not strings, or no map at all
         is_map = frame[0] in _MAP_TYPES
         return WireError("malformed" if is_map else "not_a_map", text[:80])
+    except msgspec.DecodeError as d:  # a string that is not UTF-8 inside ``kind`` (Raw walks past strings)
+        return _malformed(d)
     if "`$.kind`" in text or "field `kind`" in text:
         return WireError("unknown_kind", repr(env.kind)[:40])
     if text.startswith("Object missing required field"):

@@ -6,6 +6,11 @@ Real parts only: a real GradScaler, a real DDP model over a one-rank gloo group,
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -20,6 +25,8 @@ from gradwatch.agent.amp import ScalerWatch
 from gradwatch.agent.ddp import CommHook
 from gradwatch.agent.failures import MAX_ERRORS, PART_ERRORS, Failures
 from gradwatch.agent.hooks import ProbeRecorder
+from gradwatch.agent.measure import RunQueueWait
+from gradwatch.agent.report import waited_s
 from gradwatch.agent.schedule import ProbeSchedule
 from gradwatch.agent.stats import Reducer
 
@@ -207,6 +214,128 @@ def test_comm_hook_stops_when_switched_off_and_reports_failures():
     assert len(errors) == 1
 
 
+# --- CPU wait (run-queue wait) within the compute time -----------------------------------------
+
+needs_schedstat = pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
+                                     reason="Linux schedstat")
+
+
+@pytest.fixture
+def shared_cpu():
+    """``(cpu, start)``: a CPU of this process, and ``start()`` for a process spinning pinned to it
+    (stopped when the test ends)."""
+    cpu = max(os.sched_getaffinity(0))
+    procs = []
+
+    def start():
+        p = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+        procs.append(p)
+        time.sleep(0.3)  # started and spinning
+        return p
+
+    yield cpu, start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _thread_wait(cpu: int, work) -> tuple[float, float]:
+    """``(seconds waited for a CPU, wall seconds)`` of a thread pinned to ``cpu`` doing ``work()``,
+    read from this thread (as the comm hook may read the training thread's) around it."""
+    tid, go, done, release = [], threading.Event(), threading.Event(), threading.Event()
+
+    def run():
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        tid.append(threading.get_native_id())
+        go.wait()
+        work()
+        done.set()
+        release.wait()
+
+    t = threading.Thread(target=run)
+    t.start()
+    while not tid:
+        time.sleep(0.001)
+    w = RunQueueWait()
+    assert w.follow((tid[0],)) and not w.follow((tid[0],))
+    a, t0 = w.read(), time.perf_counter()
+    go.set()
+    done.wait()
+    b, wall = w.read(), time.perf_counter() - t0
+    release.set()
+    t.join()
+    w.close()
+    assert w.read() == b"" and math.isnan(waited_s(a, w.read()))
+    waited = waited_s(a, b)
+    assert waited >= 0, (a, b)
+    return waited, wall
+
+
+@needs_schedstat
+def test_run_queue_wait_of_a_thread_sharing_its_cpu_with_a_spinner_and_of_a_sleeping_one(shared_cpu):
+    """A thread spinning on a CPU another process spins on waits for it about half the time (more
+    beside other load); a sleeping thread waits only to be woken, whatever the load."""
+    cpu, start = shared_cpu
+    start()
+    waited, wall = _thread_wait(cpu, lambda: _spin(0.4))
+    assert waited > 0.25 * wall, (waited, wall)
+    waited, wall = _thread_wait(cpu, lambda: time.sleep(0.4))
+    assert waited < 0.1 * wall, (waited, wall)  # woken late, preempted on the way in, beside other load
+
+
+def test_run_queue_wait_is_unknown_where_it_cannot_be_read():
+    w = RunQueueWait()
+    assert w.read() == b""  # following nothing
+    assert w.follow((2**31 - 1,)) and w.read() == b""  # no such thread
+    w.close()
+    assert w.read() == b""
+    # two threads' files, summed; readings of different threads or garbage are not comparable
+    assert waited_s(b"5 100 1\n7 20 2\n", b"9 150 2\n8 70 3\n") == pytest.approx(100e-9)
+    for a, b in ((b"5 100 1\n", b"9 150 2\n8 70 3\n"), (b"", b"1 2 3\n"), (b"1 x 3\n", b"1 2 3\n"), (b"1 2\n", b"1 3\n")):
+        assert math.isnan(waited_s(a, b)), (a, b)
+
+
+@needs_schedstat
+def test_the_monitor_sends_the_cpu_wait_within_each_compute_time(one_rank_group, collector, shared_cpu):
+    """A one-rank DDP job: each step's ``compute_wait`` lies within its ``compute_time``; steps that
+    spin pinned to a CPU another process spins on wait for it a large share of their compute time,
+    steps that sleep as long (the fault matrix's straggler) none of their sleep."""
+    from gradwatch import agent
+
+    cpu, start = shared_cpu
+    ddp = nn.parallel.DistributedDataParallel(net())
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    monitor = agent.attach(ddp, opt, endpoint=collector.endpoint, job="wait", every=1000)
+    before = os.sched_getaffinity(0)
+    try:
+        for step in range(16):
+            if step == 8:  # the second half: this thread shares its CPU with a spinning process
+                os.sched_setaffinity(0, {cpu})
+                start()
+            (_spin if step >= 8 else time.sleep)(0.03)
+            ddp(torch.randn(4, 4)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        os.sched_setaffinity(0, before)
+        monitor.close()
+    reps = collector.wait_steps(16, job="wait")
+    compute = np.array([reps[s].compute_time for s in range(16)])
+    wait = np.array([reps[s].compute_wait for s in range(16)])
+    assert np.isfinite(wait).all() and (wait >= 0).all() and (wait <= compute + 1e-3).all(), (wait, compute)
+    # asleep: the 30 ms of sleep are the rank's own time (a preemption just before the sleep began
+    # counts as wait and shortens it: time.sleep keeps its deadline), the moments awake may wait
+    assert np.median(compute[1:8] - wait[1:8]) >= 0.028, (wait, compute)
+    assert np.median(wait[9:] / compute[9:]) > 0.25, (wait, compute)  # spinning beside a spinner: about half waiting
+    assert not monitor.errors
+
+
 # --- report builder -------------------------------------------------------------------------------
 
 
@@ -227,8 +356,10 @@ def test_report_from_a_probe_frame():
     flat, counts = frame.pack(sections)
     h = wire.Header("j", 0, 2, "b", 1, 0.0)
     L = report.StepLayout(step=3, step_time=0.5, compute_time=0.25, skipped=1, schema="s", present=(0, 2), counts=counts,
-                          probe=True, burst=True, batch=8, micro=2, n_params=3, n_slots=2, act=((1, 2), (1, 2)), grad=(1, 1))
+                          probe=True, burst=True, batch=8, micro=2, n_params=3, n_slots=2, act=((1, 2), (1, 2)), grad=(1, 1),
+                          waits=(b"900 1000000000 4\n", b"950 1062500000 7\n"))
     r = report.build(h, L, flat.numpy(), drops=5)
+    assert r.compute_wait == pytest.approx(0.0625)  # 62.5 ms of the 250 waiting for a CPU
     assert (r.step, r.probe, r.burst, r.batch, r.micro, r.skipped, r.drops) == (3, True, True, 8, 2, 1, 5)
     assert r.grad_norm == 5.0 and r.grad_nonfinite == 0 and r.local_grad_norm == 10.0 / 4 and r.loss == 1.5 and r.loss_scale == 4.0
     assert np.array_equal(r.param, np.array([[3, 1, 0], [np.nan, 2, np.nan], [4, 3, 2]], np.float32), equal_nan=True)
@@ -239,6 +370,7 @@ def test_report_from_a_probe_frame():
     sentinel, counts = frame.pack({})  # a step without gradients: NaN statistics, nothing else
     s = report.build(h, report.StepLayout(4, 0.5, math.nan, 0, "s", (), counts), sentinel.numpy(), drops=0)
     assert not s.probe and math.isnan(s.grad_norm) and math.isnan(s.loss) and s.grad_nonfinite == 0
+    assert math.isnan(s.compute_wait)  # no readings: unknown
     assert r.grad_norms is None  # nobody to compare them with (StepLayout.norms)
 
 

@@ -56,7 +56,7 @@ def report(probe=True, **kw) -> wire.Report:
     base = dict(
         header=header(), schema=schema().hash, step=20, step_time=0.125, grad_norm=3.5,
         grad_nonfinite=0, micro=4, drops=2, probe=probe, local_grad_norm=2.25, compute_time=0.0625,
-        batch=32, burst=True, loss=1.75, loss_scale=65536.0, skipped=1,
+        compute_wait=0.015625, batch=32, burst=True, loss=1.75, loss_scale=65536.0, skipped=1,
         agent_cost=0.0078125, probe_interval=64, over_budget=True,
     )
     if probe:
@@ -338,6 +338,9 @@ def test_C30d_deep_nesting_and_odd_top_level_values():
     assert reason_of(pack([1, 2, 3])) == "not_a_map"
     assert reason_of(pack(3.5)) == "not_a_map"
     assert reason_of(pack({1: 2})) == "malformed"  # non-string map key
+    # a string that is not UTF-8 inside a ``kind`` of the wrong type (found by bench/fuzz.py)
+    assert reason_of(b"\x82\xa1v\x02\xa4kind\x81\xa1\xff\x01") == "malformed"
+    assert reason_of(b"\x82\xa1v\x02\xa4kind\x91\xa1\xff") == "malformed"
     m = raw(heartbeat())
     m["x"] = msgpack.ExtType(1, b"ab")  # an unknown key is not read, whatever it holds
     assert isinstance(wire.decode(pack(m)), wire.Heartbeat)
@@ -571,10 +574,23 @@ def test_steps_from_columns_hold_the_defaults_of_the_columns_left_out():
                                                       grad_nonfinite=[0, 1])))
     assert got.step.tolist() == [3, 4] and got.grad_nonfinite.tolist() == [0, 1]
     assert np.isnan(got.loss).all() and np.isnan(got.compute_time).all() and (got.skipped == 0).all()
+    assert np.isnan(got.compute_wait).all()  # an agent that does not measure it
     with pytest.raises(ValueError, match="grad_norm"):
         wire.Steps.columns(header(), "h", step=[3], step_time=[0.1], grad_nonfinite=[0])
     with pytest.raises(ValueError):  # records of another layout
         wire.encode(msgspec.structs.replace(steps(), records=np.zeros(3, [("step", "<i8")])))
+
+
+def test_the_cpu_wait_within_the_compute_time_travels_in_reports_and_steps():
+    got = wire.decode(wire.encode(report(probe=False, compute_wait=0.003)))
+    assert got.compute_wait == 0.003 and type(msgpack.unpackb(wire.encode(got))["compute_wait"]) is float
+    reps = [report(probe=False, step=s, compute_time=0.02 * s, compute_wait=w) for s, w in ((1, 0.0), (2, math.nan), (3, 0.0125))]
+    got = wire.decode(wire.encode(wire.Steps.of(reps)))
+    assert got.compute_wait.dtype == np.dtype("<f8")
+    assert got.compute_wait[0] == 0.0 and math.isnan(got.compute_wait[1]) and got.compute_wait[2] == 0.0125
+    old = raw(report(probe=False))
+    del old["compute_wait"]  # a report from an agent before the column
+    assert math.isnan(wire.decode(pack(old)).compute_wait)
 
 
 def test_steps_carry_sharded_sums_of_squares_per_record():
