@@ -34,11 +34,11 @@ import numpy as np
 WAIT_S = 2.0
 #: rows a table starts with
 MIN_ROWS = 64
-#: cells (rows x world) a table holds at most: with :data:`COLUMNS` about 50 bytes each
+#: cells (rows x world) a table holds at most: with :data:`COLUMNS` about 60 bytes each
 MAX_CELLS = 1 << 20
 
 #: the per-step values the checks read: wire.STEP_COLUMNS names, and whether a probe report carried it
-COLUMNS = ("step_time", "compute_time", "grad_norm", "local_grad_norm", "grad_nonfinite", "probe")
+COLUMNS = ("step_time", "compute_time", "compute_wait", "grad_norm", "local_grad_norm", "grad_nonfinite", "probe")
 
 
 class StepView:
@@ -47,8 +47,9 @@ class StepView:
     Attributes:
         step: the optimizer step.
         ranks: int64 [n], ascending.
-        step_time, compute_time, grad_norm, local_grad_norm: float64 [n], seconds and L2 norms
-            (wire ``STEP_COLUMNS``; a sharded rank's ``grad_norm`` is the global norm of its shard
+        step_time, compute_time, compute_wait, grad_norm, local_grad_norm: float64 [n], seconds
+            and L2 norms (wire ``STEP_COLUMNS``; ``compute_wait`` NaN where the agent cannot
+            measure it; a sharded rank's ``grad_norm`` is the global norm of its shard
             group, NaN until the whole group reported, see :mod:`.shards`).
         grad_nonfinite: float64 [n], parameters with a non-finite gradient.
         probe: bool [n], the record came with a probed step's report.

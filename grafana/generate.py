@@ -388,17 +388,25 @@ def rank_health(t: Thresholds) -> dict:
         timeseries("Step time per rank", "Wall time of each rank's latest optimizer step (waiting in all-reduce included).",
                    [target(f"gradwatch_rank_step_seconds{{{JR}}}", "rank {{rank}}")], unit="s", minimum=0),
         timeseries("Straggler score per rank (relative)", (
-            "Median over the latest straggler_windows windows' steps of the other ranks' median compute time at "
-            "the step divided by this rank's, capped at 1: 1 is no slower than its typical peer. Dashed line: "
+            "Median over the latest straggler_windows windows' steps of the other ranks' median own time at "
+            "the step (compute time less CPU wait) divided by this rank's, capped at 1: 1 is no slower than its "
+            "typical peer. Dashed line: "
             "straggler_score "
             f"({t.straggler_score:g})."),
             [target(f"gradwatch_rank_straggler_relative_score{{{JR}}}", "rank {{rank}}")],
             unit="percentunit", minimum=0, maximum=1, lines=((t.straggler_score, "red"),)),
         timeseries("Straggler score per rank (individual)",
-                   "The rank's best window median compute time per step divided by its latest: below 1 when it got "
+                   "The rank's best window median own time per step divided by its latest: below 1 when it got "
                    "slower than it used to be (all ranks together: the job got slower).",
                    [target(f"gradwatch_rank_straggler_individual_score{{{JR}}}", "rank {{rank}}")],
                    unit="percentunit", minimum=0, maximum=1),
+        timeseries("CPU wait per rank", (
+            "Share of each rank's compute time its training thread spent waiting for a CPU (Linux run-queue wait; "
+            "median over its latest straggler_window steps): the host starving the rank, which straggler leaves "
+            "out of its own time. High on one rank: another busy process shares its cores; on every rank: more "
+            "busy threads than cores."),
+            [target(f"gradwatch_rank_straggler_cpu_wait_ratio{{{JR}}}", "rank {{rank}}")],
+            unit="percentunit", minimum=0, maximum=1),
         timeseries("Heartbeat age per rank", (
             "Seconds since the aggregator last heard from each rank (heartbeats come every second). Dashed "
             f"line: silent_after_s ({t.silent_after_s:g} s)."),

@@ -67,7 +67,7 @@ class Job:
                                         in_step_s=in_step_s, waiting=waiting, run_s=run_s))
 
     def report(self, rank: int, step: int, *, step_time=0.1, compute_time=math.nan, local=math.nan,
-               probe=False, act_std=1.0, nonfinite=0.0):
+               probe=False, act_std=1.0, nonfinite=0.0, compute_wait=math.nan):
         arrays = {}
         if probe:
             act = np.tile(np.array([0.0, act_std, -1.0, 1.0, 0.1, nonfinite], np.float32), (len(SLOTS), 1))
@@ -78,7 +78,7 @@ class Job:
             )
         self.state.apply(wire.Report(
             self.header(rank), wire.schema_hash(PARAMS, SLOTS), step, step_time, 1.0, 0,
-            probe=probe, local_grad_norm=local, compute_time=compute_time, **arrays,
+            probe=probe, local_grad_norm=local, compute_time=compute_time, compute_wait=compute_wait, **arrays,
         ))
 
     def tick(self, dt: float = 0.0) -> None:
@@ -318,6 +318,92 @@ def test_straggler_never_names_a_clean_rank_under_heavy_tailed_descheduling():
         j = Job(["straggler"], world=world, **SENSITIVE)
         _feed(j, _jittered_times(rng, 300, world))
         assert j.events("straggler") == [], run
+
+
+def _starved_times(rng: np.random.Generator, steps: int, world: int, starved: int, slow_rank=None, start: int = 35,
+                   factor: float = 0.3) -> tuple[np.ndarray, np.ndarray]:
+    """``(compute, wait)`` [steps, world]: the jitter of :func:`_jittered_times`, and rank
+    ``starved`` sharing its core with a busy process for stretches of 20-60 steps (the clean
+    findings of the fault matrix's CNN runs): 40-70 % slower in wall time then, all of it time its
+    thread waited for a CPU (run-queue wait), plus a little wait on every rank. ``slow_rank``
+    sleeps ``factor`` of a step from ``start`` on, as :func:`_jittered_times` has it."""
+    work = _jittered_times(rng, steps, world, slow_rank, start, factor)  # the sleep as part of the rank's own time
+    wait = work * rng.uniform(0.0, 0.03, work.shape)  # a wake-up's latency here and there
+    s = 0
+    while s < steps:
+        n = int(rng.integers(20, 61))
+        if rng.random() < 0.6:
+            wait[s:s + n, starved] += work[s:s + n, starved] * rng.uniform(0.4, 0.7)
+        s += n + int(rng.integers(0, 20))
+    return work + wait, wait
+
+
+def _feed_waits(j: Job, compute: np.ndarray, wait) -> None:
+    for step in range(1, len(compute)):
+        for r in range(j.world):
+            j.report(r, step, compute_time=float(compute[step, r]),
+                     compute_wait=math.nan if wait is None else float(wait[step, r]))
+
+
+def test_straggler_leaves_out_cpu_wait_so_a_starved_rank_is_not_named_but_a_sleeping_one_is():
+    """A rank starved of CPU (wall time 40-70 % longer for tens of steps, all of it run-queue wait)
+    is named at the fault matrix's 30 % settings when only wall times are known, and never once its
+    wait is excluded; a rank that sleeps 30 % of a step (no wait) still is, starved or not."""
+    rng = np.random.default_rng(7)
+    named_wall = 0
+    for run in range(40):
+        world = 2 + run % 3
+        starved = run % world
+        compute, wait = _starved_times(rng, 200, world, starved)
+        j = Job(["straggler"], world=world, **SENSITIVE)
+        _feed_waits(j, compute, None)  # no wait measured: compute times as they are
+        named_wall += bool(j.events("straggler"))
+        j = Job(["straggler"], world=world, **SENSITIVE)
+        _feed_waits(j, compute, wait)
+        assert j.events("straggler") == [], run
+    assert named_wall >= 30  # what the wait fixes: the starved rank looks like a straggler in wall time
+    for run in range(45):
+        world = 2 + run % 3
+        starved, slow = run % world, (run // 3) % world  # the sleeper is the starved rank in a third of runs
+        compute, wait = _starved_times(rng, 100, world, starved, slow_rank=slow)
+        j = Job(["straggler"], world=world, **SENSITIVE)
+        _feed_waits(j, compute, wait)
+        assert [r for e, r in j.events("straggler") if e == "raised"] == [slow], run
+        (f,) = j.runner.active[("j", "straggler")].values()
+        assert f.details["source"] == "compute_time_less_wait" and f.step - 35 <= 64, run
+
+
+def test_straggler_exports_the_cpu_wait_share_and_says_it_in_the_finding():
+    j = Job(["straggler"], world=3, straggler_window=4, straggler_windows=2)
+    for step in range(1, 9):  # rank 1: 50 ms, 20 of them waiting for a CPU; rank 2: 50 ms of its own
+        for r, (c, w) in enumerate([(0.010, 0.001), (0.050, 0.020), (0.050, 0.0)]):
+            j.report(r, step, compute_time=c, compute_wait=w)
+    assert j.value("rank_straggler_cpu_wait_ratio", "0") == pytest.approx(0.1)
+    assert j.value("rank_straggler_cpu_wait_ratio", "1") == pytest.approx(0.4)
+    assert j.value("rank_straggler_cpu_wait_ratio", "2") == 0.0
+    # own times 9, 30, 50 ms: ranks 1 and 2 against their peers' medians (29.5 and 19.5 ms)
+    assert j.value("rank_straggler_relative_score", "1") == pytest.approx(0.0295 / 0.030)
+    assert j.value("rank_straggler_relative_score", "2") == pytest.approx(0.0195 / 0.050)
+    assert j.named("straggler") == [2]
+    (f,) = j.runner.active[("j", "straggler")].values()
+    assert f.details["source"] == "compute_time_less_wait" and f.details["cpu_wait_ratio"] == 0.0
+    assert "compute time less CPU wait" in f.summary
+    j = Job(["straggler"], world=2, straggler_window=4, straggler_windows=2)
+    for step in range(1, 9):  # one rank's agent cannot measure the wait: compute times as they are
+        j.report(0, step, compute_time=0.010, compute_wait=0.0)
+        j.report(1, step, compute_time=0.050)
+    assert j.named("straggler") == [1]
+    (f,) = j.runner.active[("j", "straggler")].values()
+    assert f.details["source"] == "compute_time" and math.isnan(f.details["cpu_wait_ratio"])
+    assert "rank_straggler_cpu_wait_ratio" not in j.runner.view().values or not any(
+        k[0] == "j" for k in j.runner.view().values["rank_straggler_cpu_wait_ratio"])
+    j = Job(["straggler"], world=2, straggler_window=4, straggler_windows=2, straggler_exclude_wait=False)
+    for step in range(1, 9):  # switched off: wall compute times, the wait still exported
+        j.report(0, step, compute_time=0.010, compute_wait=0.0)
+        j.report(1, step, compute_time=0.050, compute_wait=0.040)
+    assert j.named("straggler") == [1] and j.value("rank_straggler_cpu_wait_ratio", "1") == pytest.approx(0.8)
+    (f,) = j.runner.active[("j", "straggler")].values()
+    assert f.details["source"] == "compute_time" and "waited for a CPU 80%" in f.summary
 
 
 def test_straggler_stays_healthy_when_goodbyes_overtake_the_last_reports():

@@ -137,3 +137,39 @@ def test_random_interleavings_release_every_step_once_in_order(seed):
     for v in released:
         assert set(v.ranks.tolist()) <= {k for k in range(world) if (v.step, k) not in lost}
         assert all(math.isclose(g, v.step * 10.0 + k) for g, k in zip(v.grad_norm, v.ranks))
+
+
+def test_the_cpu_wait_column_reaches_the_step_view_from_the_wire():
+    """A steps batch and a probe's report through the aggregator's state: each rank's
+    ``compute_wait`` beside its ``compute_time`` in the released step's view, NaN from an agent
+    without it."""
+    from gradwatch import wire
+    from gradwatch.aggregator.checks import Check, Runner, Thresholds
+    from gradwatch.aggregator.state import State
+
+    seen = []
+
+    class Views(Check):
+        name = "views"
+
+        def on_steps(self, job, views):
+            seen.extend(views)
+
+    runner = Runner([], Thresholds())
+    runner.checks = {"views": Views(Thresholds())}
+    state = State(grace_s=5.0, clock=lambda: 1000.0, runner=runner)
+    params, slots = (("w", (2,), "float32"),), (("fc", "", "Linear", "float32"),)
+    digest = wire.schema_hash(params, slots)
+
+    def rec(rank, step, wait):
+        return wire.Report(wire.Header("j", rank, 2, f"b{rank}", step, 1000.0), digest, step, 0.1, 1.0, 0,
+                           compute_time=0.05, compute_wait=wait)
+
+    state.apply(wire.Steps.of([rec(0, s, 0.01 * s) for s in (1, 2)]))
+    state.apply(wire.Steps.of([rec(1, s, math.nan) for s in (1, 2)]))
+    state.apply(rec(0, 3, 0.004))
+    state.apply(rec(1, 3, 0.002))
+    by_step = {v.step: v for v in seen}
+    assert sorted(by_step) == [1, 2, 3]
+    assert by_step[2].compute_wait[0] == 0.02 and math.isnan(by_step[2].compute_wait[1])
+    assert by_step[3].compute_wait.tolist() == [0.004, 0.002] and by_step[3].compute_time.tolist() == [0.05, 0.05]

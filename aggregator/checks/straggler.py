@@ -5,9 +5,17 @@ slow rank (a throttled or faulty device, a noisy neighbour, a slow input pipelin
 slows the whole job while every rank's *step* time looks the same. This check therefore times
 what each rank does on its own: ``Report.compute_time``, from the end of its previous optimizer
 step until its first gradient bucket is handed to all-reduce — forward, most of backward and data
-loading, but no waiting for peers. At a step where some reporting rank's agent cannot measure it
-(no DDP communication hook; NaN) the ranks are compared by their step times instead. Step 0
-(start-up) is left out.
+loading, but no waiting for peers — less ``Report.compute_wait``, the part of it the rank's
+training thread spent waiting for a CPU (Linux run-queue wait: runnable, not running). That wait
+is the host starving the rank (another busy process on its core, more threads than cores), not
+the rank's own slowness: on a shared host a rank that shares its core with a busy process is
+40-70 % slower in wall time for tens of steps, just like a rank whose device or data is slow, and
+only the wait tells the two apart. Its *own time* is thus ``compute_time - compute_wait`` (the
+wait clipped to the compute time), and the share excluded is exported per rank
+(``rank_straggler_cpu_wait_ratio``) so starvation stays visible. At a step where some reporting
+rank's agent cannot measure the wait (NaN: an older agent, no ``/proc``) the ranks' compute times
+are compared as they are; where some cannot measure the compute time (no DDP communication hook)
+their step times. Step 0 (start-up) is left out.
 
 Every comparison is made *within a step*: a step is judged once every rank has reported it (see
 :mod:`..steps`), each rank's time against the median of the other ranks' times at that same step.
@@ -81,6 +89,7 @@ class _Rank:
     below: int = 0  # windows in the span when the span is slow, else 0
     source: str = "compute_time"
     step: int = -1  # last step of the latest complete window
+    wait_share: float = math.nan  # median CPU-wait share of the compute time over the latest window (NaN: unknown)
 
 
 class _Windows:
@@ -88,8 +97,9 @@ class _Windows:
     per step for all ranks, not one per rank).
 
     Attributes:
-        times, ratios, excess: float64 [world, window]: the open window's own times (s), peers'
-            median / own, own - peers' median (s); the first ``fill[k]`` of row k are set.
+        times, ratios, excess, shares: float64 [world, window]: the open window's own times (s),
+            peers' median / own, own - peers' median (s), CPU wait / compute time (NaN: unknown);
+            the first ``fill[k]`` of row k are set.
         span_ratios, span_excess: float64 [world, windows, window]: the span's closed windows,
             oldest first; the first ``spans[k]`` of row k are set.
     """
@@ -98,6 +108,7 @@ class _Windows:
         self.times = np.zeros((world, window))
         self.ratios = np.zeros((world, window))
         self.excess = np.zeros((world, window))
+        self.shares = np.zeros((world, window))
         self.fill = np.zeros(world, np.int64)
         self.span_ratios = np.zeros((world, windows, window))
         self.span_excess = np.zeros((world, windows, window))
@@ -113,15 +124,36 @@ class _Job:
     w: Optional[_Windows] = None
 
 
-def _times(v, keep: np.ndarray) -> tuple[str, np.ndarray, np.ndarray]:
+#: what a rank's own time was, by source (findings say it)
+SOURCES = {
+    "compute_time_less_wait": "compute time less CPU wait",
+    "compute_time": "compute time",
+    "step_time": "step time",
+}
+
+
+def _times(v, keep: np.ndarray, exclude_wait: bool = True) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
     """The step's times to compare, of the ranks ``keep`` selects in view ``v``: ``(source, ranks
-    int64 [n], seconds float64 [n])``, compute times when every one of them has one, else step times."""
+    int64 [n], own seconds float64 [n], CPU-wait share of the compute time float64 [n])``:
+    compute times less CPU wait when every one of them has both, compute times as they are when
+    every one has one (share NaN; as they are too without ``exclude_wait``, the share still
+    measured), else step times (share NaN)."""
     ranks = v.ranks[keep]
-    for source in ("compute_time", "step_time"):
-        x = getattr(v, source)[keep]
-        if (np.isfinite(x) & (x >= 0)).all():
-            return source, ranks, x
-    return "", ranks[:0], np.zeros(0)
+    compute = v.compute_time[keep]
+    if (np.isfinite(compute) & (compute >= 0)).all():
+        wait = v.compute_wait[keep]
+        if np.isfinite(wait).all():
+            wait = np.clip(wait, 0.0, compute)  # a reading's granularity never makes it more than the interval
+            with np.errstate(divide="ignore", invalid="ignore"):
+                share = np.where(compute > 0, wait / compute, 0.0)
+            if exclude_wait:
+                return "compute_time_less_wait", ranks, compute - wait, share
+            return "compute_time", ranks, compute, share
+        return "compute_time", ranks, compute, np.full(len(ranks), np.nan)
+    x = v.step_time[keep]
+    if (np.isfinite(x) & (x >= 0)).all():
+        return "step_time", ranks, x, np.full(len(ranks), np.nan)
+    return "", ranks[:0], np.zeros(0), np.zeros(0)
 
 
 def _peer_medians(times) -> np.ndarray:
@@ -154,7 +186,8 @@ class Straggler(Check):
     severity = "warning"
     description = (
         "Times each rank's own work per step (compute time: until its first gradient bucket is ready, "
-        "without waiting for peers) against the median of its peers' at the same step, so load slowing every "
+        "without waiting for peers, less the time its training thread waited for a CPU: a host starving a "
+        "rank is not the rank's slowness) against the median of its peers' at the same step, so load slowing every "
         "rank cancels out. Names a rank when, over its latest straggler_windows windows of straggler_window "
         "steps pooled, the median of the per-step ratios (peers' median / own: the relative score, as NVIDIA's "
         "resiliency extension scores against the fastest rank) is below straggler_score and the median excess "
@@ -167,16 +200,22 @@ class Straggler(Check):
         straggler_score: float = Field(0.7, gt=0, lt=1, description="Relative straggler score (0-1: median over the latest straggler_windows windows' steps of the peers' median time at the step / the rank's; 1 = no slower than its typical peer) below which a rank straggles. 0.7 is about 43 % slower; a 30 % straggler scores 0.77 and needs 0.85, which on CPUs shared with other work also names ranks that merely got a smaller CPU share (README, Detection quality).")
         straggler_window: int = Field(16, ge=2, description="Judged steps per window of the straggler medians.")
         straggler_windows: int = Field(3, ge=1, description="Windows pooled for the relative score and excess (the span), and the windows a rank needs before it can be named.")
+        straggler_exclude_wait: bool = Field(True, description="Leave out of each rank's own time the part its training thread waited for a CPU (the agent's compute_wait, Linux run-queue wait), so a rank that a busy host starves of CPU is not named (gradwatch_rank_straggler_cpu_wait_ratio shows it). False compares wall compute times, as before 2026-12: for hosts where that wait overlaps work elsewhere, such as a GPU-bound rank whose thread yields while waiting for its device on busy CPUs.")
         straggler_min_s: float = Field(0.01, ge=0, description="Seconds by which a rank's time must exceed its peers' median at the same step (median over the span's steps) for it to straggle, so scheduling jitter and systematic differences on very short steps are not named (0.002 suffices against jitter: the medians ignore pauses).")
 
     metrics = {
         "rank_straggler_relative_score": (
-            "Median over the latest straggler_windows windows' steps of the median of the other ranks' compute times at the step "
-            "divided by this rank's, capped at 1 (0-1, 1 = no slower than its typical peer).", ("rank",), "",
+            "Median over the latest straggler_windows windows' steps of the median of the other ranks' own times at the step "
+            "(compute time less CPU wait) divided by this rank's, capped at 1 (0-1, 1 = no slower than its typical peer).", ("rank",), "",
         ),
         "rank_straggler_individual_score": (
-            "The rank's best window median compute time per step divided by its latest (0-1, 1 = as fast "
+            "The rank's best window median own time per step divided by its latest (0-1, 1 = as fast "
             "as it has ever been).", ("rank",), "",
+        ),
+        "rank_straggler_cpu_wait_ratio": (
+            "Median over the rank's latest window of straggler_window steps of the share of its compute time its "
+            "training thread spent waiting for a CPU (Linux run-queue wait, 0-1): the host starving the rank, "
+            "which straggler leaves out of its own time. Absent where the agent cannot measure it.", ("rank",), "",
         ),
     }
 
@@ -207,7 +246,7 @@ class Straggler(Check):
             if v.step <= 0:
                 continue  # start-up
             keep = part[v.ranks] >= 0  # ranks the job still knows
-            source, ranks, x = _times(v, keep)
+            source, ranks, x, share = _times(v, keep, t.straggler_exclude_wait)
             if not len(ranks):
                 continue
             closed = False
@@ -223,6 +262,7 @@ class Straggler(Check):
                 with np.errstate(divide="ignore", invalid="ignore"):
                     w.ratios[ks, i] = np.where(xs > 0, peer / xs, 1.0)
                 w.excess[ks, i] = xs - peer
+                w.shares[ks, i] = share[sel]
                 w.fill[ks] += 1
                 full = ks[w.fill[ks] >= t.straggler_window]
                 if len(full):
@@ -240,6 +280,9 @@ class Straggler(Check):
         t, w = self.t, st.w
         n_win = t.straggler_windows
         current = np.median(w.times[ks], axis=1)
+        shares = w.shares[ks]
+        known = np.isfinite(shares).all(axis=1)  # a window with a step of unknown wait: unknown
+        shares = np.where(known, np.median(np.where(np.isfinite(shares), shares, 0.0), axis=1), np.nan)
         # the window joins the span, the oldest leaving once it holds n_win
         shift = ks[w.spans[ks] >= n_win]
         w.span_ratios[shift, :-1] = w.span_ratios[shift, 1:]
@@ -259,7 +302,8 @@ class Straggler(Check):
             alone = self._slow(np.minimum(1.0, np.median(ratios, axis=2)), np.median(excess, axis=2)).sum(axis=1)
             for j, k in enumerate(sel.tolist()):
                 r = st.ranks[k]
-                r.current = float(current[np.flatnonzero(ks == k)[0]])
+                at_k = np.flatnonzero(ks == k)[0]
+                r.current, r.wait_share = float(current[at_k]), float(shares[at_k])
                 r.relative, r.excess_s = float(relative[j]), float(excess_s[j])
                 if math.isnan(r.best) or r.current < r.best:
                     r.best = r.current
@@ -297,15 +341,17 @@ class Straggler(Check):
                 continue
             findings.append(Finding(
                 self.name, job.job, r.step,
-                f"rank {k} straggles: its {r.source.replace('_', ' ')} per step exceeds its peers' at the same step "
+                f"rank {k} straggles: its {SOURCES.get(r.source, r.source)} per step exceeds its peers' at the same step "
                 f"by {r.excess_s * 1e3:.1f} ms (median; {r.current * 1e3:.1f} ms against {fastest * 1e3:.1f} ms on the "
                 f"fastest rank, {fastest_rank}), relative score {r.relative:.2f} against the peers' median over {r.below} windows of "
-                f"{self.t.straggler_window} steps (step {r.step})",
+                f"{self.t.straggler_window} steps (step {r.step})"
+                + (f"; it waited for a CPU {r.wait_share:.0%} of its compute time"
+                   + (", left out" if r.source == "compute_time_less_wait" else "") if r.wait_share > 0 else ""),
                 rank=k,
                 details={
                     "relative_score": r.relative, "individual_score": r.best / r.current, "median_s": r.current,
                     "excess_s": r.excess_s, "fastest_median_s": fastest, "fastest_rank": fastest_rank,
-                    "best_median_s": r.best, "windows": r.below, "source": r.source,
+                    "best_median_s": r.best, "windows": r.below, "source": r.source, "cpu_wait_ratio": r.wait_share,
                     "medians_s": {str(q): x.current for q, x in sorted(live.items())},
                 },
             ))
@@ -325,6 +371,7 @@ class Straggler(Check):
         return {
             "rank_straggler_relative_score": {(str(k),): r.relative for k, r in ranks.items()},
             "rank_straggler_individual_score": {(str(k),): r.best / r.current for k, r in ranks.items()},
+            "rank_straggler_cpu_wait_ratio": {(str(k),): r.wait_share for k, r in ranks.items() if r.wait_share == r.wait_share},
         }
 
     def forget(self, job_id):
