@@ -43,6 +43,8 @@ def main() -> int:
     p.add_argument("--width", type=int, default=256, help="hidden width of the 2-layer MLP")
     p.add_argument("--batch", type=int, default=32, help="batch size")
     p.add_argument("--every", type=int, default=10, help="agent probe cadence; 0: the agent's default budget")
+    p.add_argument("--control", action="store_true",
+                   help="A/A calibration: the 'agent' job runs without the agent too (every ratio should be 1)")
     p.add_argument("--json", default="", help="also write the results here")
     a = p.parse_args()
     reason = netns.unavailable()
@@ -78,7 +80,7 @@ def main() -> int:
             os.close(fd)
 
     agg = None
-    jobs = {"agent": job("agent", f"tcp://{netns.AGG_ADDR}:{PORT}", 29541), "none": job("none", "", 29542)}
+    jobs = {"agent": job("agent", "" if a.control else f"tcp://{netns.AGG_ADDR}:{PORT}", 29541), "none": job("none", "", 29542)}
     try:
         deadline = time.monotonic() + 180
         while not all((tmp / f"{n}.progress.{r}").exists() for n in jobs for r in (0, 1)):
@@ -122,7 +124,8 @@ def main() -> int:
         pair.close()
     info = {n: json.loads((tmp / f"{n}.0.json").read_text()) for n in jobs}
     rows = []
-    print(f"\n2-rank gloo DDP, MLP 64-{a.width}-8, batch {a.batch}, probe every {a.every}; turns of {a.turn_s} s")
+    print(f"\n2-rank gloo DDP, MLP 64-{a.width}-8, batch {a.batch}, probe every {a.every}; turns of {a.turn_s} s"
+          + (" (control: no agent in either job)" if a.control else ""))
     print("ratio: median over consecutive turn pairs of (agent steps/s) / (none steps/s); totals beside it\n")
     print("| phase | s | turn pairs | none steps/s | agent steps/s | ratio of totals | median ratio |")
     print("|---|---|---|---|---|---|---|")
@@ -145,8 +148,11 @@ def main() -> int:
             if row["phase"] == phase:
                 row["sender_cpu_share"] = c / w if w else None
     ag = info["agent"]
-    print(f"\nagent, rank 0: {ag['reports']} reports sent, {ag['drops']} dropped, sender turns {ag['turns']} "
-          f"({ag['blocked']} refused), errors {ag['errors']}")
+    if a.control:
+        print("\ncontrol run: no agent in either job")
+    else:
+        print(f"\nagent, rank 0: {ag['reports']} reports sent, {ag['drops']} dropped, sender turns {ag['turns']} "
+              f"({ag['blocked']} refused), errors {ag['errors']}")
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "agent": ag}, indent=1))
     return 0
