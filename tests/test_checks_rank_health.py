@@ -702,7 +702,7 @@ def test_straggler_real_run_names_only_the_sleeping_rank(fault_and_clean):
     raised, events = runs["faulty"]
     assert [r for c, r in raised if c == "straggler"] == [1]
     f = next(e for e in events if e["check"] == "straggler" and e["event"] == "raised")
-    assert f["details"]["source"] == "compute_time" and f["details"]["relative_score"] < 0.5
+    assert f["details"]["source"] == "compute_time_less_wait" and f["details"]["relative_score"] < 0.5
     rel = {dict(k)["rank"]: v for k, v in samples(metrics, "gradwatch_rank_straggler_relative_score").items()
            if ("job_id", "faulty") in k}
     assert set(rel) == {"0", "1", "2"} and rel["1"] < 0.5 and min(rel, key=rel.get) == "1"
