@@ -3,7 +3,7 @@
 After all-reduce every rank holds the same gradient, so a rank whose data or device misbehaves
 only shows in what it contributed. DDP hands each gradient bucket to a communication hook before
 reducing it; :class:`CommHook` registers one (only when the model has none) that records the
-bucket's L2 norm on the device and the moment the step's first bucket was ready (the rank's own
+L2 norms of the bucket's chunks on the device (:func:`.stats.chunk_norms`, summed in float64 on the host) and the moment the step's first bucket was ready (the rank's own
 compute time, without waiting for peers) with the CPU wait so far of the threads the monitor
 follows (:class:`.measure.RunQueueWait`) and the id of the thread running the hook, then delegates to :func:`allreduce_mean`, which reduces
 exactly as DDP does without a hook. A user's hook registered later becomes the delegate instead of
@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .stats import l2_norms
+from .stats import chunk_norms, chunks_of
 
 log = logging.getLogger("gradwatch.agent")
 
@@ -54,8 +54,8 @@ class CommHook:
     """Observes the gradient buckets of one step, before all-reduce.
 
     Attributes:
-        local_sq: float32 0-d device tensors, the L2 norm of each bucket seen this step (squared
-            and summed by the report builder).
+        local_sq: float32 1-D device tensors, the L2 norms of the chunks of each bucket seen this
+            step (:func:`.stats.chunk_norms`; squared and summed in float64 by the report builder).
         first_bucket: ``clock()`` time the step's first bucket was ready, or None.
         first_wait: ``wait.read()`` at that moment (the followed threads' schedstat, parsed by
             :func:`.measure.waited_s` on the sender thread), b"" when unknown.
@@ -130,7 +130,7 @@ class CommHook:
         return inner(inner_state, bucket)
 
     def observe(self, bucket) -> None:
-        """Record one bucket's norm (on the device, no sync) and, for the first, the time."""
+        """Record one bucket's chunk norms (on the device, no sync) and, for the first, the time."""
         if not self.live or PART in self.disabled:
             return
         try:
@@ -140,7 +140,9 @@ class CommHook:
                 ident = threading.get_ident()  # pthread_self: no system call, unlike the native id
                 if ident != self._hook_ident:
                     self._hook_ident, self.hook_tid = ident, threading.get_native_id()
-            self.local_sq.append(l2_norms([bucket.buffer()])[0])
+            t = bucket.buffer()
+            # one foreach over the chunks' views: half the kernels of a norm taken to one value
+            self.local_sq.append(chunk_norms((t,), (chunks_of(t.numel()),)))
         except Exception as e:
             self.on_error(PART, e)
 

@@ -14,6 +14,7 @@ bytes before any conversion, since a float64 round trip would change NaN payload
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -40,7 +41,7 @@ class Section:
 
 SECTIONS: tuple[Section, ...] = (
     Section("grad_norm", doc="L2 norms of each present parameter's gradient chunks (stats.chunk_norms' layout)"),
-    Section("bucket_norm", doc="L2 norm of each DDP bucket on this rank before all-reduce"),
+    Section("bucket_norm", doc="L2 norms of the chunks of each DDP bucket on this rank before all-reduce"),
     Section("loss", doc="each loss passed to observe_loss during the step"),
     Section("loss_scale", doc="the AMP loss scale (0 or 1 item)"),
     Section("grad_nonfinite", doc="NaN and +-Inf elements of each present parameter's gradient"),
@@ -153,6 +154,19 @@ def size(counts: Counts) -> int:
     return sum(counts.get(s.name, 0) * s.width for s in SECTIONS)
 
 
+@functools.lru_cache(maxsize=64)
+def _plan(items: tuple[tuple[str, int], ...]) -> tuple[int, tuple[tuple[str, int, int, int, int, bool], ...]]:
+    """``(size, ((name, start, stop, count, width, bits), ...))`` of a frame of ``counts.items()``. A
+    rank's sentinel frames share one layout, so the sender thread works it out once, not every step."""
+    counts = dict(items)
+    out, off = [], 0
+    for s in SECTIONS:
+        n = counts.get(s.name, 0)
+        out.append((s.name, off, off + n * s.width, n, s.width, s.bits))
+        off += n * s.width
+    return off, tuple(out)
+
+
 def unpack(host: np.ndarray, counts: Counts) -> dict[str, np.ndarray]:
     """Split a frame copied to the host back into its sections; the mirror of :func:`pack`.
 
@@ -162,25 +176,25 @@ def unpack(host: np.ndarray, counts: Counts) -> dict[str, np.ndarray]:
 
     Returns:
         Every name of :data:`SECTIONS`: float64 [count] for width 1, float64 [count, width]
-        otherwise, uint64 [count] for bit sections (empty when the section was absent).
+        otherwise, uint64 [count] for bit sections (empty when the section was absent). The
+        float64 sections are views of one float64 copy of the frame.
 
     Raises:
         ValueError: ``host`` is not float32 or its length does not match ``counts``.
     """
     raw = np.ascontiguousarray(host).reshape(-1)
-    if raw.dtype != _F32 or raw.size != size(counts):
-        raise ValueError(f"frame of {raw.size} {raw.dtype} values, counts say {size(counts)} float32")
-    out: dict[str, np.ndarray] = {}
-    off = 0
-    # one errstate for the frame (the sender builds a report every step; one per section cost ~4 us each)
+    total, plan = _plan(tuple(counts.items()))
+    if raw.dtype != _F32 or raw.size != total:
+        raise ValueError(f"frame of {raw.size} {raw.dtype} values, counts say {total} float32")
+    # one conversion for the frame: the sender builds a report every step, and a conversion (and
+    # an errstate) per section cost more than the arithmetic on these few values
     with np.errstate(invalid="ignore"):  # a signalling NaN is still just NaN here
-        for s in SECTIONS:
-            n = counts.get(s.name, 0)
-            chunk = raw[off : off + n * s.width]
-            off += n * s.width
-            if s.bits:  # from the raw float32 bytes: these may read as NaN floats
-                out[s.name] = chunk.view(np.uint64).copy()
-            else:
-                values = chunk.astype(np.float64)
-                out[s.name] = values if s.width == 1 else values.reshape(n, s.width)
+        values = raw.astype(np.float64)
+    out: dict[str, np.ndarray] = {}
+    for name, start, stop, n, width, bits in plan:
+        if bits:  # from the raw float32 bytes: these may read as NaN floats
+            out[name] = raw[start:stop].view(np.uint64).copy()
+        else:
+            v = values[start:stop]
+            out[name] = v if width == 1 else v.reshape(n, width)
     return out

@@ -64,7 +64,8 @@ def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], lo
 
     Args:
         params: the model's parameters, in schema order.
-        buckets: float32 0-d device tensors, this rank's DDP bucket norms before all-reduce.
+        buckets: float32 1-D device tensors, the chunk norms of this rank's DDP buckets before
+            all-reduce (:class:`.ddp.CommHook`).
         losses: float32 0-d device tensors passed to ``observe_loss``.
         scale: the AMP loss scale (0-d device tensor) or None.
         probing: the step is probed: add non-finite counts and fingerprints.
@@ -98,7 +99,8 @@ def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], lo
         return present, {}, ()
     sections = {
         "grad_norm": chunk_norms(grads, rows),
-        "bucket_norm": list(buckets), "loss": list(losses), "loss_scale": [] if scale is None else [scale],
+        "bucket_norm": buckets[0] if len(buckets) == 1 else (torch.cat(list(buckets)) if buckets else []),
+        "loss": list(losses), "loss_scale": [] if scale is None else [scale],
     }
     if probing:
         dense = [dense_values(params[i].grad) for i in present]

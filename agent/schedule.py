@@ -80,11 +80,12 @@ class Cost:
         self._probe_host: collections.deque = collections.deque(maxlen=PROBE_WINDOW)
         self._probe_step: collections.deque = collections.deque(maxlen=PROBE_WINDOW)
 
-    def add(self, probed: bool, agent_s: float, step_s: float) -> None:
+    def add(self, probed: bool, agent_s: float, step_s: float) -> bool:
         """One step's agent host time and wall time, seconds; non-finite or negative samples are
-        ignored."""
+        ignored. Returns whether a median changed (was recomputed): what depends on them only
+        needs working out again then."""
         if not (math.isfinite(agent_s) and math.isfinite(step_s)) or agent_s < 0 or step_s <= 0:
-            return
+            return False
         if probed:
             if self.steps:
                 own = max(agent_s - self.sentinel_s, 0.01 * self.step_s)
@@ -94,13 +95,15 @@ class Cost:
             self.probe_host_s = statistics.median(self._probe_host)
             self.probe_step_s = statistics.median(self._probe_step)
             self.probes += 1
-        else:
-            self._sentinel.append(agent_s)
-            self._step.append(step_s)
-            self.steps += 1
-            if self.steps <= REFRESH or self.steps % REFRESH == 0:
-                self.sentinel_s = statistics.median(self._sentinel)
-                self.step_s = statistics.median(self._step)
+            return True
+        self._sentinel.append(agent_s)
+        self._step.append(step_s)
+        self.steps += 1
+        if self.steps <= REFRESH or self.steps % REFRESH == 0:
+            self.sentinel_s = statistics.median(self._sentinel)
+            self.step_s = statistics.median(self._step)
+            return True
+        return False
 
     @property
     def probe_extra_s(self) -> float:
@@ -194,8 +197,9 @@ class ProbeSchedule:
         try:
             if step < WARMUP_STEPS:
                 return
-            self.cost.add(probed, agent_s, step_s)
-            if self.fixed:
+            # the choice below is a function of the medians alone (and idempotent): between two
+            # recomputations of them it would choose the same again, at a cost every step
+            if not self.cost.add(probed, agent_s, step_s) or self.fixed:
                 return
             c = self.cost
             extra = c.probe_extra_s

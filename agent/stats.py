@@ -16,9 +16,10 @@ tensor's first element, which keeps the variance accurate when ``|mean| >> std``
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -106,7 +107,7 @@ def chunk_norms(tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.T
         if k == 1:
             views.append(t)
         elif k <= SPLIT_MAX:
-            views.extend(t.reshape(-1).split(NORM_CHUNK))
+            views.extend(t.reshape(-1).split_with_sizes(_chunk_sizes(t.numel())))  # Tensor.split's Python costs 2x
         else:
             x = t.detach().reshape(-1)
             m = x.numel() // NORM_CHUNK * NORM_CHUNK
@@ -118,6 +119,13 @@ def chunk_norms(tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.T
         return out if out is not None else torch.empty(0)
     dev = out.device if out is not None else huge[0].device
     return torch.cat(([out] if out is not None else []) + [h.to(dev) for h in huge])
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunk_sizes(numel: int) -> tuple[int, ...]:
+    """The sizes ``Tensor.split(NORM_CHUNK)`` would give a tensor of ``numel`` elements."""
+    full, rest = divmod(numel, NORM_CHUNK)
+    return (NORM_CHUNK,) * full + ((rest,) if rest else ())
 
 
 def _stack(norms: list[torch.Tensor]) -> torch.Tensor:
@@ -143,17 +151,27 @@ def combine_chunks(values: np.ndarray, rows: Sequence[int]) -> np.ndarray:
         ValueError: ``values`` does not hold ``sum(rows)`` norms.
     """
     v = np.asarray(values, np.float64).reshape(-1)
-    if v.size != sum(rows):
+    seg = _segments(tuple(rows))
+    if v.size != (len(rows) if seg is None else seg.size):
         raise ValueError(f"{v.size} chunk norms for {sum(rows)} chunks")
-    if v.size == len(rows):
+    if seg is None:
         return v
+    # bincount adds in the order of ``seg``, as a sequential sum over each tensor's chunks would
+    return np.sqrt(np.bincount(seg, weights=v * v, minlength=len(rows)))
+
+
+@functools.lru_cache(maxsize=64)
+def _segments(rows: tuple[int, ...]) -> Optional[np.ndarray]:
+    """int64 [sum(rows)]: the tensor each value of :func:`chunk_norms`'s layout belongs to; None
+    when every tensor has one chunk. Cached: a rank's gradients keep their sizes, so the sender
+    thread works this out once, not every step."""
+    if all(k == 1 for k in rows):
+        return None
     k = np.asarray(rows, np.int64)
     order = np.concatenate((np.flatnonzero(k <= SPLIT_MAX), np.flatnonzero(k > SPLIT_MAX)))
     seg = np.repeat(order, k[order])
-    sq = np.zeros(len(k))
-    with np.errstate(invalid="ignore", over="ignore"):
-        np.add.at(sq, seg, v * v)
-    return np.sqrt(sq)
+    seg.flags.writeable = False  # shared by every call
+    return seg
 
 
 def _chunked_norm(t: torch.Tensor) -> torch.Tensor:

@@ -180,7 +180,7 @@ def test_comm_hook_sees_buckets_and_leaves_gradients_as_ddp_does(one_rank_group)
     for a, b in zip(plain.parameters(), ddp.parameters()):
         assert torch.equal(a.grad, b.grad)
     assert comm.first_bucket == 42.0 and len(comm.local_sq) >= 1 and not errors
-    total = sum(float(t) ** 2 for t in comm.local_sq)
+    total = sum(float(t.double().square().sum()) for t in comm.local_sq)  # each bucket's chunk norms
     assert total == pytest.approx(sum(float(p.grad.square().sum()) for p in plain.parameters()), rel=1e-5)
     comm.reset()
     assert comm.local_sq == [] and comm.first_bucket is None
@@ -194,6 +194,26 @@ def test_comm_hook_sees_buckets_and_leaves_gradients_as_ddp_does(one_rank_group)
     ddp.register_comm_hook("mine", user_hook)
     ddp(x).square().sum().backward()
     assert calls and set(calls) == {"mine"} and len(comm.local_sq) == len(calls)
+
+
+def test_a_bucket_of_many_chunks_gives_the_local_norm_within_1e6_of_float64(one_rank_group):
+    """The hook records a bucket as its chunk norms (one foreach on the device); the report builder
+    sums their squares in float64: the local gradient norm is a float64 reference's within 1e-6,
+    for a bucket of several chunks with a short last one."""
+    from gradwatch.agent.stats import NORM_CHUNK
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 3 * NORM_CHUNK // 64 + 1), nn.Linear(3 * NORM_CHUNK // 64 + 1, 2))
+    ddp = nn.parallel.DistributedDataParallel(model)  # one bucket: the default cap holds it all
+    comm = CommHook(Errors(), set())
+    comm.install(ddp)
+    (ddp(torch.randn(5, 64) + 0.5).square().sum() * 1e3).backward()
+    assert len(comm.local_sq) == 1 and comm.local_sq[0].numel() > 3  # several chunks, not one value
+    ref = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+    flat, counts = frame.pack({"grad_norm": [torch.tensor(1.0)], "bucket_norm": comm.local_sq[0]})
+    r = report.build(wire.Header("j", 0, 1, "b", 0, 0.0), report.StepLayout(0, 0.5, math.nan, 0, "s", (0,), counts),
+                     flat.numpy(), drops=0)
+    assert r.local_grad_norm == pytest.approx(ref, rel=1e-6)
 
 
 def test_comm_hook_stops_when_switched_off_and_reports_failures():
