@@ -166,7 +166,7 @@ def test_runner_skips_on_tick_of_a_check_judging_silence_while_its_job_is_overlo
     assert set(found) == {(j, n) for j in ("j", "other") for n in (Judging.name, Plain.name)}
 
     calls.clear()
-    st.overloaded({("j", "")})  # the intake dropped a frame of job j
+    st.overloaded({(("j", ""), None)})  # the intake dropped a frame of job j
     for _ in range(4):  # within silent_after_s of the drop
         now[0] += 1
         st.tick()
