@@ -27,6 +27,7 @@ from socketserver import ThreadingMixIn
 from typing import Callable, Optional
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+import msgspec.inspect
 import zmq
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
@@ -40,6 +41,17 @@ from .reconcile import Snapshot, snapshot
 from .state import State
 
 log = logging.getLogger("gradwatch.aggregator")
+
+#: most job identities :attr:`Intake.dropped_jobs` tracks between two :meth:`Intake.take_dropped`
+#: calls (each pass of the writer's loop, 0.1 s or so): a peer's flood of forged job ids cannot grow it
+#: past this. Far more than the jobs :class:`~.state.State` holds at the defaults (``max_jobs`` 64 and
+#: ``max_pending_jobs`` 16); a drop past it goes untracked: its job's silence checks are not muted.
+MAX_DROPPED_JOBS = 1024
+#: longest job id and key a :class:`gradwatch.wire.Header` may carry: a drop claiming a longer one
+#: is nobody's (decoding would reject the frame) and is not tracked, so each identity stays small
+_MAX_JOB_ID, _MAX_JOB_KEY = (
+    next(f.type.max_length for f in msgspec.inspect.type_info(wire.Header).fields if f.name == n) for n in ("job", "key")
+)
 
 
 class _HTTPServer(ThreadingMixIn, WSGIServer):
@@ -72,7 +84,11 @@ class Intake:
         bytes: bytes of frames held now.
         dropped: frames dropped for lack of room (the writer counts them as ``overload``).
         dropped_jobs: the jobs whose frames were dropped since the writer last asked
-            (:meth:`take_dropped`), by the identity their headers claim.
+            (:meth:`take_dropped`), as ``((job id, key), CURVE user id or None)``: the identity
+            their headers claim and the key their sender authenticated with. At most
+            :data:`MAX_DROPPED_JOBS`; past it, and for frames without a readable header or
+            claiming an identity longer than a header allows, a drop is counted in ``dropped``
+            only (its job is not marked overloaded).
         ready: set when frames are waiting.
     """
 
@@ -131,11 +147,15 @@ class Intake:
 
     def _drop(self, job) -> None:
         self.dropped += 1
-        if job is not None and job[1] is not None:
-            self.dropped_jobs.add(job[1])
+        user, ident = job
+        # peers choose the identities frames claim: bounded in entries and in the size of each
+        if (ident is not None and len(self.dropped_jobs) < MAX_DROPPED_JOBS
+                and len(ident[0]) <= _MAX_JOB_ID and len(ident[1]) <= _MAX_JOB_KEY):
+            self.dropped_jobs.add((ident, user))
 
     def take_dropped(self) -> set:
-        """Writer thread: the ``(job, key)`` identities whose frames were dropped since the last call."""
+        """Writer thread: the ``((job id, key), CURVE user id or None)`` of the frames dropped since
+        the last call (:attr:`dropped_jobs`)."""
         with self._lock:
             out, self.dropped_jobs = self.dropped_jobs, set()
         return out

@@ -235,15 +235,20 @@ class State:
         self.rejected[reason] += n
         self.version += 1
 
-    def overloaded(self, identities) -> None:
-        """The intake dropped frames of these jobs (``(job id, key)`` as their headers claim): mark
-        them, so the checks that judge silence know the aggregator missed some of what was sent."""
+    def overloaded(self, drops) -> None:
+        """The intake dropped frames of these jobs: mark them, so the checks that judge silence know
+        the aggregator missed some of what was sent. ``drops``: ``((job id, key), CURVE user id or
+        None)`` pairs, the identity the frames' headers claim and their sender's key
+        (:attr:`~.daemon.Intake.dropped_jobs`). With CURVE on, a drop marks a job only when its
+        sender is the key the job is bound to (:attr:`JobState.peer_key`, the rule of
+        :meth:`apply`): another client claiming the job's id cannot mute its silence checks."""
         now = self.clock()
-        for ident in identities:
-            label = self.labels.get(ident)
-            if label in self.jobs:
-                self.jobs[label].overloaded_at = now
-                self.version += 1
+        for ident, peer_key in drops:
+            job = self.jobs.get(self.labels.get(ident))
+            if job is None or (peer_key is not None and job.peer_key not in (None, peer_key)):
+                continue
+            job.overloaded_at = now
+            self.version += 1
 
     @staticmethod
     def identity(h: wire.Header) -> tuple[str, str]:

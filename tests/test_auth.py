@@ -6,6 +6,7 @@ Also the plain-TCP defaults: loopback binds, a warning for a wide bind without C
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import stat
@@ -213,6 +214,41 @@ def test_binding_is_per_job_and_dropped_with_a_forgotten_job():
     st.apply(hb("j", "b2"), peer_key="KEY-B")
     st.apply(hb("j", "b2"), peer_key="KEY-A")
     assert st.rejected["wrong_key"] == 2 and st.jobs["j"].ranks[0].boot == "b2" and st.job_keys == {"j": "KEY-B"}
+
+
+def test_only_the_jobs_own_key_marks_it_overloaded():
+    """With CURVE on, a job is bound to the key that created it, and so is its overload mark: frames
+    of another client claiming the job's id, dropped by the intake, do not mute the job's silence
+    checks (rank_silent still names its silent rank); drops of frames of the job's own key do.
+    Without CURVE (no user id) a drop marks the job it claims, as before."""
+    from gradwatch.aggregator.checks import Runner, Thresholds
+    from gradwatch.aggregator.daemon import Intake
+    from gradwatch.aggregator.state import State
+
+    now = [1000.0]
+    runner = Runner(["rank_silent"], Thresholds(silent_after_s=2))
+    st = State(clock=lambda: now[0], runner=runner)
+    hb = lambda job, rank, seq=0: wire.Heartbeat(wire.Header(job, rank, 2, f"b{rank}", seq, 0.0), -1, seq, 0, 0)
+    for rank in (0, 1):
+        st.apply(hb("owned", rank), peer_key="KEY-A")
+    st.apply(hb("plain", 0))  # a job made without CURVE: bound to no key
+    intake = Intake(1 << 30, 4)
+
+    def flood(job, user):  # frames past the intake's room, all claiming ``job``
+        intake.put([(wire.encode(hb(job, 0, seq)), user) for seq in range(1, 11)])
+        intake.take(10**6)
+        st.overloaded(intake.take_dropped())
+
+    for _ in range(4):  # rank 1 falls silent while another client floods frames claiming the job
+        now[0] += 1
+        flood("owned", "KEY-B")
+        st.apply(hb("owned", 0, int(now[0])), peer_key="KEY-A")
+        st.tick()
+    assert st.jobs["owned"].overloaded_at == -math.inf
+    assert [f.rank for f in runner.active[("owned", "rank_silent")].values()] == [1]
+    flood("owned", "KEY-A")  # the job's own frames dropped: its silence proves nothing now
+    flood("plain", None)
+    assert st.jobs["owned"].overloaded_at == st.jobs["plain"].overloaded_at == now[0]
 
 
 # --- settings errors ------------------------------------------------------------------------------------

@@ -454,7 +454,7 @@ def test_silence_while_the_intake_drops_the_jobs_frames_names_no_rank():
         j.heartbeat(r)
     j.tick(1)
     for _ in range(8):  # rank 1 goes unheard; its frames are among those dropped
-        j.state.overloaded({("elsewhere", ""), ("j", "")})
+        j.state.overloaded({(("elsewhere", ""), None), (("j", ""), None)})
         j.tick(1)
         j.heartbeat(0)
         j.heartbeat(2)

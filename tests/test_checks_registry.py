@@ -118,3 +118,70 @@ def test_grafana_status_panels_list_the_registered_checks():
         (panel,) = [p for p in boards[uid[dashboard]]["panels"] if p["title"] == "Check status"]
         shown = set(re.findall(r'check=~"([^"]+)"', panel["targets"][0]["expr"]))
         assert shown == {"|".join(names)}, dashboard
+
+
+def test_exactly_the_checks_that_judge_silence_declare_it():
+    """rank_silent, step_skew and training_stalled name ranks for what the aggregator did not hear:
+    they, and no other check, are muted by the Runner while a job's frames are being dropped."""
+    assert Check.judges_silence is False
+    assert {n for n, c in CHECKS.items() if c.judges_silence} == {"rank_silent", "step_skew", "training_stalled"}
+    for n in ("rank_silent", "step_skew", "training_stalled"):  # one declaration, no guard of its own
+        assert "overloaded_at" not in inspect.getsource(CHECKS[n].on_tick), n
+
+
+def test_runner_skips_on_tick_of_a_check_judging_silence_while_its_job_is_overloaded(monkeypatch):
+    """The Runner honours ``judges_silence``: for ``silent_after_s`` after the intake dropped a job's
+    frames, such a check's on_tick is not called, its status and findings stay; a check not
+    declaring it is called as always, and so is the judging check for another job. A job's first
+    event still gives every check a status (no data), muted or not."""
+    from gradwatch import wire
+    from gradwatch.aggregator.checks import Evaluation, Finding, Outcome, Runner
+    from gradwatch.aggregator.state import JobState, State
+
+    calls = []
+
+    class Judging(Check):
+        name = "t_judging"
+        dashboard = "rank_health"
+        judges_silence = True
+
+        def on_tick(self, job, now):
+            calls.append((self.name, job.job))
+            return Evaluation.found(Finding(self.name, job.job, -1, "rank 0 unheard", rank=0))
+
+    class Plain(Judging):
+        name = "t_plain"
+        judges_silence = False
+
+    monkeypatch.setitem(CHECKS, Judging.name, Judging)
+    monkeypatch.setitem(CHECKS, Plain.name, Plain)
+    now = [1000.0]
+    runner = Runner([Judging.name, Plain.name], Thresholds(silent_after_s=5), wall=lambda: 0.0)
+    st = State(clock=lambda: now[0], runner=runner)
+    for job in ("j", "other"):
+        st.apply(wire.Heartbeat(wire.Header(job, 0, 1, "b0", 0, 0.0), -1, 0, 0, 0))
+    st.tick()
+    assert sorted(calls) == sorted((n, j) for n in (Judging.name, Plain.name) for j in ("j", "other"))
+    found = {k: dict(v) for k, v in runner.active.items()}
+    assert set(found) == {(j, n) for j in ("j", "other") for n in (Judging.name, Plain.name)}
+
+    calls.clear()
+    st.overloaded({(("j", ""), None)})  # the intake dropped a frame of job j
+    for _ in range(4):  # within silent_after_s of the drop
+        now[0] += 1
+        st.tick()
+    assert (Judging.name, "j") not in calls and calls.count((Plain.name, "j")) == 4
+    assert calls.count((Judging.name, "other")) == 4  # another job is judged as always
+    assert runner.status[("j", Judging.name)] == Outcome.FINDING and runner.active == found
+    assert [e.event for e in runner.events] == ["raised"] * 4  # nothing resolved or raised meanwhile
+
+    calls.clear()
+    now[0] += 2  # silent_after_s after the drop: judged again
+    st.tick()
+    assert (Judging.name, "j") in calls
+
+    calls.clear()
+    muted = JobState("fresh", 1, overloaded_at=now[0])  # muted on its very first event
+    runner.dispatch("on_tick", muted, now[0])
+    assert calls == [(Plain.name, "fresh")]
+    assert runner.status[("fresh", Judging.name)] == Outcome.NO_DATA and runner.status[("fresh", Plain.name)] == Outcome.FINDING

@@ -22,7 +22,7 @@ from gradwatch import wire
 from gradwatch.agent.config import AgentConfig, job_key
 from gradwatch.aggregator.checks import Thresholds
 from gradwatch.aggregator.config import load
-from gradwatch.aggregator.daemon import Aggregator, Intake
+from gradwatch.aggregator.daemon import MAX_DROPPED_JOBS, Aggregator, Intake
 from gradwatch.aggregator.state import SERIES_PER_LAYER, SERIES_PER_MODULE, State
 
 from .conftest import samples, wait_for
@@ -622,3 +622,24 @@ def test_a_job_flooding_the_intake_loses_its_own_frames_not_another_jobs():
     assert quiet == list(range(200))  # a job's frames in order
     assert intake.bytes == intake.frames == 0 and not intake.held and not intake.ready.is_set()
     assert intake.dropped + len(first + rest) == 10_000 + 200 + 150 + 500 + 50  # each frame taken or counted
+
+
+def test_the_jobs_whose_frames_were_dropped_stay_bounded_under_a_flood_of_forged_ids():
+    """Issue 9: the intake remembers which jobs lost frames (to mark them overloaded), by the
+    identity peers' headers claim. A flood of frames under distinct invented job ids tracks at most
+    MAX_DROPPED_JOBS of them until the writer takes them, and none claiming an id longer than a
+    header may carry; every drop is still counted. Each entry names the sender's CURVE key."""
+    intake = Intake(1 << 30, 100)
+    n = 3 * MAX_DROPPED_JOBS
+    intake.put([f for i in range(n) for f in _frames(f"forged{i}", 1)])
+    assert intake.dropped + intake.frames == n and intake.dropped > MAX_DROPPED_JOBS
+    assert len(intake.dropped_jobs) == MAX_DROPPED_JOBS
+    intake.put(_frames("x" * 257, 200) + _frames("y", 200, key="k" * 65))  # no header carries these
+    assert len(intake.dropped_jobs) == MAX_DROPPED_JOBS and intake.dropped + intake.frames == n + 400
+    taken = intake.take_dropped()
+    assert len(taken) == MAX_DROPPED_JOBS and all(user is None and ident[0].startswith("forged") for ident, user in taken)
+    assert intake.dropped_jobs == set()
+    intake.put(_frames("x" * 257, 200))
+    assert intake.dropped_jobs == set()  # room again, but nobody's identity
+    intake.put([(f, "KEY-A") for f, _ in _frames("late", 200)])
+    assert intake.take_dropped() == {(("late", ""), "KEY-A")}  # tracked again once taken

@@ -30,6 +30,11 @@ env ``GRADWATCH_AGGREGATOR_CHECKS__NAME``) is built from the registry by
 :func:`thresholds_model`, so a threshold name is one flat, global name and must be unique across
 checks. Each check is given the aggregate instance as ``self.t``.
 
+Overload. A check that judges silence (``judges_silence``: a rank or a step it did not hear of)
+is not given ``on_tick`` for a job while the aggregator's intake drops that job's frames, nor for
+``silent_after_s`` after the latest drop (``JobState.overloaded_at``): what the aggregator missed
+proves nothing about the ranks. Its status and findings stay as they were, as if it returned None.
+
 Dashboards. ``dashboard`` names the Grafana dashboard that shows the check's status
 (:data:`DASHBOARDS`); the generator takes its check lists from the registry.
 """
@@ -130,6 +135,9 @@ class Check:
     dashboard: ClassVar[str] = ""
     #: thresholds this check reads that another check declares (their names)
     uses: ClassVar[tuple[str, ...]] = ()
+    #: the check names ranks for what the aggregator did not hear: the :class:`Runner` skips its
+    #: ``on_tick`` while the job is overloaded (see the module docstring)
+    judges_silence: ClassVar[bool] = False
 
     class Thresholds(BaseModel):
         """The check's own thresholds: a subclass declares them as pydantic fields (default, bounds,
@@ -311,6 +319,8 @@ def _clean(x):
 
 class Runner:
     """Runs the enabled checks, isolates their failures, keeps statuses and the active findings.
+    While a job is overloaded it does not give ``on_tick`` to the checks that judge silence
+    (``Check.judges_silence``; see the module docstring).
 
     Args:
         names: checks to run (see :func:`resolve`).
@@ -336,6 +346,7 @@ class Runner:
         self._log = open(events_path, "a", encoding="utf-8") if events_path else None
         self._handlers: dict[str, dict[str, Check]] = {}  # event -> the checks that handle it
         self._ready: set[str] = set()  # jobs every check has a status for
+        self._silence = {n for n, c in self.checks.items() if c.judges_silence}
 
     def close(self) -> None:
         if self._log is not None:
@@ -349,19 +360,25 @@ class Runner:
         first = job.job not in self._ready
         if first:
             todo = self.checks  # a job's first event gives every check its status, in check order
+        # the intake dropped some of this job's frames lately: silence may be the aggregator's own
+        muted = (bool(self._silence) and method == "on_tick"
+                 and args[0] - job.overloaded_at < self.t.silent_after_s)  # args: (now,)
         # a check without this handler has nothing to say (``Check``'s returns None), so once it
         # has a status for the job it is not called (per released step, most checks are not)
         for name, check in todo.items():
-            t0 = time.perf_counter()
-            try:
-                ev = getattr(check, method)(job, *args)
-            except Exception as e:
-                self.errors[name] += 1
-                if name not in self._warned:
-                    self._warned.add(name)
-                    log.exception("gradwatch: check %s failed (counted, later failures not logged): %r", name, e)
-                ev = None
-            self.seconds[name] += time.perf_counter() - t0
+            if muted and name in self._silence:
+                ev = None  # as if it had nothing to say: its status and findings stay
+            else:
+                t0 = time.perf_counter()
+                try:
+                    ev = getattr(check, method)(job, *args)
+                except Exception as e:
+                    self.errors[name] += 1
+                    if name not in self._warned:
+                        self._warned.add(name)
+                        log.exception("gradwatch: check %s failed (counted, later failures not logged): %r", name, e)
+                    ev = None
+                self.seconds[name] += time.perf_counter() - t0
             if ev is None and (job.job, name) not in self.status:
                 ev = Evaluation.no_data()  # every check has a status from a job's first event: fixed series
             if isinstance(ev, list):  # one per judged step, in order (on_steps)

@@ -36,6 +36,7 @@ class RankSilent(Check):
         "goodbye (closed, disabled after errors) while its live peers' steps pass its own by more than skew_steps."
     )
     dashboard = "rank_health"
+    judges_silence = True  # a rank unheard while the intake drops frames may have spoken
     uses = ("skew_steps",)  # a stopped agent is left behind by the same margin as a skewed rank
 
     class Thresholds(Check.Thresholds):
@@ -44,8 +45,6 @@ class RankSilent(Check):
     def on_tick(self, job, now):
         if not job.ranks:
             return Evaluation.no_data()
-        if now - job.overloaded_at < self.t.silent_after_s:
-            return None  # the aggregator dropped some of this job's frames: silence proves nothing
         findings = []
         live = [r.step for r in job.ranks.values() if not r.closing and now - r.last_seen <= self.t.silent_after_s]
         lead = max(live, default=-1)

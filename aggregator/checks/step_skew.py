@@ -32,6 +32,7 @@ class StepSkew(Check):
         "different job incarnations)."
     )
     dashboard = "rank_health"
+    judges_silence = True  # a rank may only look behind while its reports are dropped
     uses = ("silent_after_s",)
 
     class Thresholds(Check.Thresholds):
@@ -48,8 +49,6 @@ class StepSkew(Check):
         self._since: dict[str, float] = {}  # when the gap last went over skew_steps
 
     def on_tick(self, job, now):
-        if now - job.overloaded_at < self.t.silent_after_s:
-            return None  # the aggregator dropped some of this job's frames: a rank may only look behind
         live = [
             r for r in job.in_order()
             if not r.closing and r.step >= 0 and now - r.last_seen <= self.t.silent_after_s

@@ -61,6 +61,7 @@ class TrainingStalled(Check):
         "peers wait there, the likely hung ones; job-level when no rank can be told apart."
     )
     dashboard = "rank_health"
+    judges_silence = True  # steps the intake dropped are not missing steps
     uses = ("silent_after_s",)
 
     class Thresholds(Check.Thresholds):
@@ -103,8 +104,6 @@ class TrainingStalled(Check):
         return max(self.t.stall_after_s, self.t.stall_steps * median)
 
     def on_tick(self, job, now):
-        if now - job.overloaded_at < self.t.silent_after_s:
-            return None  # the aggregator dropped some of this job's frames: missing steps prove nothing
         live = [r for r in job.in_order() if not r.closing]
         last = max((r.last_report_at for r in live if r.steps), default=None)
         if not live:
