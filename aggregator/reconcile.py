@@ -107,7 +107,9 @@ def _union(names_per_rank) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _owner(param: str) -> str:
+def owner(param: str) -> str:
+    """The module owning a parameter: its name without the last component (``blocks.1.fc.weight``
+    -> ``blocks.1.fc``), the name itself for a top-level parameter."""
     # cached: the same few thousand names come back every round, once per rank before
     return param.rpartition(".")[0] or param
 
@@ -212,10 +214,10 @@ class Layout:
         for s in schemas:
             for m, o, typ, _ in s.slots:
                 types.setdefault(m + o, typ)
-        modules = _union([[_owner(p[0]) for p in s.params] for s in schemas])
+        modules = _union([[owner(p[0]) for p in s.params] for s in schemas])
         owners: dict[str, list[int]] = {m: [] for m in modules}
         for i, p in enumerate(params):
-            owners[_owner(p)].append(i)
+            owners[owner(p)].append(i)
         slot_cols = tuple(np.array([lidx[n] for n in names], np.int64) for names in slot_names)
         param_cols = tuple(pcols[k] for k in range(len(schemas)))
         dense = (len(schemas) == 1 and np.array_equal(slot_cols[0], np.arange(len(layers)))

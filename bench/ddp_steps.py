@@ -15,7 +15,9 @@ Variants:
   hook-only   no agent, only its all-reduce hook (agent.ddp.allreduce_mean) in DDP's place
 
 ``--timers`` adds rank 0's mean wall time per step in the agent's bucket observation, its
-hook's all-reduce launch and the sentinel (the agent's own measurement) to the agent runs.
+hook's all-reduce launch and the sentinel (the agent's own measurement) to the agent runs, and
+to every run the CPU time per step of rank 0's training thread and (with the agent) its sender
+thread, from schedstat: the figures that hold whatever else runs on the machine.
 
     .venv/bin/python bench/ddp_steps.py                                  # MLP 64-256-8, batch 32
     .venv/bin/python bench/ddp_steps.py --width 8192 --batch 512 --steps 300 --timers
@@ -28,25 +30,30 @@ import json
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 VARIANTS = ("none", "agent", "no-hook", "hook-only")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_s(tid: int) -> float:
+    """Seconds thread ``tid`` of this process has run on a CPU (schedstat's first field): unlike
+    wall time, it does not grow when other work shares the cores."""
+    with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+        return int(f.read().split()[0]) / 1e9
 
 
 def worker(rank: int, variant: str, a, port: int, q) -> None:
+    import threading
+
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, a.width), torch.nn.ReLU(), torch.nn.Linear(a.width, 8)))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(100 + rank)
+    sys.path.insert(0, str(ROOT))
+    from tests.faultjob import build
+
+    model, opt, gen = build(rank, port, a.width)
     mon, spent = None, {}
     if variant == "hook-only":
         from gradwatch.agent.ddp import allreduce_mean
@@ -80,12 +87,19 @@ def worker(rank: int, variant: str, a, port: int, q) -> None:
     for _ in range(200):
         step()
     dist.barrier()
+    tids = {"training thread": threading.get_native_id()}
+    if mon is not None:
+        tids["sender thread"] = mon.sender._thread.native_id
+    cpu0 = {k: cpu_s(t) for k, t in tids.items()}
     t0 = time.perf_counter()
     for _ in range(a.steps):
         step()
     dt = time.perf_counter() - t0
+    cpu = {f"{k} CPU": (cpu_s(t) - cpu0[k]) / a.steps * 1e6 for k, t in tids.items()}
     if rank == 0:
-        us = {k: v / a.steps * 1e6 for k, v in spent.items()}
+        us = {k: v / a.steps * 1e6 for k, v in spent.items()} if a.timers else {}
+        if a.timers:
+            us.update(cpu)
         if mon is not None and a.timers:
             us["sentinel (agent's own median)"] = mon.schedule.cost.sentinel_s * 1e6
         q.put((a.steps / dt, dt / a.steps * 1e6, us))

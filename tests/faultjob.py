@@ -18,20 +18,29 @@ import time
 from datetime import timedelta
 
 
+def build(rank: int, port: int, width: int):
+    """The job of this rank: joins the 2-rank gloo group on 127.0.0.1:``port`` and returns
+    ``(model, optimizer, generator)``: a DDP MLP 64-``width``-8 (seed 0, the same on every rank),
+    SGD at lr 1e-2, and this rank's data generator (seed 100 + rank). Also bench/ddp_steps.py's."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, 8)))
+    return model, torch.optim.SGD(model.parameters(), lr=1e-2), torch.Generator().manual_seed(100 + rank)
+
+
 def worker(rank: int, a) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, a.width), torch.nn.ReLU(), torch.nn.Linear(a.width, 8)))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(100 + rank)
+    model, opt, gen = build(rank, a.port, a.width)
     mon = None
     if a.endpoint:
         from gradwatch import agent

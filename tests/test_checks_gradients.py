@@ -86,20 +86,23 @@ class Job:
     def send(self, msg) -> None:
         self.state.apply(wire.decode(wire.encode(msg), schema_sizes=self.state.schema_sizes))
 
-    def report(self, rank, step, grad_norm=1.0, local=1.0, nonfinite=0, arrays=None, batch=0):
+    def report(self, rank, step, grad_norm=1.0, local=1.0, nonfinite=0, arrays=None, batch=0, norms=None):
         extra = {}
         if arrays is not None:
             n = len(PARAMS)
             extra = dict(probe=True, fp_grad=np.zeros(n, np.uint64), fp_weight=np.zeros(n, np.uint64), **arrays)
+        if norms is not None:  # per-parameter gradient norms (wire grad_norms), PARAMS order
+            extra["grad_norms"] = np.asarray(norms, np.float32)
         self.send(wire.Report(self.header(rank), self.digest, step, 0.01, grad_norm, nonfinite,
                               local_grad_norm=local, batch=batch, **extra))
 
-    def step(self, step, grad_norm=1.0, locals=None, nonfinite=0, arrays=None, batch=0, ranks=None):
-        """Every rank (or ``ranks``) reports ``step``; ``arrays``: one dict for all or a list per rank."""
+    def step(self, step, grad_norm=1.0, locals=None, nonfinite=0, arrays=None, batch=0, ranks=None, norms=None):
+        """Every rank (or ``ranks``) reports ``step``; ``arrays``: one dict for all or a list per rank;
+        ``norms``: every rank's per-parameter gradient norms (the same after all-reduce)."""
         for r in ranks if ranks is not None else range(self.world):
             a = arrays[r] if isinstance(arrays, list) else arrays
             local = locals[r] if locals is not None else 1.0
-            self.report(r, step, grad_norm, local, nonfinite, a, batch)
+            self.report(r, step, grad_norm, local, nonfinite, a, batch, norms)
 
     def tick(self, dt: float = 0.1) -> None:
         self.now += dt
@@ -302,6 +305,44 @@ def test_nonfinite_unprobed_event_then_probe_with_nonfinite_weights_cannot_be_lo
     (f,) = job.active("nonfinite")
     assert (f.details["pass"], f.details["module"], f.details["located"]) == ("weight", None, False)
     assert "cannot be located" in f.summary and f.details["probed_step"] == 7
+
+
+# PARAMS order: emb.weight, fc1.weight, fc1.bias, fc2.weight, head.weight (fc1.bias frozen: NaN, no gradient)
+BACKWARD_CASES = {
+    # a NaN that came in at fc2's output gradient: fc2 and everything before it, head finite
+    "entered at fc2": ([NAN, NAN, NAN, NAN, 0.5], "fc2"),
+    # a forward NaN: no gradient stays finite, nothing to tell it by
+    "forward": ([NAN, NAN, NAN, NAN, NAN], None),
+    # emb stays finite under fc1's NaN: not a run from the front, so registration order is no guide
+    "not a leading run": ([0.5, NAN, NAN, 0.5, 0.5], None),
+}
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES)
+def test_nonfinite_unprobed_backward_nan_located_by_the_every_step_gradient_norms(case):
+    """At an unprobed event step the per-parameter norms name the module a NaN came in at through
+    the backward pass (the last whose gradient went non-finite, those after it finite), at once,
+    without waiting for a probe; otherwise the finding waits for one, as without norms."""
+    norms_at, module = BACKWARD_CASES[case]
+    job = Job(["nonfinite"])
+    finite = [1.0, 2.0, NAN, 3.0, 0.5]
+    for s in range(5):
+        job.step(s, 1.0, locals=[1.0, 1.1, 0.9], norms=finite)
+    job.step(5, NAN, locals=[1.0, NAN, 0.9], nonfinite=4, norms=norms_at)  # not probed
+    if module is None:
+        assert job.events("nonfinite") == []  # waiting for a probed step, as without norms
+        job.tick(0.1)
+        job.tick(HOLD_S)
+        assert job.events("nonfinite") == [("raised", 5, 1, None)]
+        return
+    assert job.events("nonfinite") == [("raised", 5, 1, module)]
+    (f,) = job.active("nonfinite")
+    d = f.details
+    assert (d["pass"], d["module"], d["located"], d["from"], d["probed_step"]) == ("parameter_gradient", "fc2", True, "grad_norms", None)
+    assert d["values"]["param"] == "fc2.weight" and (d["values"]["went_nonfinite"], d["values"]["stayed_finite"]) == (3, 1)
+    assert "backward pass at fc2" in f.summary
+    job.step(6, NAN, locals=[NAN] * 3, nonfinite=4, arrays=probe(param=_merge(ALL_GRADS_NAN, WEIGHTS_NAN)))
+    assert job.events("nonfinite") == [("raised", 5, 1, "fc2")]  # a later probe changes nothing
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,17 @@ values are computed:
    all-reduce, so not rank-specific);
 4. ``weight``: else the first module whose weights after the optimizer step did.
 
+At an event step that was not probed, the every-step per-parameter gradient norms (wire
+``grad_norms``, sent by ranks with replicas) can still tell where a NaN came in through the
+backward pass: it makes non-finite the gradient of the module it entered and of every module
+before it, and leaves those after it finite. So when the parameters whose norm went non-finite
+(finite at the step before) are exactly a leading run, in registration order, of those that had
+a finite norm, and some stay finite, the module of the last one is named, pass
+``parameter_gradient`` (``from: grad_norms``). Registration order stands for forward order here,
+as DDP takes it for the reverse of the order gradients arrive. A NaN made in the forward pass
+leaves no finite gradient and is not located this way; nor is one whose run is not a leading run
+(no module rather than a wrong one).
+
 A probed step *after* the event whose weights are already non-finite cannot locate it: the
 optimizer has applied the non-finite gradient, so every forward pass is non-finite from the first
 module using those weights on. The finding then says so, with pass ``weight`` and no module. With
@@ -43,6 +54,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..reconcile import owner
 from . import Check, Evaluation, Finding, register
 
 PASSES = ("activation", "output_gradient", "parameter_gradient", "weight")
@@ -58,6 +70,7 @@ class _Job:
     rounds: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
     event: Optional[dict] = None
     event_seen: Optional[float] = None  # aggregator clock at the first tick after the event
+    prev_norms: Optional[dict] = None  # the latest step's per-parameter norms before the event (StepView.norms)
     last_step: int = -1
     finding: Optional[Finding] = None
     evaluated: bool = False
@@ -79,6 +92,39 @@ def _may_locate(r) -> bool:
 
 
 
+def boundary(schemas: dict, before: Optional[dict], now: dict, origin: list) -> Optional[dict]:
+    """Where a NaN came in through the backward pass, from two consecutive steps' per-parameter
+    gradient norms (``rank -> (schema hash, float32 [n_params])``, :attr:`StepView.norms`; NaN
+    where a parameter had no gradient), or None (module docstring). One rank's norms tell: the
+    first origin rank's, else the lowest rank's whose norms of both steps share a known schema.
+
+    Returns:
+        ``{"module", "param", "rank", "went_nonfinite", "stayed_finite"}``: the module and name of
+        the last parameter (registration order) whose norm went non-finite, and the counts of
+        parameters with a finite norm before whose norm went non-finite or stayed finite.
+    """
+    if not before or not now:
+        return None
+    for rank in [*(r for r in origin if r in now), *sorted(now)]:
+        h, row = now[rank]
+        prev = before.get(rank)
+        s = schemas.get(h)
+        if prev is None or prev[0] != h or s is None or len(row) != len(s.params) or len(prev[1]) != len(row):
+            continue
+        had = np.isfinite(prev[1])
+        went = had & ~np.isfinite(row)
+        stayed = int((had & ~went).sum())
+        if not went.any() or not stayed:
+            return None  # nothing went non-finite, or everything did: a forward NaN
+        last = int(np.flatnonzero(went)[-1])
+        if (had[:last] & ~went[:last]).any():
+            return None  # not a leading run: registration order is not the order here
+        name = s.params[last][0]
+        return {"module": owner(name), "param": name, "rank": rank, "went_nonfinite": int(went.sum()),
+                "stayed_finite": stayed}
+    return None
+
+
 @register
 class NonFinite(Check):
     name = "nonfinite"
@@ -87,7 +133,8 @@ class NonFinite(Check):
         "Finds where NaN/Inf first appeared: the first step with a non-finite gradient, the origin rank "
         "(the one whose local gradient norm before all-reduce was non-finite) and, from the probed steps, "
         "the first module in forward order and the pass (forward activation, output gradient, parameter "
-        "gradient, weight). One finding per job, kept active."
+        "gradient, weight); at an unprobed step, the module a NaN came in at through the backward pass, "
+        "from every step's per-parameter gradient norms. One finding per job, kept active."
     )
     dashboard = "gradient_flow"
 
@@ -108,7 +155,7 @@ class NonFinite(Check):
 
     def on_steps(self, job, views):
         st = self._job(job)
-        self._released(st, views, job.world)
+        self._released(st, views, job.world, job.schemas)
         self._maybe_raise(job.job, st, None)
         return self._evaluation(st)
 
@@ -132,12 +179,16 @@ class NonFinite(Check):
 
     # --- the event ------------------------------------------------------------------------------
 
-    def _released(self, st: _Job, views, world: int) -> None:
+    def _released(self, st: _Job, views, world: int, schemas: dict) -> None:
         for v in views:
             st.evaluated = True
             st.last_step = max(st.last_step, v.step)
             if st.event is None:
                 st.event = self._detect(st, v, world)
+                if st.event is None:
+                    st.prev_norms = v.norms or st.prev_norms  # a reference: nothing computed per step
+                elif not st.event["probed"]:
+                    st.event["boundary"] = boundary(schemas, st.prev_norms, v.norms, st.event["origin_ranks"])
             st.known_local.update(v.ranks[np.isfinite(v.local_grad_norm)].tolist())
 
     def _detect(self, st: _Job, v, world: int) -> Optional[dict]:
@@ -191,6 +242,10 @@ class NonFinite(Check):
 
     def _locate_in(self, st: _Job) -> Optional[dict]:
         ev = st.event
+        b = ev.get("boundary")
+        if b is not None:  # the unprobed event's own gradients tell: no probe after it can
+            return {"module": b["module"], "pass": "parameter_gradient", "located": True, "probed_step": None,
+                    "from": "grad_norms", "rank": b["rank"], "values": b}
         rounds = sorted((r for r in st.rounds if r.step >= ev["step"]), key=lambda r: r.step)
         if ev["probed"] and not any(r.step == ev["step"] for r in rounds):
             return None  # the event step's own probe is on its way: it is the one that can tell
@@ -280,7 +335,13 @@ class NonFinite(Check):
         else:
             layer = loc["module"]
             what = loc["pass"].replace("_", " ")
-            summary += f"; first seen in the {what} of {layer} at probed step {loc['probed_step']}"
+            if loc.get("from") == "grad_norms":
+                b = loc["values"]
+                summary += (f"; it came in through the backward pass at {layer}: the gradients of {b['param']} "
+                            f"and the {b['went_nonfinite'] - 1} parameters before it went non-finite, the "
+                            f"{b['stayed_finite']} after it stayed finite")
+            else:
+                summary += f"; first seen in the {what} of {layer} at probed step {loc['probed_step']}"
             details = dict(loc)
         details = dict(ev, **details)
         return Finding(self.name, job_id, step, summary, rank=rank, layer=layer, details=details)
