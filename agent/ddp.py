@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .stats import chunk_norms, chunks_of
+from .stats import SPLIT_MAX, chunk_norms, chunks_of, l2_norms
 
 log = logging.getLogger("gradwatch.agent")
 
@@ -54,8 +54,10 @@ class CommHook:
     """Observes the gradient buckets of one step, before all-reduce.
 
     Attributes:
-        local_sq: float32 1-D device tensors, the L2 norms of the chunks of each bucket seen this
-            step (:func:`.stats.chunk_norms`; squared and summed in float64 by the report builder).
+        local_sq: float32 1-D device tensors, one per bucket seen this step: the L2 norms of its
+            chunks (:func:`.stats.chunk_norms`), or for a bucket of more than
+            :data:`.stats.SPLIT_MAX` chunks its norm (:func:`.stats.l2_norms`); squared and summed
+            in float64 by the report builder.
         first_bucket: ``clock()`` time the step's first bucket was ready, or None.
         first_wait: ``wait.read()`` at that moment (the followed threads' schedstat, parsed by
             :func:`.measure.waited_s` on the sender thread), b"" when unknown.
@@ -141,8 +143,11 @@ class CommHook:
                 if ident != self._hook_ident:
                     self._hook_ident, self.hook_tid = ident, threading.get_native_id()
             t = bucket.buffer()
-            # one foreach over the chunks' views: half the kernels of a norm taken to one value
-            self.local_sq.append(chunk_norms((t,), (chunks_of(t.numel()),)))
+            k = chunks_of(t.numel())
+            # up to SPLIT_MAX chunks, one foreach over their views: half the kernels of a norm taken
+            # to one value; a larger bucket (DDP's default 25 MB) as one value, or its chunk norms
+            # would grow every step's frame by one value per 32 kB of gradient
+            self.local_sq.append(chunk_norms((t,), (k,)) if k <= SPLIT_MAX else l2_norms([t])[0].reshape(1))
         except Exception as e:
             self.on_error(PART, e)
 

@@ -216,6 +216,28 @@ def test_a_bucket_of_many_chunks_gives_the_local_norm_within_1e6_of_float64(one_
     assert r.local_grad_norm == pytest.approx(ref, rel=1e-6)
 
 
+def test_a_bucket_past_split_max_chunks_is_one_value_within_1e6_of_float64():
+    """A bucket of DDP's default size (25 MB: hundreds of chunks) travels as its norm, one value,
+    not as one value per chunk in every step's frame; within 1e-6 of float64 all the same."""
+    from gradwatch.agent.stats import NORM_CHUNK, SPLIT_MAX
+
+    class Bucket:
+        def __init__(self, t):
+            self.t = t
+
+        def buffer(self):
+            return self.t
+
+    comm = CommHook(Errors(), set())
+    big = torch.randn((SPLIT_MAX + 3) * NORM_CHUNK + 7, generator=torch.Generator().manual_seed(1)) + 0.25
+    small = torch.randn(3 * NORM_CHUNK + 5, generator=torch.Generator().manual_seed(2))
+    comm.observe(Bucket(big))
+    comm.observe(Bucket(small))
+    assert [t.numel() for t in comm.local_sq] == [1, 4]
+    got = math.sqrt(sum(float(t.double().square().sum()) for t in comm.local_sq))
+    assert got == pytest.approx(math.sqrt(float(big.double().square().sum() + small.double().square().sum())), rel=1e-6)
+
+
 def test_comm_hook_stops_when_switched_off_and_reports_failures():
     errors, disabled = Errors(), set()
     comm = CommHook(errors, disabled)
