@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from gradwatch import statistics
 
+from .checks import CHECKS
 from .reconcile import Snapshot, group_layers
 
 PREFIX = "gradwatch_"
@@ -232,6 +233,15 @@ def _findings(s: Snapshot):
 
 
 metric("findings", "counter", "Findings raised by each check (a finding stays raised until it resolves).", ("job_id", "check"))(_findings)
+def _folded(s: Snapshot):
+    v = s.checks
+    folded = dict(v.folded) if v else {}
+    # 0 for every check with causes and a status, so that increase() sees a job's first fold
+    for k in sorted({*folded, *((j, c) for j, c, _ in (v.status if v else ()) if getattr(CHECKS.get(c), "knock_on_of", ()))}):
+        yield k, folded.get(k, 0)
+
+
+metric("findings_folded", "counter", "Findings of each check folded into their cause's finding as knock-ons (knock_on_of, within knock_on_window_s) instead of raised: listed in the cause's details.knock_on, not in findings_total or check_rank_flagged.", ("job_id", "check"))(_folded)
 metric("check_errors", "counter", "Exceptions raised inside a check (each is isolated; the check is skipped for that event).", ("check",))(
     lambda s: (((c,), n) for c, n in (s.checks.errors if s.checks else ()))
 )

@@ -82,7 +82,8 @@ def render() -> str:
             "Each is declared in the file of the check that owns it; other checks reading it name it in `uses`.", "",
             "| threshold | check | default | meaning |", "|---|---|---|---|"]
     for name, f in Thresholds.model_fields.items():
-        owner = f"`{OWNERS[name]}`" if OWNERS[name] else "every per-layer check"
+        extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}  # Common's say who reads them
+        owner = f"`{OWNERS[name]}`" if OWNERS[name] else extra.get("scope", "every per-layer check")
         readers = [f"`{n}`" for n, c in sorted(CHECKS.items()) if name in c.uses]
         owner += f" (read by {', '.join(readers)})" if readers else ""
         out.append(f"| `{name}` | {owner} | `{f.default}` | {_cell(f.description)} |")

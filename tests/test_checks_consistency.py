@@ -16,7 +16,7 @@ from gradwatch.aggregator.checks.grad_agreement import GradientAgreement
 from gradwatch.aggregator.checks.replica_drift import ReplicaDrift
 
 from .conftest import run_demo, start_aggregator, wait_for
-from .test_checks_gradients import PARAMS, PIDX, SLOTS, Job, probe
+from .test_checks_gradients import JOB as UNIT, PARAMS, PIDX, SLOTS, Job, probe
 
 CONSISTENCY = {"grad_agreement", "replica_drift"}
 
@@ -186,6 +186,88 @@ def test_grad_agreement_compares_replicas_of_a_shard_never_the_shards_of_a_group
     assert ev.details["params"] == ["fc2.weight"] and ev.details["ranks"] == list(range(world))
 
 
+# --- knock-ons: a desync's drift is its own fault's (issue 12) -------------------------------------
+
+FP = np.arange(1, len(PARAMS) + 1, dtype=np.uint64)
+DRIFTED = FP.copy()
+DRIFTED[PIDX["head.weight"]] += np.uint64(1)
+
+
+def step_of(job: Job, step: int, desync: bool = False, drift=None) -> None:
+    """Every rank reports ``step``: rank 1's gradient norm of head.weight altered after all-reduce
+    (``desync``); with ``drift`` (True/False) a probed step, rank 1's weights differing or not."""
+    for r in range(3):
+        norms = altered("head.weight", 1.5) if desync and r == 1 else NORMS
+        extra = {}
+        if drift is not None:
+            extra = dict(probe=True, fp_grad=FP, fp_weight=DRIFTED if drift and r == 1 else FP, **probe())
+        job.send(wire.Report(job.header(r), job.digest, step, 0.01, 1.0, 0, local_grad_norm=1.0,
+                             grad_norms=np.asarray(norms, np.float32), **extra))
+
+
+def test_a_desyncs_drift_is_folded_into_its_grad_agreement_finding_which_lasts_while_replicas_differ():
+    """Rank 1's gradient is altered after all-reduce at the unprobed step 3: grad_agreement names
+    it there and resolves at step 4 (the gradients agree again). The next probe (5) finds the
+    weights it updated different: replica_drift's knock-on (replica_drift.knock_on_of), within
+    knock_on_window_s, so it is not raised; the gradient finding is reopened with it as evidence and
+    stays while the replicas differ."""
+    job = Job(CHECKS, world=3)
+    for step in range(5):
+        step_of(job, step, desync=step == 3)
+        job.tick()
+    assert job.events("grad_agreement") == [("raised", 3, 1, None), ("resolved", 3, 1, None)]
+    step_of(job, 5, drift=True)
+    assert job.status("replica_drift") == "finding" and job.active("replica_drift") == []
+    assert job.events("replica_drift") == [] and job.runner.folded[(UNIT, "replica_drift")] == 1
+    (f,) = job.active("grad_agreement")
+    assert (f.rank, f.step) == (1, 3) and [(k["check"], k["rank"], k["step"]) for k in f.details["knock_on"]] == [
+        ("replica_drift", 1, 5)]
+    assert job.events("grad_agreement")[-1] == ("updated", 3, 1, None)
+    for step in (6, 7):  # unprobed, then probed: the replicas still differ
+        step_of(job, step, drift=True if step == 7 else None)
+        job.tick()
+    assert [f.rank for f in job.active("grad_agreement")] == [1] and job.events("replica_drift") == []
+    step_of(job, 8, drift=False)  # the replicas agree again (a restart from a checkpoint)
+    assert job.active("grad_agreement") == [] and job.events("replica_drift") == []
+    assert job.events("grad_agreement") == [("raised", 3, 1, None), ("resolved", 3, 1, None), ("updated", 3, 1, None),
+                                            ("resolved", 3, 1, None)]
+
+
+def test_a_desync_at_a_probed_step_holds_its_finding_while_the_drift_it_caused_lasts():
+    """The fault at the probed step 10: gradient norms, gradient and weight fingerprints all see it.
+    The gradients agree at step 11, but the finding stays (no resolved event) while replica_drift
+    still reports the drift folded into it; it resolves with the drift."""
+    job = Job(CHECKS, world=3)
+    for step in range(10):
+        step_of(job, step)
+    step_of(job, 10, desync=True, drift=True)
+    step_of(job, 11)
+    job.tick()
+    assert [f.rank for f in job.active("grad_agreement")] == [1] and job.active("replica_drift") == []
+    assert job.events("grad_agreement") == [("raised", 10, 1, None), ("updated", 10, 1, None)]
+    step_of(job, 12, drift=True)
+    assert [f.rank for f in job.active("grad_agreement")] == [1]
+    step_of(job, 13, drift=False)
+    assert job.events("grad_agreement")[-1] == ("resolved", 10, 1, None) and job.events("replica_drift") == []
+
+
+def test_drift_long_after_a_desync_or_without_one_is_raised():
+    """Outside knock_on_window_s (60 s by default, the runner's clock), or with no gradient
+    finding at all (a bit flip in one replica's weights), drift is a fault of its own."""
+    job = Job(CHECKS, world=3)
+    for step in range(5):
+        step_of(job, step, desync=step == 3)
+        job.tick()
+    job.tick(61)
+    step_of(job, 5, drift=True)
+    assert job.events("replica_drift") == [("raised", 5, 1, None)] and not job.runner.folded
+    job = Job(CHECKS, world=3)
+    step_of(job, 0)
+    step_of(job, 1, drift=True)
+    assert job.events("replica_drift") == [("raised", 1, 1, None)] and job.events("grad_agreement") == []
+    assert job.runner.view().folded == ()
+
+
 def _raised(agg, job):
     return sorted(
         (e["check"], e["rank"], e["step"]) for e in agg.findings(job) if e["event"] == "raised" and e["check"] in CONSISTENCY
@@ -211,10 +293,12 @@ def _settled(agg, job, probes):
 def test_desync_after_all_reduce_is_named_with_rank_step_and_parameter(agg):
     run_demo(agg.endpoint, ranks=3, steps=25, every=10, inject=["desync@20:rank=2"], job="desync")
     _settled(agg, "desync", [0, 10, 20])
-    # the perturbed gradient is seen at step 20, and the replica it updates drifts from then on
-    assert _raised(agg, "desync") == [("grad_agreement", 2, 20), ("replica_drift", 2, 20)]
+    # the perturbed gradient is seen at step 20, and the replica it updates drifts from then on:
+    # the drift is the desync's knock-on, folded into its finding (issue 12: one fault, one finding)
+    assert _raised(agg, "desync") == [("grad_agreement", 2, 20)]
     grad = next(e for e in agg.findings("desync") if e["check"] == "grad_agreement")
     assert grad["details"]["params"] == ["head.weight"] and grad["severity"] == "critical"
+    assert [(k["check"], k["rank"], k["step"]) for k in grad["details"]["knock_on"]] == [("replica_drift", 2, 20)]
 
 
 @pytest.mark.ddp
@@ -222,14 +306,16 @@ def test_desync_on_an_unprobed_step_is_named_at_that_step_from_the_sentinel_norm
     run_demo(agg.endpoint, ranks=3, steps=35, every=10, inject=["desync@23:rank=2"], job="desync_unprobed")
     _settled(agg, "desync_unprobed", [0, 10, 20, 30])
     # step 23 is not probed: the per-step gradient norms name rank 2 there; its weights, updated
-    # with the perturbed gradient, differ from then on and the next probe (30) finds the drift
-    assert _raised(agg, "desync_unprobed") == [("grad_agreement", 2, 23), ("replica_drift", 2, 30)]
+    # with the perturbed gradient, differ from then on and the next probe (30) finds the drift: the
+    # desync's knock-on, folded into its finding
+    assert _raised(agg, "desync_unprobed") == [("grad_agreement", 2, 23)]
     grad = next(e for e in agg.findings("desync_unprobed") if e["check"] == "grad_agreement")
     assert grad["details"]["params"] == ["head.weight"] and grad["details"]["module"] == "head"
     assert grad["details"]["evidence"] == ["grad_norms"] and grad["details"]["rel_diff"] > 1e-5
-    # resolved at the next step: the gradients after all-reduce agree again
-    events = [(e["event"], e["step"]) for e in agg.findings("desync_unprobed") if e["check"] == "grad_agreement"]
-    assert sorted(events) == [("raised", 23), ("resolved", 23)]
+    # resolved at the next step (the gradients after all-reduce agree again), reopened by the drift
+    events = [(e["event"], e["step"]) for e in reversed(agg.findings("desync_unprobed")) if e["check"] == "grad_agreement"]
+    assert events[:3] == [("raised", 23), ("resolved", 23), ("updated", 23)]
+    assert [(k["check"], k["rank"], k["step"]) for k in grad["details"]["knock_on"]] == [("replica_drift", 2, 30)]
 
 
 @pytest.mark.ddp

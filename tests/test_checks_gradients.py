@@ -71,7 +71,7 @@ class Job:
 
     def __init__(self, checks=MINE, world: int = 3, slots=SLOTS, **thresholds):
         self.now = 100.0
-        self.runner = Runner(list(checks), Thresholds(**thresholds), wall=lambda: 0.0)
+        self.runner = Runner(list(checks), Thresholds(**thresholds), wall=lambda: self.now)  # one fake clock
         self.state = State(grace_s=10.0, clock=lambda: self.now, runner=self.runner)
         self.world = world
         self.seq = collections.Counter()

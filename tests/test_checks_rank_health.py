@@ -609,6 +609,106 @@ def test_training_stalled_restarts_its_clock_when_the_aggregator_heard_nothing_o
     assert j.named("training_stalled") == [2]
 
 
+# --- knock-ons: one stopped rank, one finding (issue 12) ------------------------------------------
+
+
+def test_a_silent_ranks_stall_is_folded_into_its_rank_silent_finding():
+    """Rank 1 is stopped (SIGSTOP): rank_silent names it, and its peers, waiting for it in
+    all-reduce, stall. The stall is the silence's knock-on (training_stalled.knock_on_of): no
+    training_stalled finding or event, the check's status still says it found, and rank_silent's
+    finding lists it. When the rank comes back both go, with one resolved event."""
+    j = Job(["rank_silent", "training_stalled"], stall_after_s=4, silent_after_s=3)
+    for r in range(3):
+        j.report(r, 0)
+    for _ in range(6):
+        j.tick(1)
+        for r in (0, 2):
+            j.heartbeat(r, 0, waiting=True)
+    assert j.named("rank_silent") == [1]
+    assert j.status("training_stalled") == Outcome.FINDING  # the check did find the stall
+    assert j.named("training_stalled") == [] and j.events("training_stalled") == []
+    (f,) = j.runner.active[("j", "rank_silent")].values()
+    (knock,) = f.details["knock_on"]
+    assert (knock["check"], knock["rank"], knock["step"]) == ("training_stalled", 1, 0) and f.details["knock_on_n"] == 1
+    assert "silent" in knock["summary"]
+    assert j.events("rank_silent") == [("raised", 1), ("updated", 1)]
+    view = j.runner.view()
+    assert view.folded == ((("j", "training_stalled"), 1),) and dict(view.raised)[("j", "rank_silent")] == 1
+    assert [(g.check, g.rank) for g in view.active] == [("rank_silent", 1)]  # what check_rank_flagged exports
+    for _ in range(3):  # it lasts: updated once, not per tick
+        j.tick(1)
+        for r in (0, 2):
+            j.heartbeat(r, 0, waiting=True)
+    assert j.events("rank_silent") == [("raised", 1), ("updated", 1)] and j.runner.folded[("j", "training_stalled")] == 1
+    j.heartbeat(1, 0, waiting=True)  # SIGCONT: heard again, and the step completes
+    for r in range(3):
+        j.report(r, 1)
+    j.tick(0.1)
+    assert j.named("rank_silent") == [] and j.named("training_stalled") == []
+    assert j.events("rank_silent") == [("raised", 1), ("updated", 1), ("resolved", 1)]
+    assert j.events("training_stalled") == [] and j.status("training_stalled") == Outcome.HEALTHY
+    resolved = j.runner.events[-1]
+    assert resolved.check == "rank_silent" and resolved.details["knock_on"][0]["check"] == "training_stalled"
+    j.runner.forget("j")
+    assert not j.runner.folded and not j.runner._recent and not j.runner._knock and not j.runner._folded
+
+
+def test_a_stall_without_a_silent_rank_is_raised_as_always():
+    """A hang with every rank heard has no cause to fold into: training_stalled raises it."""
+    j = Job(["rank_silent", "training_stalled"], stall_after_s=4, silent_after_s=3)
+    for r in range(3):
+        j.report(r, 0)
+    for _ in range(6):
+        j.tick(1)
+        for r in range(3):
+            j.heartbeat(r, 0, waiting=r != 2, in_step_s=6)
+    assert j.named("training_stalled") == [2] and j.named("rank_silent") == []
+    assert j.events("training_stalled") == [("raised", 2)] and not j.runner.folded
+
+
+def _silent_then_hang(gap_s: int, hung: int) -> Job:
+    """Rank 1 silent for 5 s while its peers go on (rank_silent raised, then resolved when it is
+    heard again), ``gap_s`` s of healthy steps, then rank ``hung`` hangs while its peers wait."""
+    j = Job(["rank_silent", "training_stalled"], stall_after_s=4, silent_after_s=3, knock_on_window_s=10)
+    for r in range(3):
+        j.report(r, 0)
+    for step in range(1, 6):
+        j.tick(1)
+        j.report(0, step)
+        j.report(2, step)
+    assert j.named("rank_silent") == [1]
+    for step in range(6, 7 + gap_s):
+        for r in range(3):
+            j.report(r, step)
+        j.tick(1)
+    assert j.events("rank_silent") == [("raised", 1), ("resolved", 1)] and j.named("training_stalled") == []
+    for _ in range(6):  # ~5 s after the resolve with gap 0: within the window of 10 s
+        j.tick(1)
+        for r in range(3):
+            j.heartbeat(r, 6 + gap_s, waiting=r != hung, in_step_s=6)
+    return j
+
+
+def test_a_knock_on_within_the_window_reopens_its_cause_and_outside_it_is_raised():
+    """A cause resolved within knock_on_window_s still explains a finding of its rank (reopened,
+    without a raised event); resolved longer ago, or naming another rank, it explains nothing."""
+    j = _silent_then_hang(0, hung=1)
+    assert j.events("training_stalled") == [] and j.runner.folded[("j", "training_stalled")] == 1
+    assert j.events("rank_silent") == [("raised", 1), ("resolved", 1), ("updated", 1)]
+    assert j.named("rank_silent") == [1]  # reopened while its knock-on lasts
+    for r in range(3):
+        j.report(r, 7)
+    j.tick(0.1)
+    assert j.events("rank_silent")[-1] == ("resolved", 1) and j.named("rank_silent") == []
+
+    j = _silent_then_hang(12, hung=1)  # the silence resolved 16 s before the stall: past the window
+    assert j.events("training_stalled") == [("raised", 1)] and not j.runner.folded
+    assert j.events("rank_silent") == [("raised", 1), ("resolved", 1)]
+
+    j = _silent_then_hang(0, hung=2)  # within the window, but another rank: a fault of its own
+    assert j.events("training_stalled") == [("raised", 2)] and not j.runner.folded
+
+
 # --- step_skew -----------------------------------------------------------------------------------
 
 

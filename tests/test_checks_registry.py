@@ -13,7 +13,9 @@ import pytest
 from pydantic import Field, ValidationError
 
 from gradwatch.aggregator import checks as registry
-from gradwatch.aggregator.checks import CHECKS, DASHBOARDS, OWNERS, Check, Common, Thresholds, thresholds_model
+from gradwatch.aggregator.checks import (
+    CHECKS, DASHBOARDS, OWNERS, Check, Common, Thresholds, check_knock_ons, thresholds_model,
+)
 from gradwatch.aggregator.config import AggregatorConfig
 
 
@@ -185,3 +187,33 @@ def test_runner_skips_on_tick_of_a_check_judging_silence_while_its_job_is_overlo
     runner.dispatch("on_tick", muted, now[0])
     assert calls == [(Plain.name, "fresh")]
     assert runner.status[("fresh", Judging.name)] == Outcome.NO_DATA and runner.status[("fresh", Plain.name)] == Outcome.FINDING
+
+
+def test_knock_on_of_names_only_registered_checks_one_level_deep():
+    """Every check's ``knock_on_of`` (the checks whose finding explains its own, folded by the
+    Runner) names registered checks, never itself nor another knock-on; the two of issue 12."""
+    knock = {n: c.knock_on_of for n, c in CHECKS.items() if c.knock_on_of}
+    assert knock == {"training_stalled": ("rank_silent",), "replica_drift": ("grad_agreement",)}
+    for name, causes in knock.items():
+        for cause in causes:
+            assert cause in CHECKS and cause != name and not CHECKS[cause].knock_on_of, (name, cause)
+    check_knock_ons()  # the registry as loaded
+
+
+def test_a_knock_on_of_an_unknown_or_knock_on_check_is_refused_naming_the_check(monkeypatch):
+    from gradwatch.aggregator.checks import Runner
+
+    class Typo(Check):
+        name = "t_typo"
+        dashboard = "rank_health"
+        knock_on_of = ("rank_silnet",)
+
+    monkeypatch.setitem(CHECKS, Typo.name, Typo)
+    with pytest.raises(ValueError, match=r"check t_typo: knock_on_of names 'rank_silnet', not a registered check"):
+        Runner([Typo.name], Thresholds())
+    Typo.knock_on_of = ("training_stalled",)  # itself explained by rank_silent
+    with pytest.raises(ValueError, match=r"t_typo: knock_on_of names 'training_stalled', itself a knock-on of rank_silent"):
+        check_knock_ons()
+    Typo.knock_on_of = ("t_typo",)
+    with pytest.raises(ValueError, match="t_typo: knock_on_of names the check itself"):
+        check_knock_ons({Typo.name: Typo})

@@ -35,6 +35,27 @@ is not given ``on_tick`` for a job while the aggregator's intake drops that job'
 ``silent_after_s`` after the latest drop (``JobState.overloaded_at``): what the aggregator missed
 proves nothing about the ranks. Its status and findings stay as they were, as if it returned None.
 
+Knock-on. A fault's effects on another check are part of that fault (one fault, one finding):
+``knock_on_of`` names the checks whose finding explains a finding of this one in the same job
+(``training_stalled`` of ``rank_silent``: the peers of a silent rank wait for it; ``replica_drift``
+of ``grad_agreement``: the weights a desynced gradient updated differ from then on). The
+:class:`Runner` folds a *new* finding of such a check while a finding of one of its causes is
+active in the same job, or resolved within ``knock_on_window_s`` (wall clock): it is not raised
+(no event, not among the active findings, so no ``gradwatch_check_rank_flagged`` series and no
+alert names its rank), the cause's finding lists it in ``details["knock_on"]`` (an *updated*
+event), and it is counted in ``gradwatch_findings_folded_total``. The cause of the same rank is
+preferred, then an active one; while the cause is active a knock-on naming another rank is folded
+too (that rank is the fault's victim, not a second fault), once it resolved only one naming its
+rank, or where either names none (a rank hung after another came back is a fault of its own). The cause's finding stays active, without a
+*resolved* event, while a knock-on folded into it is still reported, even when its own check no
+longer reports it (a desync's gradient agrees again at the next step while the replicas it left
+different still differ): a cause resolved within the window is reopened (an *updated* event), and
+it resolves when it is no longer reported and its last knock-on went. A knock-on going emits
+nothing of its own. The folded check's status stays what its evaluation says (``finding``: the
+check did find); only the finding is folded. Names are checked when the registry is loaded and
+when a :class:`Runner` starts (:func:`check_knock_ons`): every name a registered check, never the
+check itself nor a check that is itself a knock-on (one level: a cause is always raised).
+
 Dashboards. ``dashboard`` names the Grafana dashboard that shows the check's status
 (:data:`DASHBOARDS`); the generator takes its check lists from the registry.
 """
@@ -48,7 +69,7 @@ import json
 import logging
 import pkgutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -115,11 +136,17 @@ _FROZEN = ConfigDict(extra="forbid", frozen=True)
 
 
 class Common(BaseModel):
-    """Thresholds shared by every check that names layers (not one check's own)."""
+    """Thresholds that are not one check's own: shared by every check that names layers, or read by
+    the :class:`Runner` for every check (``json_schema_extra["scope"]`` says which, for the catalog)."""
 
     model_config = _FROZEN
 
     max_layers: int = Field(5, ge=1, le=100, description="Most layers a check names at once (the worst ones), to bound series.")
+    knock_on_window_s: float = Field(
+        60.0, ge=0, le=3600, json_schema_extra={"scope": "the runner (`knock_on_of`)"},
+        description="Seconds after a finding resolves within which a new finding of a check it explains (knock_on_of: "
+                    "training_stalled after rank_silent, replica_drift after grad_agreement) is folded into it as "
+                    "a knock-on instead of raised (while it is active, always); 0: only while it is active.")
 
 
 class Check:
@@ -138,6 +165,10 @@ class Check:
     #: the check names ranks for what the aggregator did not hear: the :class:`Runner` skips its
     #: ``on_tick`` while the job is overloaded (see the module docstring)
     judges_silence: ClassVar[bool] = False
+    #: the checks whose finding (active, or resolved within ``knock_on_window_s``) in the same job
+    #: explains a new finding of this one: the :class:`Runner` folds it into theirs instead of
+    #: raising it (see the module docstring); registered check names, validated by check_knock_ons
+    knock_on_of: ClassVar[tuple[str, ...]] = ()
 
     class Thresholds(BaseModel):
         """The check's own thresholds: a subclass declares them as pydantic fields (default, bounds,
@@ -187,6 +218,26 @@ def register(cls: type[Check]) -> type[Check]:
         raise ValueError(f"check {cls.name}: its Thresholds must subclass Check.Thresholds")
     CHECKS[cls.name] = cls
     return cls
+
+
+def check_knock_ons(checks: Optional[dict[str, type[Check]]] = None) -> None:
+    """Validate every ``knock_on_of`` of ``checks`` (default the registry) against the registry.
+
+    Raises:
+        ValueError: a check names an unregistered check, itself, or a check that is itself a
+            knock-on of another (folds are one level deep); the message names the check.
+    """
+    checks = CHECKS if checks is None else checks
+    for name, cls in checks.items():
+        for cause in cls.knock_on_of:
+            if cause not in CHECKS:
+                raise ValueError(f"check {name}: knock_on_of names {cause!r}, not a registered check; "
+                                 f"known: {', '.join(sorted(CHECKS))}")
+            if cause == name:
+                raise ValueError(f"check {name}: knock_on_of names the check itself")
+            if CHECKS[cause].knock_on_of:
+                raise ValueError(f"check {name}: knock_on_of names {cause!r}, itself a knock-on of "
+                                 f"{', '.join(CHECKS[cause].knock_on_of)} (folds are one level deep)")
 
 
 def _same(a: FieldInfo, b: FieldInfo) -> bool:
@@ -269,9 +320,11 @@ def _handlers(checks: dict[str, Check], method: str) -> dict[str, Check]:
 
 @dataclass(frozen=True)
 class Event:
-    """A finding raised or resolved, as written to the event log and served at /api/findings."""
+    """A finding raised, updated or resolved, as written to the event log and served at
+    /api/findings. *updated*: a knock-on was folded into an active finding (``details["knock_on"]``),
+    or reopened one resolved within ``knock_on_window_s``; only *raised* goes to the sinks."""
 
-    event: str  # raised | resolved
+    event: str  # raised | updated | resolved
     time: float  # wall clock, seconds since the epoch
     check: str
     severity: str
@@ -320,7 +373,10 @@ def _clean(x):
 class Runner:
     """Runs the enabled checks, isolates their failures, keeps statuses and the active findings.
     While a job is overloaded it does not give ``on_tick`` to the checks that judge silence
-    (``Check.judges_silence``; see the module docstring).
+    (``Check.judges_silence``), and it folds a check's knock-on findings into their cause's
+    (``Check.knock_on_of``, ``knock_on_window_s`` on ``wall``); see the module docstring. Per job
+    and cause check it keeps at most :attr:`RECENT` resolved findings for the window and lists at
+    most :attr:`KNOCK_ON_MAX` knock-ons per finding (``knock_on_n`` counts them all).
 
     Args:
         names: checks to run (see :func:`resolve`).
@@ -328,10 +384,19 @@ class Runner:
         events_path: JSON-lines file to append events to ('' for none).
         sinks: callables receiving each raised :class:`Event` (e.g. a Grafana annotation poster).
         wall: wall clock, seconds since the epoch.
+
+    Raises:
+        ValueError: a check's ``knock_on_of`` is invalid (:func:`check_knock_ons`).
     """
+
+    #: resolved findings per (job, cause check) kept for knock_on_window_s (the newest)
+    RECENT = 8
+    #: knock-ons listed in one cause finding's details (the first ones; knock_on_n counts all)
+    KNOCK_ON_MAX = 16
 
     def __init__(self, names: list[str], thresholds: BaseModel, events_path: str = "", sinks=(), wall=time.time):
         load_all()
+        check_knock_ons({n: CHECKS[n] for n in names})
         self.checks = {n: CHECKS[n](thresholds) for n in names}
         self.t = thresholds
         self.status: dict[tuple[str, str], Outcome] = {}
@@ -347,6 +412,18 @@ class Runner:
         self._handlers: dict[str, dict[str, Check]] = {}  # event -> the checks that handle it
         self._ready: set[str] = set()  # jobs every check has a status for
         self._silence = {n for n, c in self.checks.items() if c.judges_silence}
+        # knock-ons (module docstring): check -> its enabled causes, cause -> the checks it explains
+        self._causes = {n: tuple(p for p in c.knock_on_of if p in self.checks) for n, c in self.checks.items()}
+        self._causes = {n: ps for n, ps in self._causes.items() if ps}
+        self._explains: dict[str, tuple[str, ...]] = {}
+        for n, ps in self._causes.items():
+            for p in ps:
+                self._explains[p] = (*self._explains.get(p, ()), n)
+        self.folded = collections.Counter()  # (job, check) -> findings folded into a cause's
+        self._folded: dict[tuple[str, str], dict[tuple, tuple[str, tuple]]] = {}  # (job, C) -> key -> (P, P's key)
+        self._knock: dict[tuple[str, str], dict[tuple, tuple[list, int]]] = {}  # (job, P) -> key -> (knock-ons, n)
+        self._held: dict[tuple[str, str], set[tuple]] = {}  # (job, P) -> keys P no longer reports, kept for knock-ons
+        self._recent: dict[tuple[str, str], collections.deque] = {}  # (job, P) -> (wall time, resolved Finding)
 
     def close(self) -> None:
         if self._log is not None:
@@ -391,18 +468,127 @@ class Runner:
 
     def _record(self, job: str, check: Check, ev: Evaluation) -> None:
         k = (job, check.name)
-        self.status[k] = ev.outcome
+        self.status[k] = ev.outcome  # a folded finding's check still says it found (module docstring)
         before = self.active.get(k, {})
         # a check that can no longer judge (no_data) stands behind none of its earlier findings
         now = {f.key: f for f in ev.findings} if ev.outcome != Outcome.NO_DATA else {}
+        if check.name not in self._causes and check.name not in self._explains:
+            for key, f in now.items():
+                if key not in before:
+                    self.raised[k] += 1
+                    self._emit("raised", check, f)
+            for key, f in before.items():
+                if key not in now:
+                    self._emit("resolved", check, f)
+            self.active[k] = now
+            return
+        causes = self._causes.get(check.name, ())
+        folded = self._folded.get(k, {})
+        held = self._held.get(k, set())
+        active: dict[tuple, Finding] = {}
+        still: dict[tuple, tuple[str, tuple]] = {}  # the knock-ons this check still reports -> their cause
         for key, f in now.items():
-            if key not in before:
+            if key in before:
+                held.discard(key)  # reported again by its own check
+                active[key] = self._with_knock(k, key, f)
+            elif key in folded:
+                still[key] = folded[key]
+            elif causes and (cause := self._cause(job, causes, f)) is not None:
+                still[key] = cause
+                self._fold(job, f, cause)
+            else:
+                active[key] = f
                 self.raised[k] += 1
                 self._emit("raised", check, f)
         for key, f in before.items():
-            if key not in now:
-                self._emit("resolved", check, f)
-        self.active[k] = now
+            if key in now:
+                continue
+            if self._explained(job, check.name, key):  # a knock-on still reported: the fault lasts
+                held.add(key)
+                active[key] = f
+            else:
+                held.discard(key)
+                self._resolve(job, check, f)
+        self.active[k] = active
+        if held:
+            self._held[k] = held
+        else:
+            self._held.pop(k, None)
+        if causes:
+            if still:
+                self._folded[k] = still
+            else:
+                self._folded.pop(k, None)
+            for p, pkey in set(folded.values()) - set(still.values()):  # its last knock-on may have gone
+                pk = (job, p)
+                if pkey in self._held.get(pk, ()) and not self._explained(job, p, pkey):
+                    self._held[pk].discard(pkey)
+                    self._resolve(job, self.checks[p], self.active[pk].pop(pkey))
+
+    def _cause(self, job: str, causes: tuple[str, ...], f: Finding) -> Optional[tuple[str, tuple]]:
+        """The finding of a cause check that explains ``f``: (check, key) of an active one, or of
+        one resolved within knock_on_window_s naming ``f``'s rank or no rank (either names none);
+        the same rank first, then an active one."""
+        best, best_score = None, None
+        for p in causes:
+            active = self.active.get((job, p), {})
+            for key, g in active.items():
+                score = (g.rank != f.rank, 0)
+                if best_score is None or score < best_score:
+                    best, best_score = (p, key), score
+            recent = self._recent.get((job, p))
+            if recent and self.t.knock_on_window_s > 0:
+                now = self._wall()
+                while recent and now - recent[0][0] > self.t.knock_on_window_s:
+                    recent.popleft()  # oldest first: past the window
+                for _, g in recent:
+                    score = (g.rank != f.rank, 1)
+                    # a resolved fault explains a later finding of its own rank or of none, never
+                    # another rank's: that one is a fault of its own (a rank back from silence, another hung)
+                    if g.rank is not None and f.rank is not None and g.rank != f.rank:
+                        continue
+                    if g.key not in active and (best_score is None or score < best_score):
+                        best, best_score = (p, g.key), score
+        return best
+
+    def _fold(self, job: str, f: Finding, cause: tuple[str, tuple]) -> None:
+        """Fold the new finding ``f`` into its cause's finding: listed there, an *updated* event."""
+        p, pkey = cause
+        pk = (job, p)
+        self.folded[(job, f.check)] += 1
+        active = self.active.setdefault(pk, {})
+        if pkey not in active:  # resolved within the window: reopened while the knock-on lasts
+            recent = self._recent[pk]
+            i = max(i for i, (_, g) in enumerate(recent) if g.key == pkey)
+            _, g = recent[i]
+            del recent[i]
+            active[pkey] = g
+            self._held.setdefault(pk, set()).add(pkey)
+            self._knock.setdefault(pk, {})[pkey] = (list(g.details.get("knock_on", [])), g.details.get("knock_on_n", 0))
+        knocks, n = self._knock.setdefault(pk, {}).get(pkey, ([], 0))
+        if len(knocks) < self.KNOCK_ON_MAX:
+            knocks = [*knocks, {"check": f.check, "step": f.step, "rank": f.rank, "layer": f.layer, "summary": f.summary}]
+        self._knock[pk][pkey] = (knocks, n + 1)
+        g = active[pkey] = self._with_knock(pk, pkey, active[pkey])
+        self._emit("updated", self.checks[p], g)
+
+    def _with_knock(self, pk: tuple[str, str], key: tuple, f: Finding) -> Finding:
+        """``f`` with the knock-ons folded into it in its details (``knock_on``, ``knock_on_n``)."""
+        got = self._knock.get(pk, {}).get(key)
+        if got is None:
+            return f
+        return replace(f, details={**f.details, "knock_on": got[0], "knock_on_n": got[1]})
+
+    def _explained(self, job: str, p: str, key: tuple) -> bool:
+        """Whether a knock-on folded into cause ``p``'s finding ``key`` is still reported."""
+        return any((p, key) in self._folded.get((job, c), {}).values() for c in self._explains.get(p, ()))
+
+    def _resolve(self, job: str, check: Check, f: Finding) -> None:
+        self._emit("resolved", check, f)
+        if check.name in self._explains:  # a cause: knock-ons within the window still fold into it
+            self._knock.get((job, check.name), {}).pop(f.key, None)
+            recent = self._recent.setdefault((job, check.name), collections.deque(maxlen=self.RECENT))
+            recent.append((self._wall(), f))
 
     def _emit(self, kind: str, check: Check, f: Finding) -> None:
         e = Event(kind, self._wall(), f.check, check.severity, f.job, f.step, f.rank, f.layer, f.summary, _clean(f.details))
@@ -431,6 +617,9 @@ class Runner:
             self.status.pop((job, name), None)
             self.active.pop((job, name), None)
             self.raised.pop((job, name), None)
+            self.folded.pop((job, name), None)
+            for d in (self._folded, self._knock, self._held, self._recent):
+                d.pop((job, name), None)
 
     def view(self) -> "RunnerView":
         values: dict[str, dict[tuple, float]] = collections.defaultdict(dict)
@@ -447,6 +636,7 @@ class Runner:
             status=tuple(sorted((j, c, o.value) for (j, c), o in self.status.items())),
             active=tuple(f for fs in self.active.values() for f in fs.values()),
             raised=tuple(sorted(self.raised.items())),
+            folded=tuple(sorted(self.folded.items())),
             errors=tuple(sorted(self.errors.items())),
             seconds=tuple(sorted(self.seconds.items())),
             events=tuple(self.events),
@@ -462,6 +652,7 @@ class RunnerView:
     status: tuple = ()
     active: tuple = ()
     raised: tuple = ()
+    folded: tuple = ()  # ((job, check), findings folded into a cause's as knock-ons)
     errors: tuple = ()
     seconds: tuple = ()
     events: tuple = ()
@@ -471,4 +662,5 @@ class RunnerView:
 
 # every check registers itself on import; the aggregate model needs all of them
 load_all()
+check_knock_ons()
 Thresholds = thresholds_model()

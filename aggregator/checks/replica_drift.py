@@ -24,6 +24,13 @@ for ``b``; otherwise (a flip that barely changes the norm — a low mantissa bit
 history, both jumping) the finding names no rank and lists both as ``candidates``. A verdict
 stands while the pair keeps disagreeing (later probes mix in updates computed from the diverged
 weights): one fault, one finding.
+
+Drift found while ``grad_agreement`` has a finding of the job active, or resolved within
+``knock_on_window_s`` (a gradient altered after all-reduce: the optimizer applied it to one
+replica, whose weights differ from then on), is that fault's knock-on (``knock_on_of``): the
+runner folds it into the gradient finding (``details["knock_on"]``), which stays active while the
+replicas still differ, instead of raising it. Drift with no such cause (a bit flip in the weights,
+a missed broadcast) is raised as always; this check's status says ``finding`` either way.
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ class ReplicaDrift(_Agreement):
     dashboard = "consistency"
     fingerprints = ("fp_weight", "fp_weight_seen")
     what = "weights"
+    knock_on_of = ("grad_agreement",)  # a desynced gradient leaves the weights it updated different
 
     class Thresholds(Check.Thresholds):
         drift_tie_ratio: float = Field(2.0, gt=1, description="Two holders that disagree: a rank is named when its weight norm moved more than this many times both the other holder's move and the parameter's move over the previous probe interval.")

@@ -34,6 +34,12 @@ the next completed step, or when every rank has said goodbye.
 
 While the aggregator's intake drops this job's frames (overload), and for ``silent_after_s`` after,
 this check names nobody new: what the aggregator missed is not the ranks' doing.
+
+A stall while ``rank_silent`` names a rank of the job (or named one within ``knock_on_window_s``)
+is that rank's knock-on (``knock_on_of``): the runner folds the new finding into the silent rank's
+(``details["knock_on"]``) instead of raising it, so one stopped rank is one finding, and no peer is
+named as hung for waiting on it. This check's status still says ``finding``. A stall with no
+silent rank is raised as always.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class TrainingStalled(Check):
     )
     dashboard = "rank_health"
     judges_silence = True  # steps the intake dropped are not missing steps
+    knock_on_of = ("rank_silent",)  # a silent rank's peers wait for it: its fault, not a second one
     uses = ("silent_after_s",)
 
     class Thresholds(Check.Thresholds):
