@@ -494,6 +494,28 @@ def test_training_stalled_names_the_rank_not_waiting_while_its_peers_wait():
     assert j.events("training_stalled") == [("raised", 2), ("resolved", 2)]
 
 
+def test_training_stalled_names_no_peer_that_moved_on_before_the_step_that_freed_it_is_reported():
+    """The end of a hang (fault matrix, 4 ranks): the hung rank wakes and joins the all-reduce, its
+    peers finish the step and start the next, and their heartbeats (in their step for 0.05 s) reach
+    the aggregator before the coalesced report of the step: they moved on, they are not hung."""
+    j = Job(["training_stalled"], stall_after_s=4, silent_after_s=3)
+    for r in range(3):
+        j.report(r, 0)
+    for t in range(6):  # rank 2 hangs outside all-reduce, its peers wait for it
+        j.tick(1)
+        j.heartbeat(0, 0, waiting=True, in_step_s=t + 1.0)
+        j.heartbeat(1, 0, waiting=True, in_step_s=t + 1.0)
+        j.heartbeat(2, 0, waiting=False, in_step_s=t + 1.0)
+    assert j.named("training_stalled") == [2]
+    j.tick(0.2)  # rank 2 woke and waits in all-reduce; 0 and 1 finished step 1 and compute step 2
+    j.heartbeat(2, 0, waiting=True, in_step_s=6.5)
+    j.heartbeat(0, 0, waiting=False, in_step_s=0.05)
+    j.heartbeat(1, 0, waiting=False, in_step_s=0.05)
+    j.tick(0.1)
+    assert j.events("training_stalled") == [("raised", 2), ("resolved", 2)]  # nobody else named
+    assert j.status("training_stalled") == Outcome.HEALTHY
+
+
 def test_training_stalled_is_job_level_when_no_rank_stands_out_and_names_a_silent_one():
     j = Job(["training_stalled"], stall_after_s=4, silent_after_s=3)
     for r in range(3):

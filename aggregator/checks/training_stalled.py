@@ -21,6 +21,12 @@ a stopped aggregator; every agent sends something at least every second) is no d
 when it is heard again (agents send a heartbeat before the reports they held back): steps nobody
 could see are not a stall.
 
+A rank whose heartbeat says it has been in its current step for less time (``in_step_s``, plus
+the heartbeat's age) than no step was reported, by more than ``PROGRESS_S``, completed a step the
+aggregator has not heard of yet (the report follows its heartbeat, coalesced): it is not named;
+if no rank is left to name, the job has moved on and the check is healthy. At the end of a hang
+the peers so start their next step before the step that freed them is reported.
+
 Each heartbeat says whether the rank has handed its first gradient bucket of the current step to
 all-reduce (``waiting``: it waits on its peers). A rank that is *not* waiting while its peers are
 is where the job is stuck: its peers wait for it in the collective. A silent rank while its peers
@@ -87,6 +93,9 @@ class TrainingStalled(Check):
     WINDOW = 64
     #: share of a heartbeat interval a training thread ran or waited for a CPU above which it is busy
     RUNNABLE = 0.5
+    #: seconds by which a rank's time in its step (its heartbeat's ``in_step_s`` plus the heartbeat's
+    #: age) must fall short of the stall for the rank to have completed a step not yet reported
+    PROGRESS_S = 1.0
     #: seconds without any message from the job (every agent sends something at least every second) after which the
     #: aggregator was blind to it and the stall clock starts over
     DARK_S = 2.0
@@ -131,8 +140,15 @@ class TrainingStalled(Check):
         if not heard:
             return Evaluation.no_data()  # everyone is silent: the job died, not stalled (rank_silent)
         silent = [r for r in live if r not in heard]
+        # a rank in its step for less time than nothing was reported completed a step since: its
+        # report is on its way (coalesced, or behind its heartbeat), and it is not hung. At the end
+        # of a hang the peers have moved on before the aggregator hears of the step that freed them
+        # (0: an agent that does not say)
+        moved = {r.rank for r in heard if 0 < r.in_step_s and r.in_step_s + (now - r.last_seen) < idle - self.PROGRESS_S}
         waiting = [r for r in heard if r.waiting]
-        busy = [r for r in heard if not r.waiting]
+        busy = [r for r in heard if not r.waiting and r.rank not in moved]
+        if moved and not busy and not silent:
+            return Evaluation.healthy()  # the job moved on: the step that ended the stall is on its way
         outside = idle >= max(bound, self.t.stall_outside_after_s)
         if not waiting and not silent and not outside:
             return Evaluation.healthy()  # a pause outside collectives: evaluation, a checkpoint
