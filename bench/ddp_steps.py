@@ -10,7 +10,7 @@ only what the agent's every-step path costs a small DDP job.
 Variants:
 
   none        the plain training step
-  agent       gradwatch.agent.attach with its defaults (endpoint where nothing listens)
+  agent       gradwatch.agent.attach with its defaults (endpoint where nothing listens, or --endpoint)
   no-hook     the same without the DDP communication hook (``local_norms=False``)
   hook-only   no agent, only its all-reduce hook (agent.ddp.allreduce_mean) in DDP's place
 
@@ -62,7 +62,7 @@ def worker(rank: int, variant: str, a, port: int, q) -> None:
     elif variant != "none":
         from gradwatch import agent
 
-        mon = agent.attach(model, opt, endpoint="tcp://127.0.0.1:9", job="ddp-steps",
+        mon = agent.attach(model, opt, endpoint=a.endpoint or "tcp://127.0.0.1:9", job=f"ddp-steps-{port}",
                            local_norms=variant != "no-hook")
         if a.timers and mon.comm.observing:
             def timed(name, fn):
@@ -117,6 +117,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--timers", action="store_true", help="time the agent's parts on rank 0 (adds a little)")
     p.add_argument("--port", type=int, default=29650, help="first gloo rendezvous port on 127.0.0.1 (one per run)")
+    p.add_argument("--endpoint", default="", help="a running aggregator's ZeroMQ endpoint for the agent variants "
+                   "(default: nowhere; the sender then builds no report)")
     p.add_argument("--json", default="", help="also write the results here")
     a = p.parse_args()
     variants = a.variants.split(",")
