@@ -196,7 +196,7 @@ DRIFTED[PIDX["head.weight"]] += np.uint64(1)
 def step_of(job: Job, step: int, desync: bool = False, drift=None) -> None:
     """Every rank reports ``step``: rank 1's gradient norm of head.weight altered after all-reduce
     (``desync``); with ``drift`` (True/False) a probed step, rank 1's weights differing or not."""
-    for r in range(3):
+    for r in range(job.world):
         norms = altered("head.weight", 1.5) if desync and r == 1 else NORMS
         extra = {}
         if drift is not None:
@@ -249,6 +249,20 @@ def test_a_desync_at_a_probed_step_holds_its_finding_while_the_drift_it_caused_l
     assert [f.rank for f in job.active("grad_agreement")] == [1]
     step_of(job, 13, drift=False)
     assert job.events("grad_agreement")[-1] == ("resolved", 10, 1, None) and job.events("replica_drift") == []
+
+
+def test_a_job_level_gradient_finding_folds_no_drift():
+    """World 2: two replicas disagree and neither can be named (no majority), so grad_agreement's
+    finding is job-level. It says no rank's fault, so it claims no finding as its knock-on: the
+    drift that follows is raised (a tensor-parallel bit flip's drift names the flipped holder while
+    grad_agreement only sees the tie: the named finding must stay raised)."""
+    job = Job(CHECKS, world=2)
+    for step in range(5):
+        step_of(job, step, desync=step == 3)
+        job.tick()
+    assert job.events("grad_agreement") == [("raised", 3, None, None), ("resolved", 3, None, None)]
+    step_of(job, 5, drift=True)
+    assert [e[0] for e in job.events("replica_drift")] == ["raised"] and job.runner.folded[(UNIT, "replica_drift")] == 0
 
 
 def test_drift_long_after_a_desync_or_without_one_is_raised():
