@@ -151,7 +151,7 @@ def to_host(flat: torch.Tensor) -> tuple[torch.Tensor, Optional[Callable[[], boo
 
 def size(counts: Counts) -> int:
     """float32 values in a frame of these ``counts``."""
-    return sum(counts.get(s.name, 0) * s.width for s in SECTIONS)
+    return _plan(tuple(counts.items()))[0]
 
 
 @functools.lru_cache(maxsize=64)
