@@ -7,11 +7,14 @@ repeat exactly the steps of a run with it. With ``--baton FILE`` (bench/outage.p
 only while FILE reads ``<--name>:<phase>`` and records steps and seconds of each turn per phase, so two jobs
 take turns on the same cores. Writes the step count to ``--progress.<rank>`` after each step and
 ``--out.<rank>.pt`` (final parameters) and ``--out.<rank>.json`` (counters) at the end.
+With ``--watchdog-s S`` a rank still running after S seconds dumps every thread's stack to
+stderr and exits 1: a hang becomes a failure that says where it hung.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import time
@@ -39,6 +42,8 @@ def worker(rank: int, a) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    if a.watchdog_s > 0:
+        faulthandler.dump_traceback_later(a.watchdog_s, exit=True)
     torch.use_deterministic_algorithms(True)
     model, opt, gen = build(rank, a.port, a.width)
     mon = None
@@ -131,6 +136,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--sleep-s", type=float, default=0.0, help="pause after each step (pacing on a shared machine)")
+    p.add_argument("--watchdog-s", type=float, default=0.0, help="dump stacks and exit 1 after this many seconds; 0: off")
     a = p.parse_args()
     import torch.multiprocessing as mp
 

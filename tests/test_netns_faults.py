@@ -20,10 +20,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,10 +34,11 @@ import torch
 from . import netns
 from .conftest import ROOT
 
-pytestmark = [pytest.mark.timeout(480), pytest.mark.slow]  # a minute of faults, then the same steps without the agent
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # a minute of faults, then the same steps without the agent
 
 PORT, METRICS_PORT, GLOO_PORT = 5555, 9100, 29531
 SILENT_AFTER_S = 4.0
+WATCHDOG_S = 120.0  # a reference run this long has hung: its ~1,500 steps take ~30 s here
 
 POLLER = r"""
 import json, sys, time, requests
@@ -108,16 +111,41 @@ def _aggregator(pair, log: Path) -> subprocess.Popen:
 
 
 def _job(pair, tmp: Path, name: str, endpoint: str, steps: int) -> subprocess.Popen:
-    # each job its own rendezvous port: the previous job's listening socket may linger a while
-    port = GLOO_PORT + (0 if endpoint else 1)
-    return subprocess.Popen(
-        pair.cmd(pair.train, sys.executable, str(ROOT / "tests" / "faultjob.py"), "--endpoint", endpoint,
-                 "--port", str(port), "--steps", str(steps), "--stop", str(tmp / f"{name}.stop"), "--job", "netns",
-                 "--progress", str(tmp / f"{name}.progress"), "--out", str(tmp / name), "--width", "64",
-                 "--sleep-s", "0.01"),
-        stdout=(tmp / f"{name}.log").open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    """The 2-rank job: with the agent inside the training namespace; without it (``endpoint``
+    empty, the reference run) on the host's loopback, which the result cannot depend on."""
+    args = [sys.executable, str(ROOT / "tests" / "faultjob.py"), "--endpoint", endpoint,
+            "--port", str(GLOO_PORT if endpoint else _free_port()), "--steps", str(steps),
+            "--stop", str(tmp / f"{name}.stop"), "--job", "netns", "--progress", str(tmp / f"{name}.progress"),
+            "--out", str(tmp / name), "--width", "64", "--sleep-s", "0.01"]
+    if not endpoint:
+        args += ["--watchdog-s", str(WATCHDOG_S)]
+    with (tmp / f"{name}.log").open("w") as out:  # the child keeps its own copy
+        return subprocess.Popen(pair.cmd(pair.train, *args) if endpoint else args, stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reference(pair, tmp: Path, steps: int) -> None:
+    """The same ``steps`` without the agent. gradwatch is not in this run: a hang here is torch's
+    or gloo's (the watchdog dumps its stacks into the log), so it is run once more, and the
+    first try's log is kept as a warning rather than lost."""
+    for attempt in (1, 2):
+        ref = _job(pair, tmp, "none", "", steps)
+        try:
+            rc = ref.wait(WATCHDOG_S + 60)
+        except subprocess.TimeoutExpired:
+            ref.kill()
+            rc = ref.wait(10)
+        log = (tmp / "none.log").read_text()
+        if rc == 0:
+            return
+        assert attempt == 1, f"the reference run without the agent failed twice (rc {rc}): {log[-6000:]}"
+        warnings.warn(f"the reference run without the agent failed (rc {rc}), run again: {log[-6000:]}")
 
 def _progress(tmp: Path, name: str) -> int:
     """Steps both ranks have completed (written after each step)."""
@@ -193,8 +221,7 @@ def test_partition_kill_and_stop_leave_training_unchanged_and_metrics_return(pai
         assert info["alive"] and info["errors"] == 0 and info["connected"], info
         assert info["reports"] > 0
     # the same steps without the agent: bit-identical final weights
-    ref = _job(pair, tmp_path, "none", "", steps)
-    assert ref.wait(300) == 0, (tmp_path / "none.log").read_text()  # a loaded machine: slow, never wrong
+    _reference(pair, tmp_path, steps)
     for r in (0, 1):
         with_agent = torch.load(tmp_path / f"agent.{r}.pt")
         without = torch.load(tmp_path / f"none.{r}.pt")
