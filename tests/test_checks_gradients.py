@@ -313,8 +313,17 @@ BACKWARD_CASES = {
     "entered at fc2": ([NAN, NAN, NAN, NAN, 0.5], "fc2"),
     # a forward NaN: no gradient stays finite, nothing to tell it by
     "forward": ([NAN, NAN, NAN, NAN, NAN], None),
-    # emb stays finite under fc1's NaN: not a run from the front, so registration order is no guide
-    "not a leading run": ([0.5, NAN, NAN, 0.5, 0.5], None),
+    # emb stays finite under fc1's NaN: not the modules up to one in forward order (no module rather than a wrong one)
+    "not a prefix in forward order": ([0.5, NAN, NAN, 0.5, 0.5], None),
+}
+
+# a model that registers fc1 before fc2 but runs fc2 first (forward: emb, fc2, act, fc1, head)
+OUT_OF_ORDER = (SLOTS[0], SLOTS[3], SLOTS[2], SLOTS[1], SLOTS[4])
+FORWARD_CASES = {
+    # came in at fc2, the second module to run: emb and fc2 went, fc1 (registered between) stayed
+    "entered at fc2": ([NAN, 1.0, NAN, NAN, 0.5], "fc2", "fc2.weight"),
+    # came in at fc1, which runs after fc2: the same norms as fc2 in registration order would give
+    "entered at fc1": ([NAN, NAN, NAN, NAN, 0.5], "fc1", "fc1.weight"),
 }
 
 
@@ -343,6 +352,21 @@ def test_nonfinite_unprobed_backward_nan_located_by_the_every_step_gradient_norm
     assert "backward pass at fc2" in f.summary
     job.step(6, NAN, locals=[NAN] * 3, nonfinite=4, arrays=probe(param=_merge(ALL_GRADS_NAN, WEIGHTS_NAN)))
     assert job.events("nonfinite") == [("raised", 5, 1, "fc2")]  # a later probe changes nothing
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES)
+def test_nonfinite_unprobed_backward_nan_located_in_forward_order_not_registration_order(case):
+    """The schema's slots give forward order: a model whose modules run in another order than
+    they were registered in is located by the order they ran in (registration order would name
+    fc2 for a NaN that came in at fc1, and nothing for one at fc2)."""
+    norms_at, module, param = FORWARD_CASES[case]
+    job = Job(["nonfinite"], slots=OUT_OF_ORDER)
+    for s in range(5):
+        job.step(s, 1.0, locals=[1.0, 1.1, 0.9], norms=[1.0, 2.0, NAN, 3.0, 0.5])
+    job.step(5, NAN, locals=[1.0, NAN, 0.9], nonfinite=4, norms=norms_at)  # not probed
+    assert job.events("nonfinite") == [("raised", 5, 1, module)]
+    (f,) = job.active("nonfinite")
+    assert (f.details["module"], f.details["values"]["param"], f.details["from"]) == (module, param, "grad_norms")
 
 
 @pytest.mark.parametrize(

@@ -23,13 +23,15 @@ values are computed:
 At an event step that was not probed, the every-step per-parameter gradient norms (wire
 ``grad_norms``, sent by ranks with replicas) can still tell where a NaN came in through the
 backward pass: it makes non-finite the gradient of the module it entered and of every module
-before it, and leaves those after it finite. So when the parameters whose norm went non-finite
-(finite at the step before) are exactly a leading run, in registration order, of those that had
-a finite norm, and some stay finite, the module of the last one is named, pass
-``parameter_gradient`` (``from: grad_norms``). Registration order stands for forward order here,
-as DDP takes it for the reverse of the order gradients arrive. A NaN made in the forward pass
-leaves no finite gradient and is not located this way; nor is one whose run is not a leading run
-(no module rather than a wrong one).
+before it in forward order, and leaves those after it finite. So when the parameters whose norm
+went non-finite (finite at the step before) are exactly those, among the ones that had a finite
+norm, of the modules up to some module in forward order, and some stay finite, that module is
+named, pass ``parameter_gradient`` (``from: grad_norms``). Forward order is the schema's slots'
+(the order the probed steps saw the modules run); a parameter whose module is not a slot is left
+out of the test. A schema without slots falls back to registration order, which DDP also takes
+for the reverse of the order gradients arrive. A NaN made in the forward pass leaves no finite
+gradient and is not located this way; nor is one whose non-finite set is not such a prefix (two
+parallel branches, say): no module rather than a wrong one.
 
 A probed step *after* the event whose weights are already non-finite cannot locate it: the
 optimizer has applied the non-finite gradient, so every forward pass is non-finite from the first
@@ -92,6 +94,38 @@ def _may_locate(r) -> bool:
 
 
 
+def forward_positions(s) -> np.ndarray:
+    """int64 [n_params]: each parameter's module's position in forward order (its first slot in
+    ``s.slots``), -1 for a parameter whose module is not a slot (e.g. one of the root module).
+    Cached per schema hash: the same schemas come back every step."""
+    got = _POSITIONS.get(s.hash)
+    if got is None:
+        first: dict[str, int] = {}
+        for i, slot in enumerate(s.slots):
+            first.setdefault(slot[0], i)
+        got = np.array([first.get(owner(p[0]), -1) for p in s.params], np.int64)
+        if len(_POSITIONS) >= 256:
+            _POSITIONS.clear()  # bounded: a job has a few schemas, schemas a peer invents are not kept
+        _POSITIONS[s.hash] = got
+    return got
+
+
+_POSITIONS: dict[str, np.ndarray] = {}
+
+
+def _entry(went: np.ndarray, had: np.ndarray, pos: np.ndarray) -> Optional[int]:
+    """The index of the parameter a backward NaN came in at, or None: its module is the last in
+    forward order (``pos``; -1: left out) among those whose norm went non-finite, and exactly the
+    parameters that had a finite norm, of modules up to it, went (module docstring)."""
+    known = had & (pos >= 0)
+    if not (went & known).any():
+        return None
+    last = int(pos[went & known].max())
+    if not np.array_equal(went[known], pos[known] <= last):
+        return None
+    return int(np.flatnonzero(went & (pos == last))[-1])
+
+
 def boundary(schemas: dict, before: Optional[dict], now: dict, origin: list) -> Optional[dict]:
     """Where a NaN came in through the backward pass, from two consecutive steps' per-parameter
     gradient norms (``rank -> (schema hash, float32 [n_params])``, :attr:`StepView.norms`; NaN
@@ -100,8 +134,9 @@ def boundary(schemas: dict, before: Optional[dict], now: dict, origin: list) -> 
 
     Returns:
         ``{"module", "param", "rank", "went_nonfinite", "stayed_finite"}``: the module and name of
-        the last parameter (registration order) whose norm went non-finite, and the counts of
-        parameters with a finite norm before whose norm went non-finite or stayed finite.
+        the parameter the NaN came in at (the last, in registration order, of the module last in
+        forward order whose norm went non-finite), and the counts of parameters with a finite
+        norm before whose norm went non-finite or stayed finite.
     """
     if not before or not now:
         return None
@@ -116,10 +151,11 @@ def boundary(schemas: dict, before: Optional[dict], now: dict, origin: list) -> 
         stayed = int((had & ~went).sum())
         if not went.any() or not stayed:
             return None  # nothing went non-finite, or everything did: a forward NaN
-        last = int(np.flatnonzero(went)[-1])
-        if (had[:last] & ~went[:last]).any():
-            return None  # not a leading run: registration order is not the order here
-        name = s.params[last][0]
+        pos = forward_positions(s) if s.slots else np.arange(len(row))  # no slots: registration order
+        at = _entry(went, had, pos)
+        if at is None:
+            return None
+        name = s.params[at][0]
         return {"module": owner(name), "param": name, "rank": rank, "went_nonfinite": int(went.sum()),
                 "stayed_finite": stayed}
     return None
