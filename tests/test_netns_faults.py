@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,7 +31,7 @@ import pytest
 import torch
 
 from . import netns
-from .conftest import ROOT
+from .conftest import ROOT, free_port
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # a minute of faults, then the same steps without the agent
 
@@ -114,7 +113,7 @@ def _job(pair, tmp: Path, name: str, endpoint: str, steps: int) -> subprocess.Po
     """The 2-rank job: with the agent inside the training namespace; without it (``endpoint``
     empty, the reference run) on the host's loopback, which the result cannot depend on."""
     args = [sys.executable, str(ROOT / "tests" / "faultjob.py"), "--endpoint", endpoint,
-            "--port", str(GLOO_PORT if endpoint else _free_port()), "--steps", str(steps),
+            "--port", str(GLOO_PORT if endpoint else free_port()), "--steps", str(steps),
             "--stop", str(tmp / f"{name}.stop"), "--job", "netns", "--progress", str(tmp / f"{name}.progress"),
             "--out", str(tmp / name), "--width", "64", "--sleep-s", "0.01"]
     if not endpoint:
@@ -122,12 +121,6 @@ def _job(pair, tmp: Path, name: str, endpoint: str, steps: int) -> subprocess.Po
     with (tmp / f"{name}.log").open("w") as out:  # the child keeps its own copy
         return subprocess.Popen(pair.cmd(pair.train, *args) if endpoint else args, stdout=out,
                                 stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _reference(pair, tmp: Path, steps: int) -> None:
@@ -146,6 +139,7 @@ def _reference(pair, tmp: Path, steps: int) -> None:
             return
         assert attempt == 1, f"the reference run without the agent failed twice (rc {rc}): {log[-6000:]}"
         warnings.warn(f"the reference run without the agent failed (rc {rc}), run again: {log[-6000:]}")
+
 
 def _progress(tmp: Path, name: str) -> int:
     """Steps both ranks have completed (written after each step)."""

@@ -97,20 +97,11 @@ def _may_locate(r) -> bool:
 def forward_positions(s) -> np.ndarray:
     """int64 [n_params]: each parameter's module's position in forward order (its first slot in
     ``s.slots``), -1 for a parameter whose module is not a slot (e.g. one of the root module).
-    Cached per schema hash: the same schemas come back every step."""
-    got = _POSITIONS.get(s.hash)
-    if got is None:
-        first: dict[str, int] = {}
-        for i, slot in enumerate(s.slots):
-            first.setdefault(slot[0], i)
-        got = np.array([first.get(owner(p[0]), -1) for p in s.params], np.int64)
-        if len(_POSITIONS) >= 256:
-            _POSITIONS.clear()  # bounded: a job has a few schemas, schemas a peer invents are not kept
-        _POSITIONS[s.hash] = got
-    return got
-
-
-_POSITIONS: dict[str, np.ndarray] = {}
+    Not cached: it is read once per job, at the non-finite event."""
+    first: dict[str, int] = {}
+    for i, slot in enumerate(s.slots):
+        first.setdefault(slot[0], i)
+    return np.array([first.get(owner(p[0]), -1) for p in s.params], np.int64)
 
 
 def _entry(went: np.ndarray, had: np.ndarray, pos: np.ndarray) -> Optional[int]:
