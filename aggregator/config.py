@@ -71,7 +71,7 @@ class AggregatorConfig(BaseSettings):
     rcv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive high-water mark, messages per connected agent. The intake thread keeps ZeroMQ's queues near empty; this bounds them should it fall behind.")
     max_intake_bytes: int = Field(64 * 1024 * 1024, ge=1024 * 1024, description="Bytes of received frames waiting for the writer thread, all agents together; beyond it frames are dropped and counted (rejected, reason overload), so the aggregator's memory does not grow with the number of agents under overload. At least max_message_bytes.")
     max_intake_frames: int = Field(50_000, ge=100, description="Frames waiting for the writer thread, all agents together; beyond it frames are dropped and counted (reason overload). Bounds how stale what the aggregator shows gets under overload: at most this many frames behind (~3 s at the writer's rate on a small core).")
-    publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read; when building one takes longer than a quarter of that (jobs of thousands of ranks), 4x its build time instead, so the receive thread spends at most a quarter of its time on them.")
+    publish_interval_s: float = Field(0.25, gt=0, le=60, description="Most seconds between state snapshots that scrapes read; when building one takes longer than a tenth of that (jobs of thousands of ranks), 10x its build time instead, so the receive thread spends at most a tenth of its time on them.")
     events_path: str = Field("", description="JSON-lines file findings are appended to as they are raised, updated (a knock-on folded in) and resolved ('' for none).")
     file_sd_path: str = Field(
         "",

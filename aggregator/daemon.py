@@ -18,6 +18,7 @@ can fail one frame, never the loop: every failure is counted in
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import logging
 import signal
@@ -47,6 +48,16 @@ log = logging.getLogger("gradwatch.aggregator")
 #: past this. Far more than the jobs :class:`~.state.State` holds at the defaults (``max_jobs`` 64 and
 #: ``max_pending_jobs`` 16); a drop past it goes untracked: its job's silence checks are not muted.
 MAX_DROPPED_JOBS = 1024
+#: most share of the writer thread's time that ticks, and separately snapshots, may take: both walk
+#: every rank (25 ms and 50-100 ms at 16,384 ranks), so a huge job's come more rarely than every
+#: 0.1 s and every publish_interval_s. At 1/4 each, half the writer went to them at 16,384 ranks.
+PERIODIC_SHARE = 0.1
+#: the cyclic garbage collector's thresholds in the daemon (:meth:`Aggregator.serve_forever`, a
+#: process of its own): a large job's state holds millions of tracked objects (ranks, open rounds'
+#: reports) and the default (700, 10, 10) collected every few hundred frames; at 16,384 ranks
+#: collections took ~6 % of the writer and doubled every other snapshot's build (25 -> 75 ms).
+#: The state makes few reference cycles, so collecting rarely holds little garbage.
+GC_THRESHOLDS = (100_000, 20, 10)
 #: longest job id and key a :class:`gradwatch.wire.Header` may carry: a drop claiming a longer one
 #: is nobody's (decoding would reject the frame) and is not tracked, so each identity stays small
 _MAX_JOB_ID, _MAX_JOB_KEY = (
@@ -355,7 +366,9 @@ class Aggregator:
         self.stop()
 
     def serve_forever(self) -> None:
-        """Start and block until SIGINT or SIGTERM."""
+        """Start and block until SIGINT or SIGTERM (the process's signal handlers and garbage
+        collector thresholds, :data:`GC_THRESHOLDS`, become the daemon's)."""
+        gc.set_threshold(*GC_THRESHOLDS)
         self.start()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self._stop.set())
@@ -441,9 +454,9 @@ class Aggregator:
                     try:
                         t0 = time.perf_counter()
                         self.state.tick()
-                        # ticks walk every rank (0.1 s at 16,384 ranks): every 0.1 s, or 4x their
-                        # cost when that is longer, so they take at most a quarter of the writer
-                        tick_wait = max(0.1, 4 * (time.perf_counter() - t0))
+                        # ticks walk every rank (25 ms at 16,384 ranks): every 0.1 s, or more
+                        # rarely so that they take at most PERIODIC_SHARE of the writer
+                        tick_wait = max(0.1, (time.perf_counter() - t0) / PERIODIC_SHARE)
                     except Exception as e:  # a bug of ours must not stop the receive loop
                         self.state.reject("internal")
                         if not self._internal_warned:
@@ -453,9 +466,9 @@ class Aggregator:
                     published = self.state.version
                     t0 = time.perf_counter()
                     self.publish()
-                    # a snapshot of a huge job takes long to build (0.1 s at 16,384 ranks): at most
-                    # a quarter of the writer's time goes to them, the rest to the frames
-                    wait = max(interval, 4 * (time.perf_counter() - t0))
+                    # a snapshot of a huge job takes long to build (50-100 ms at 16,384 ranks): at
+                    # most PERIODIC_SHARE of the writer's time goes to them, the rest to the frames
+                    wait = max(interval, (time.perf_counter() - t0) / PERIODIC_SHARE)
                     last_pub = now
         finally:
             self.publish()

@@ -14,8 +14,9 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from dataclasses import dataclass, fields, replace
-from typing import Any, Optional
+import operator
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -280,13 +281,13 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
     full = all(x.act_count is not None and x.fp_grad is not None for x in reps)
     if lay.dense and full:
         # the usual job: one schema, every array present: the ranks' rows stack as they are
-        act = np.array([x.act for x in reps], np.float64).reshape(R, L, len(wire.ACT_FIELDS))
-        act_grad = np.array([x.act_grad for x in reps], np.float64).reshape(R, L, len(wire.ACT_GRAD_FIELDS))
-        act_count = np.array([x.act_count for x in reps], np.float64).reshape(R, L, len(statistics.fields("act_count")))
-        param = np.array([x.param for x in reps], np.float64).reshape(R, P, len(wire.PARAM_FIELDS))
+        act = _stack(reps, "act", np.float64, (R, L, len(wire.ACT_FIELDS)))
+        act_grad = _stack(reps, "act_grad", np.float64, (R, L, len(wire.ACT_GRAD_FIELDS)))
+        act_count = _stack(reps, "act_count", np.float64, (R, L, len(statistics.fields("act_count"))))
+        param = _stack(reps, "param", np.float64, (R, P, len(wire.PARAM_FIELDS)))
         present = None  # every rank has every parameter
-        fp_grad = np.array([x.fp_grad for x in reps], np.uint64).reshape(R, P)
-        fp_weight = np.array([x.fp_weight for x in reps], np.uint64).reshape(R, P)
+        fp_grad = _stack(reps, "fp_grad", np.uint64, (R, P))
+        fp_weight = _stack(reps, "fp_weight", np.uint64, (R, P))
         fp_grad_seen = statistics.observed_rows("param", param)  # had a gradient
         fp_weight_seen = np.ones((R, P), bool)
     else:
@@ -324,6 +325,12 @@ def reconcile(world: int, schemas: dict, step: int, reports: dict[int, wire.Repo
         probe_interval=np.array([x.probe_interval for x in reps], np.int64),
         over_budget=np.array([x.over_budget for x in reps], bool),
     )
+
+
+def _stack(reps: list, attr: str, dtype, shape: tuple) -> np.ndarray:
+    """Every report's array ``attr`` stacked in one pass into ``dtype`` ``shape`` (the round's
+    ranks first); ``np.array`` of a list of arrays is ~6x slower (16,384 ranks: 83 against 13 ms)."""
+    return np.concatenate([getattr(x, attr) for x in reps], dtype=dtype).reshape(shape)  # [rows, cols] each
 
 
 def _per_rank(rows: np.ndarray, which: np.ndarray, R: int) -> np.ndarray:
@@ -424,8 +431,10 @@ def group_layers(rr: RoundResult, depth: int) -> RoundResult:
 # --- the snapshot read at scrape time ---------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RankView:
+class RankView(NamedTuple):
+    """One rank as the exporter sees it (a named tuple: a snapshot of a 16,384-rank job builds
+    16,384 of them, a few times a second; a tuple is built 4x faster than a frozen dataclass)."""
+
     rank: int
     host: str
     local_rank: int
@@ -477,27 +486,14 @@ class Snapshot:
     jobs_evicted: int = 0  # pending jobs evicted (State.max_pending_jobs)
 
 
-_RANK_FIELDS = tuple(f.name for f in fields(RankView))
-
-
-def _rank_view(*values) -> RankView:
-    """``RankView(*values)`` with every field given, without the frozen dataclass's ``__init__``
-    (one ``object.__setattr__`` per field): a snapshot of a 16,384-rank job builds 16,384 of them,
-    four times a second."""
-    assert len(values) == len(_RANK_FIELDS)
-    view = object.__new__(RankView)
-    view.__dict__.update(zip(_RANK_FIELDS, values))
-    return view
-
-
 def snapshot(state, wall_now: float) -> Snapshot:
     """Copy what the exporter needs out of ``state`` (called by the writer thread only)."""
-    from .state import rank_counters  # state imports this module
+    from .state import JOB_TOTALS  # state imports this module
     mono_now = state.clock()
     jobs = []
     for job in state.jobs.values():
         ranks = tuple(
-            _rank_view(
+            RankView(
                 r.rank, r.host, r.local_rank, r.step, r.step_time, r.grad_norm, r.grad_nonfinite, r.steps,
                 r.probes, r.nonfinite_steps, r.received, r.lost, r.restarts,
                 wall_now - (mono_now - r.last_seen), r.drops_base + r.agent_drops, r.errors_base + r.agent_errors,
@@ -507,9 +503,8 @@ def snapshot(state, wall_now: float) -> Snapshot:
             for r in job.in_order()
         )
         totals = collections.Counter(getattr(job, "forgotten", ()))
-        for r in job.ranks.values():
-            for k, v in rank_counters(r).items():
-                totals[k] += v
+        for k in JOB_TOTALS:  # RankView fields of the same names
+            totals[k] += sum(map(operator.attrgetter(k), ranks))
         jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete,
                             job.restarts, job.series_dropped, tuple(sorted(totals.items()))))
     return Snapshot(

@@ -644,11 +644,14 @@ class State:
             self.runner.dispatch("on_round", job, result)
 
 
+#: the rank counters its job totals (``gradwatch_job_*_total``), named as :class:`.reconcile.RankView` fields
+JOB_TOTALS = ("steps", "nonfinite_steps", "agent_drops", "lost")
+
+
 def rank_counters(r: RankState) -> dict[str, int]:
-    """The rank's counters that its job totals (``gradwatch_job_*_total``): steps, non-finite
-    steps, reports its agent dropped (over all its boots), messages lost."""
-    return {"steps": r.steps, "nonfinite_steps": r.nonfinite_steps, "agent_drops": r.drops_base + r.agent_drops,
-            "lost": r.lost}
+    """The rank's counters that its job totals (:data:`JOB_TOTALS`): steps, non-finite steps,
+    reports its agent dropped (over all its boots), messages lost."""
+    return dict(zip(JOB_TOTALS, (r.steps, r.nonfinite_steps, r.drops_base + r.agent_drops, r.lost)))
 
 
 def _nbytes(m: wire.Report) -> int:

@@ -540,9 +540,10 @@ class _Envelope(msgspec.Struct):
 _PEEK = msgspec.msgpack.Decoder(_Envelope)
 
 
-def _typed(raw: np.ndarray, key: str, dtype: str, cols: int, rows: Optional[int]) -> np.ndarray:
-    """``raw`` (uint8) as ``dtype`` [rows, cols] (cols 0: [rows]); ``rows`` None: any."""
-    size = np.dtype(dtype).itemsize * max(cols, 1)
+def _typed(raw: np.ndarray, key: str, dtype, cols: int, rows: Optional[int], size: int = 0) -> np.ndarray:
+    """``raw`` (uint8) as ``dtype`` [rows, cols] (cols 0: [rows]); ``rows`` None: any. ``size``:
+    the bytes of one row when the caller knows them (:data:`_PROBE_PLAN`)."""
+    size = size or np.dtype(dtype).itemsize * max(cols, 1)
     if len(raw) % size:
         raise WireError("bad_array", f"{key}: {len(raw)} bytes is not a multiple of {size}")
     a = raw.view(dtype)
@@ -551,6 +552,14 @@ def _typed(raw: np.ndarray, key: str, dtype: str, cols: int, rows: Optional[int]
     if rows is not None and a.shape[0] != rows:
         raise WireError("bad_array", f"{key}: {a.shape[0]} rows, schema has {rows}")
     return a
+
+
+# PROBE_ARRAYS as the decoder reads them: (key, dtype, columns, row kind, bytes a row, optional)
+_PROBE_PLAN = tuple(
+    (key, np.dtype(dtype), cols, kind, np.dtype(dtype).itemsize * max(cols, 1),
+     key in statistics.ARRAYS and statistics.ARRAYS[key].optional)
+    for key, (dtype, cols, kind) in PROBE_ARRAYS.items()
+)
 
 
 def _check_header(h: Header) -> None:
@@ -586,15 +595,15 @@ def _finish_report(m, limits: Limits, sizes):
     if m.probe:
         # without a known schema, the first array of each kind sets the row count the others must match
         rows = {"params": n_params, "slots": n_slots}
-        for key, (dtype, cols, kind) in PROBE_ARRAYS.items():
+        for key, dtype, cols, kind, size, optional in _PROBE_PLAN:
             raw = getattr(m, key)
             if raw is None:
-                if key in statistics.ARRAYS and statistics.ARRAYS[key].optional:
+                if optional:
                     out[key] = np.full((rows[kind] or 0, cols), np.nan, np.float32)  # not observed
                     continue
                 raise WireError("missing_field", key)
-            out[key] = _typed(raw, key, dtype, cols, rows[kind])
-            rows[kind] = out[key].shape[0]
+            a = out[key] = _typed(raw, key, dtype, cols, rows[kind], size)
+            rows[kind] = a.shape[0]
         n_params = rows["params"]
     else:
         out = dict.fromkeys(PROBE_ARRAYS)

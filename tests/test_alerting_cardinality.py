@@ -237,7 +237,7 @@ def test_rank_series_limit_keeps_only_named_ranks_and_job_level_stand_ins():
 
     def snap(world):
         s = _snap(world, [flagged])
-        ranks = tuple(replace(r, step=10 + r.rank, last_seen=100.0 + r.rank) for r in s.jobs[0].ranks)
+        ranks = tuple(r._replace(step=10 + r.rank, last_seen=100.0 + r.rank) for r in s.jobs[0].ranks)
         return replace(s, jobs=(replace(s.jobs[0], ranks=ranks, totals=(("agent_drops", 2), ("lost", 0),
                                                                         ("nonfinite_steps", 1), ("steps", 48))),))
 
