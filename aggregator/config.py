@@ -42,6 +42,7 @@ class AggregatorConfig(BaseSettings):
     metrics_host: str = Field("127.0.0.1", description="Address the HTTP server (/metrics, /api/*, /healthz) binds to; 0.0.0.0 for every interface. It serves no secrets and takes no input.")
     metrics_port: int = Field(9400, ge=0, le=65535, description="TCP port of the HTTP server; 0 picks a free one.")
     round_grace_s: float = Field(10.0, gt=0, le=3600, description="Seconds a probed step waits for missing ranks before it is reconciled as incomplete.")
+    round_slice_ranks: int = Field(2048, ge=0, description="Probed steps of at least this many reporting ranks are reconciled in slices between the writer's batches of frames (a 16,384-rank step takes ~0.6 s, during which no frame would be handled and /metrics would age); 0: each at once.")
     max_pending_rounds: int = Field(64, ge=1, le=10_000, description="Probed steps per job held while waiting for ranks; the oldest is closed incomplete beyond it.")
     max_jobs: int = Field(64, ge=1, description="Jobs tracked at once, counting only jobs that sent a schema and a report using it; reports of further jobs are rejected (too_many_jobs) until one goes silent for rank_ttl_s.")
     max_pending_jobs: int = Field(16, ge=1, description="Jobs held that have not yet sent a schema and a report (they take no max_jobs slot); beyond it the least recently heard is evicted (gradwatch_jobs_evicted_total), so invented job ids cannot squat slots.")

@@ -114,6 +114,16 @@ class Intake:
         self._bytes: collections.Counter = collections.Counter()  # job -> bytes held
         self._lock = threading.Lock()
 
+    def short_for(self, world: int, report_bytes: int) -> Optional[tuple[int, int]]:
+        """``(frames, bytes)`` settings that would hold one probed step of a job of ``world``
+        ranks whose probe reports are ``report_bytes`` long, or None when these do, within the
+        half of the intake one job keeps once the intake is over half full: its reports and the
+        messages of the steps that come while they are handled and their round closes (at 16,384
+        ranks and a step a second, 42,000 frames waited: 4 x world frames, 8 x world the setting)."""
+        frames, nbytes = 8 * world, 2 * world * (report_bytes + 512)
+        return None if frames <= self.max_frames and nbytes <= self.max_bytes else (
+            max(frames, self.max_frames), max(nbytes, self.max_bytes))
+
     @property
     def held(self) -> dict:
         """``{job: frames held}`` (a copy)."""
@@ -234,7 +244,7 @@ class Aggregator:
             max_series_per_job=cfg.max_series_per_job, max_series_total=cfg.max_series_total,
             max_pending_bytes=cfg.max_pending_bytes, max_label_len=cfg.max_label_len,
             max_step_jump=cfg.max_step_jump, restart_grace_s=cfg.restart_grace_s,
-            boot_takeover_s=cfg.boot_takeover_s,
+            boot_takeover_s=cfg.boot_takeover_s, round_slice_ranks=cfg.round_slice_ranks,
         )
         self._snapshot = Snapshot()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
@@ -254,6 +264,7 @@ class Aggregator:
         self.endpoint = ""
         self.metrics_port = 0
         self._internal_warned = False
+        self._intake_warned: set[str] = set()  # jobs told their probed steps overflow the intake
         self._refused_warned = False
 
     @property
@@ -438,30 +449,28 @@ class Aggregator:
         intake = self.intake
         try:
             while not self._stop.is_set():
-                if intake.ready.wait(min(interval, 0.1)):
+                if intake.ready.wait(min(interval, 0.1) if not self.state.closing else 0):
                     for frame, key in intake.take(1000):
                         self.handle(frame, key)
+                if self.state.closing:  # a large round's reconciliation, a slice between batches
+                    self._guarded(self.state.advance, "reconcile a round")
                 dropped = intake.dropped  # read once: the intake thread may add more meanwhile
                 if dropped != self._overload_counted:
                     self.state.reject("overload", dropped - self._overload_counted)
-                    self.state.overloaded(intake.take_dropped())
+                    drops = intake.take_dropped()
+                    self.state.overloaded(drops)
+                    self._warn_small_intake(drops)
                     self._overload_counted = dropped
                 if self._refused is not None and self._refused.poll(0):
                     self._count_refused()
                 now = self.clock()
                 if now - last_tick >= tick_wait:
                     last_tick = now
-                    try:
-                        t0 = time.perf_counter()
-                        self.state.tick()
-                        # ticks walk every rank (25 ms at 16,384 ranks): every 0.1 s, or more
-                        # rarely so that they take at most PERIODIC_SHARE of the writer
-                        tick_wait = max(0.1, (time.perf_counter() - t0) / PERIODIC_SHARE)
-                    except Exception as e:  # a bug of ours must not stop the receive loop
-                        self.state.reject("internal")
-                        if not self._internal_warned:
-                            self._internal_warned = True
-                            log.exception("gradwatch aggregator: tick failed: %r", e)
+                    t0 = time.perf_counter()
+                    self._guarded(self.state.tick, "tick")
+                    # ticks walk every rank (25 ms at 16,384 ranks): every 0.1 s, or more rarely
+                    # so that they take at most PERIODIC_SHARE of the writer
+                    tick_wait = max(0.1, (time.perf_counter() - t0) / PERIODIC_SHARE)
                 if self.state.version != published and now - last_pub >= wait:
                     published = self.state.version
                     t0 = time.perf_counter()
@@ -471,11 +480,44 @@ class Aggregator:
                     wait = max(interval, (time.perf_counter() - t0) / PERIODIC_SHARE)
                     last_pub = now
         finally:
+            self._guarded(self.state.finish_closing, "reconcile a round")
             self.publish()
             if self._intake_thread is not None:
                 self._intake_thread.join(5)  # it closes the PULL socket (and disables its monitor)
             if self._refused is not None:
                 self._refused.close(linger=0)
+
+    def _guarded(self, fn: Callable[[], object], what: str) -> None:
+        """``fn()`` on the writer thread: a bug of ours it raises never stops the receive loop; it
+        is counted (rejected, reason ``internal``) and the first one logged."""
+        try:
+            fn()
+        except Exception as e:
+            self.state.reject("internal")
+            if not self._internal_warned:
+                self._internal_warned = True
+                log.exception("gradwatch aggregator: failed to %s: %r", what, e)
+
+    def _warn_small_intake(self, drops) -> None:
+        """Log once per job whose frames were dropped when the intake settings cannot hold one
+        probed step of it (:meth:`Intake.short_for`), naming the settings and the values that would."""
+        for ident, _ in drops:
+            job = self.state.jobs.get(self.state.labels.get(ident))
+            if job is None or not job.admitted or job.job in self._intake_warned or not job.schemas:
+                continue
+            biggest = max(wire.probe_bytes(len(s.params), len(s.slots)) for s in job.schemas.values())
+            need = self.intake.short_for(job.world, biggest)
+            if need is None:
+                continue
+            if len(self._intake_warned) >= 1024:  # jobs come and go over months
+                self._intake_warned.clear()
+            self._intake_warned.add(job.job)
+            log.warning(
+                "gradwatch aggregator: job %s (%d ranks) loses frames to overload: one probed step of it is %d "
+                "frames of ~%d kB, more than the intake's share of one job (half of --max-intake-frames %d and "
+                "--max-intake-bytes %d); to hold it set --max-intake-frames %d --max-intake-bytes %d",
+                job.job, job.world, job.world, biggest // 1000, self.cfg.max_intake_frames, self.cfg.max_intake_bytes,
+                *need)
 
     def _count_refused(self) -> None:
         """One rejection (``unauthenticated``) per refused CURVE handshake: a peer without keys,

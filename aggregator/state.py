@@ -50,7 +50,7 @@ import collections
 import hashlib
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import msgspec
 import numpy as np
@@ -58,7 +58,7 @@ import numpy as np
 from gradwatch import wire
 from gradwatch.statistics import ARRAYS, STATISTICS
 
-from .reconcile import LayoutCache, RoundResult, reconcile
+from .reconcile import LayoutCache, RoundResult, reconcile, reconcile_in_slices
 from .shards import global_norms, mesh_of
 from .steps import COLUMNS as TABLE_COLUMNS
 from .steps import StepTable
@@ -157,6 +157,9 @@ class JobState:
     forgotten: collections.Counter = field(default_factory=collections.Counter)
     #: the layouts of its rounds (names, columns, groups), by their schemas: every round reuses one
     layouts: LayoutCache = field(default_factory=LayoutCache)
+    #: while a round of it is reconciled in slices (State.closing): the checks' events since, in
+    #: order, rounds among them (:class:`Closing`); they run once the rounds before them are done
+    deferred: Optional[collections.deque] = None
     _order: Optional[list] = field(default=None, repr=False)  # ranks by rank, until one comes or goes
 
     def in_order(self) -> list:
@@ -164,6 +167,21 @@ class JobState:
         if self._order is None or len(self._order) != len(self.ranks):
             self._order = [r for _, r in sorted(self.ranks.items())]
         return self._order
+
+
+#: most rounds :attr:`State.closing` holds; past it the oldest is reconciled to the end at once
+MAX_CLOSING = 4
+
+
+@dataclass(eq=False)
+class Closing:
+    """A closed round being reconciled: ``work`` (:func:`.reconcile.reconcile_in_slices`, None
+    once done) and its ``result`` (None until done, or when its reconciliation failed)."""
+
+    job: JobState
+    work: Any = None
+    result: Optional[RoundResult] = None
+    done: bool = False
 
 
 class State:
@@ -179,6 +197,12 @@ class State:
         max_series_total, max_pending_bytes, max_label_len, max_step_jump, restart_grace_s, boot_takeover_s:
             the bounds of the module docstring; each is an aggregator setting of the same name
             (:class:`~.config.AggregatorConfig`, which documents units and defaults).
+        round_slice_ranks: rounds of at least this many reports are reconciled in slices: a
+            closed round waits in :attr:`closing` and each :meth:`advance` runs one slice
+            (:func:`.reconcile.reconcile_in_slices`), so that the writer handles frames between
+            them. Meanwhile the job's checks' events wait (:attr:`JobState.deferred`) and run
+            after the round's, in the order they came: the checks see what they would have seen
+            had the round been reconciled at once. 0: every round is reconciled when it closes.
     """
 
     def __init__(
@@ -199,8 +223,13 @@ class State:
         max_step_jump: int = 1000,
         restart_grace_s: float = 30.0,
         boot_takeover_s: float = 3.0,
+        round_slice_ranks: int = 0,
     ):
         import time
+
+        self.round_slice_ranks = round_slice_ranks
+        #: rounds closed but not reconciled yet (:class:`Closing`), oldest first
+        self.closing: collections.deque = collections.deque()
 
         self.max_jobs = max_jobs  # the PULL socket takes any peer's job id: state stays bounded
         self.max_world = max_world
@@ -395,8 +424,7 @@ class State:
             r.close_reason = msg.reason if msg.closing else ""
             if msg.schema and msg.schema in job.schemas:
                 r.schema = msg.schema  # the heartbeat names it: its full schema may have come from another rank
-            if self.runner is not None:
-                self.runner.dispatch("on_heartbeat", job, r, msg)
+            self._dispatch("on_heartbeat", job, r, msg)
         else:
             self.received["report" if isinstance(msg, wire.Report) else "steps"] += 1
             if msg.schema in job.schemas and r.schema != msg.schema:
@@ -591,8 +619,7 @@ class State:
                         r = job.ranks.get(k)
                         if r is not None and r.step == v.step:
                             r.grad_norm, r.grad_nonfinite = v.grad_norm[i], int(v.grad_nonfinite[i])
-        if self.runner is not None:
-            self.runner.dispatch("on_steps", job, views)
+        self._dispatch("on_steps", job, views)
 
     def tick(self) -> None:
         """Close rounds past their grace period; release steps that waited long enough; forget
@@ -605,7 +632,7 @@ class State:
                 if now - rnd.opened >= self.grace_s:
                     self._close(job, rnd, complete=False)
             if self.runner is not None:
-                self.runner.dispatch("on_tick", job, now)
+                self._dispatch("on_tick", job, now)
                 self.version += 1  # checks may have raised or resolved findings
             if now - self._ttl_scan >= min(1.0, self.rank_ttl_s / 10):  # a second late in 600 s is no matter
                 for rank, r in list(job.ranks.items()):
@@ -630,7 +657,77 @@ class State:
             job.rounds_complete += 1
         else:
             job.rounds_incomplete += 1
-        result = reconcile(job.world, job.schemas, rnd.step, rnd.reports, complete, job.layouts)
+        args = (job.world, job.schemas, rnd.step, rnd.reports, complete, job.layouts)
+        if self.round_slice_ranks and len(rnd.reports) >= self.round_slice_ranks:
+            item = Closing(job, reconcile_in_slices(*args))
+            next(item.work)  # its first slice takes the layout: the schemas it needs are held from here
+            self.closing.append(item)
+        elif job.deferred is not None:  # behind a round in slices: its turn comes after that one's
+            item = Closing(job, result=reconcile(*args), done=True)
+        else:
+            self._finish(job, reconcile(*args))
+            return
+        if job.deferred is None:
+            job.deferred = collections.deque()
+        job.deferred.append(item)
+        while len(self.closing) > MAX_CLOSING:  # memory: each holds its round's reports
+            self.advance()
+
+    def _dispatch(self, method: str, job: JobState, *args) -> None:
+        """A checks' event of the job, now or, while a round of it is reconciled in slices, after it."""
+        if self.runner is None:
+            return
+        if job.deferred is not None:
+            job.deferred.append((method, args))
+        else:
+            self.runner.dispatch(method, job, *args)
+
+    def advance(self) -> bool:
+        """Run one slice of the oldest round in :attr:`closing`; once its reconciliation is done,
+        its result goes to the job and the checks, and so do the job's events that waited for it
+        (unless the job restarted or was dropped since). Returns whether rounds are left. Raises
+        what the reconciliation raised (that round is then skipped)."""
+        if not self.closing:
+            return False
+        item = self.closing[0]
+        try:
+            next(item.work)
+        except StopIteration as done:
+            self.closing.popleft()
+            item.result, item.done, item.work = done.value, True, None
+            self._flush(item.job)
+        except BaseException:
+            self.closing.popleft()
+            item.done, item.work = True, None
+            self._flush(item.job)
+            raise
+        return bool(self.closing)
+
+    def finish_closing(self) -> None:
+        """Reconcile every round in :attr:`closing` to the end (see :meth:`advance`)."""
+        while self.advance():
+            pass
+
+    def _flush(self, job: JobState) -> None:
+        """Run the job's waiting events, in order, up to its next round still in slices."""
+        if self.jobs.get(job.job) is not job:  # restarted or dropped meanwhile: its checks forgot it
+            job.deferred = None
+            return
+        q = job.deferred
+        while q:
+            head = q[0]
+            if isinstance(head, Closing):
+                if not head.done:
+                    return
+                q.popleft()
+                if head.result is not None:
+                    self._finish(job, head.result)
+            else:
+                q.popleft()
+                self.runner.dispatch(head[0], job, *head[1])
+        job.deferred = None
+
+    def _finish(self, job: JobState, result: RoundResult) -> None:
         # a straggling older round must not replace a newer result on the dashboards
         if job.last_round is None or result.step >= job.last_round.step:
             # first come, first served: the series other jobs export keep theirs (a newcomer's

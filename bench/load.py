@@ -521,6 +521,7 @@ def run_inprocess(args) -> dict:
     for batch in per_step:
         for f in batch:
             handle(f)
+        agg.state.finish_closing()  # the daemon runs a large round's slices between its batches of frames
         now[0] += 0.05
         agg.state.tick()
         if args.scrape:  # the writer's publish and an HTTP thread's scrape, once per step

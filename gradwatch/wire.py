@@ -495,6 +495,13 @@ def _probe_bytes(msg) -> dict:
     return out
 
 
+def probe_bytes(n_params: int, n_slots: int) -> int:
+    """Bytes of a probe report's arrays (:data:`PROBE_ARRAYS`) under a schema of ``n_params``
+    parameters and ``n_slots`` slots; the frame adds its header and scalars (~200 bytes)."""
+    n = {"params": n_params, "slots": n_slots}
+    return sum(size * n[kind] for _, _, _, kind, size, _ in _PROBE_PLAN)
+
+
 def encode(msg: Message) -> bytes:
     """Encode one message to a frame. Raises ``ValueError`` for arrays of the wrong shape (or a
     probe report without its arrays), ``TypeError`` for anything but a message."""

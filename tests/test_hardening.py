@@ -624,6 +624,80 @@ def test_a_job_flooding_the_intake_loses_its_own_frames_not_another_jobs():
     assert intake.dropped + len(first + rest) == 10_000 + 200 + 150 + 500 + 50  # each frame taken or counted
 
 
+def test_an_intake_too_small_for_a_jobs_probed_step_says_which_settings_would_hold_it(caplog):
+    """Issue 14: a probed step of a large job arrives as one burst of world reports, and while its
+    round closes the next step's messages come in: more than one job's share of a small intake.
+    When such a job loses frames to overload, the aggregator logs once which settings would hold
+    it (8 x world frames, 2 x world x its report size in bytes); a job that fits, flooded the
+    same way, is not named."""
+    import logging
+    import threading
+
+    assert Intake(1 << 30, 2000).short_for(250, 10_000) is None
+    assert Intake(1 << 20, 1000).short_for(300, 10_000) == (2400, 2 * 300 * 10_512)
+    assert wire.probe_bytes(3, 3) == 3 * (6 + 2 + 2) * 4 + 3 * (3 * 4 + 2 * 8)
+
+    cfg = load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
+               max_intake_frames=200, rcv_hwm=100_000)
+    agg = Aggregator(cfg)
+    ctx = zmq.Context()
+    stalled, go = threading.Event(), threading.Event()
+    real_handle = agg.handle
+
+    def handle(frame, key=None):
+        if stalled.is_set():
+            go.wait(60)
+        real_handle(frame, key)
+
+    agg.handle = handle
+    caplog.set_level(logging.WARNING, logger="gradwatch.aggregator")
+    agg.start()
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(agg.endpoint)
+        big = [Agent(sock, "big", r, 64, "") for r in range(64)]  # 8 x 64 frames > 200
+        small = [Agent(sock, "small", r, 2, "") for r in range(2)]
+        for a in big + small:
+            a.schema()
+            a.report(0)
+        wait_for(lambda: agg.state.jobs.get("big") is not None and agg.state.jobs["big"].admitted
+                 and agg.state.jobs.get("small") is not None and agg.state.jobs["small"].admitted,
+                 what="both jobs admitted")
+        stalled.set()
+        for a in small:
+            a.heartbeat()  # the writer blocks on one of these
+        for _ in range(10):
+            for a in big:
+                a.heartbeat()
+        for _ in range(150):  # far past its share too: dropped, but one probed step of it fits
+            for a in small:
+                a.heartbeat()
+        wait_for(lambda: agg.intake.dropped > 0, what="frames dropped past the intake's budget")
+        time.sleep(0.3)  # whatever ZeroMQ still buffers reaches the intake
+        assert {ident[0] for ident, _ in agg.intake.dropped_jobs} == {"big", "small"}
+        go.set()
+        wait_for(lambda: agg.state.rejected["overload"] == agg.intake.dropped
+                 and any("job big" in r.getMessage() for r in caplog.records), what="the warning")
+        warned = [r.getMessage() for r in caplog.records if "loses frames to overload" in r.getMessage()]
+        assert len(warned) == 1 and "job big (64 ranks)" in warned[0]
+        assert "--max-intake-frames 512 " in warned[0] and "--max-intake-bytes" in warned[0]
+        before = agg.intake.dropped
+        go.clear()  # the writer blocks again: more drops of the same job, no second warning
+        for a in big:
+            for _ in range(5):
+                a.heartbeat()
+        wait_for(lambda: agg.intake.dropped > before, what="more frames of the job dropped")
+        go.set()
+        wait_for(lambda: agg.state.rejected["overload"] == agg.intake.dropped and agg.intake.frames == 0,
+                 what="the intake drained and the drops counted")
+        assert sum("loses frames to overload" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        go.set()
+        ctx.destroy(0)
+        agg.stop()
+
+
 def test_the_jobs_whose_frames_were_dropped_stay_bounded_under_a_flood_of_forged_ids():
     """Issue 9: the intake remembers which jobs lost frames (to mark them overloaded), by the
     identity peers' headers claim. A flood of frames under distinct invented job ids tracks at most
