@@ -15,7 +15,10 @@ goes on without monitoring, which is as blind as a silent rank.
 
 While the aggregator's intake is dropping this job's frames (overload: counted as
 ``gradwatch_messages_rejected_total{reason="overload"}``), and for ``silent_after_s`` after, silence
-may be the aggregator's own: nothing new is named then (what was named stays named).
+may be the aggregator's own: nothing new is named then (what was named stays named). After it, a
+rank last heard before the job's latest drop is named only once a peer that did not say goodbye
+has been heard since that drop: when a job ends in an overload (the end of a 16,384-rank job is
+a burst of final reports and goodbyes), the goodbyes dropped do not make its ranks silent.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ class RankSilent(Check):
         findings = []
         live = [r.step for r in job.ranks.values() if not r.closing and now - r.last_seen <= self.t.silent_after_s]
         lead = max(live, default=-1)
+        # the aggregator dropped some of the job's frames at overloaded_at: a rank unheard since may
+        # have spoken (said goodbye, even), unless the job is seen to go on after the drops
+        dropped_at = getattr(job, "overloaded_at", float("-inf"))
+        went_on = any(not r.closing and r.last_seen > dropped_at for r in job.ranks.values())
         for r in job.in_order():
             k = r.rank
             age = now - r.last_seen
@@ -62,7 +69,7 @@ class RankSilent(Check):
                              "host": r.host, "local_rank": r.local_rank},
                 ))
                 continue
-            if r.closing or age <= self.t.silent_after_s:
+            if r.closing or age <= self.t.silent_after_s or (r.last_seen <= dropped_at and not went_on):
                 continue
             findings.append(Finding(
                 self.name, job.job, r.step,
