@@ -162,6 +162,15 @@ class JobState:
     deferred: Optional[collections.deque] = None
     _order: Optional[list] = field(default=None, repr=False)  # ranks by rank, until one comes or goes
 
+    def unheard_until(self) -> float:
+        """Aggregator clock up to which a rank's silence may be the aggregator's own: the job's
+        latest overload drop, unless a rank that did not say goodbye was heard after it (then
+        the job is seen going on and silence is the rank's); -inf without drops."""
+        at = self.overloaded_at
+        if at == -math.inf or any(not r.closing and r.last_seen > at for r in self.ranks.values()):
+            return -math.inf
+        return at
+
     def in_order(self) -> list:
         """The job's :class:`RankState` objects by rank (cached: checks ask every tick, for every rank)."""
         if self._order is None or len(self._order) != len(self.ranks):

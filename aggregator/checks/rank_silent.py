@@ -51,10 +51,9 @@ class RankSilent(Check):
         findings = []
         live = [r.step for r in job.ranks.values() if not r.closing and now - r.last_seen <= self.t.silent_after_s]
         lead = max(live, default=-1)
-        # the aggregator dropped some of the job's frames at overloaded_at: a rank unheard since may
-        # have spoken (said goodbye, even), unless the job is seen to go on after the drops
-        dropped_at = getattr(job, "overloaded_at", float("-inf"))
-        went_on = any(not r.closing and r.last_seen > dropped_at for r in job.ranks.values())
+        # the intake dropped some of the job's frames: a rank unheard since may have spoken (said
+        # goodbye, even), unless the job is seen to go on after the drops
+        doubt = job.unheard_until()
         for r in job.in_order():
             k = r.rank
             age = now - r.last_seen
@@ -69,7 +68,7 @@ class RankSilent(Check):
                              "host": r.host, "local_rank": r.local_rank},
                 ))
                 continue
-            if r.closing or age <= self.t.silent_after_s or (r.last_seen <= dropped_at and not went_on):
+            if r.closing or age <= self.t.silent_after_s or r.last_seen <= doubt:
                 continue
             findings.append(Finding(
                 self.name, job.job, r.step,
