@@ -469,8 +469,9 @@ class Aggregator:
                     t0 = time.perf_counter()
                     self._guarded(self.state.tick, "tick")
                     # ticks walk every rank (25 ms at 16,384 ranks): every 0.1 s, or more rarely
-                    # so that they take at most PERIODIC_SHARE of the writer
-                    tick_wait = max(0.1, (time.perf_counter() - t0) / PERIODIC_SHARE)
+                    # so that they take at most PERIODIC_SHARE of the writer, yet every second (a
+                    # tick that had to finish a large round is no measure of the next)
+                    tick_wait = min(1.0, max(0.1, (time.perf_counter() - t0) / PERIODIC_SHARE))
                 if self.state.version != published and now - last_pub >= wait:
                     published = self.state.version
                     t0 = time.perf_counter()
@@ -480,7 +481,7 @@ class Aggregator:
                     wait = max(interval, (time.perf_counter() - t0) / PERIODIC_SHARE)
                     last_pub = now
         finally:
-            self._guarded(self.state.finish_closing, "reconcile a round")
+            self._guarded(self.state.finish_closing, "reconcile a round")  # counts a failing round, goes on
             self.publish()
             if self._intake_thread is not None:
                 self._intake_thread.join(5)  # it closes the PULL socket (and disables its monitor)
@@ -512,12 +513,14 @@ class Aggregator:
             if len(self._intake_warned) >= 1024:  # jobs come and go over months
                 self._intake_warned.clear()
             self._intake_warned.add(job.job)
+            frames, nbytes = 4 * job.world, job.world * (biggest + 512)
             log.warning(
-                "gradwatch aggregator: job %s (%d ranks) loses frames to overload: one probed step of it is %d "
-                "frames of ~%d kB, more than the intake's share of one job (half of --max-intake-frames %d and "
-                "--max-intake-bytes %d); to hold it set --max-intake-frames %d --max-intake-bytes %d",
-                job.job, job.world, job.world, biggest // 1000, self.cfg.max_intake_frames, self.cfg.max_intake_bytes,
-                *need)
+                "gradwatch aggregator: job %s (%d ranks) loses frames to overload: a probed step of it (%d reports "
+                "of ~%d kB) and the steps that come while it is handled need ~%d frames and ~%d MB of the intake, "
+                "more than one job's share (half of --max-intake-frames %d and --max-intake-bytes %d once it is "
+                "half full); to hold it set --max-intake-frames %d --max-intake-bytes %d",
+                job.job, job.world, job.world, biggest // 1000, frames, nbytes // 1_000_000,
+                self.cfg.max_intake_frames, self.cfg.max_intake_bytes, *need)
 
     def _count_refused(self) -> None:
         """One rejection (``unauthenticated``) per refused CURVE handshake: a peer without keys,

@@ -162,14 +162,14 @@ class JobState:
     deferred: Optional[collections.deque] = None
     _order: Optional[list] = field(default=None, repr=False)  # ranks by rank, until one comes or goes
 
-    def unheard_until(self) -> float:
-        """Aggregator clock up to which a rank's silence may be the aggregator's own: the job's
-        latest overload drop, unless a rank that did not say goodbye was heard after it (then
-        the job is seen going on and silence is the rank's); -inf without drops."""
+    def ended_in_overload(self, window: float) -> Optional[float]:
+        """The job's latest overload drop (aggregator clock) when the job was ending then: a rank
+        said goodbye within ``window`` seconds of it, so the goodbyes of others may be among the
+        frames dropped; None otherwise."""
         at = self.overloaded_at
-        if at == -math.inf or any(not r.closing and r.last_seen > at for r in self.ranks.values()):
-            return -math.inf
-        return at
+        if at != -math.inf and any(r.closing and abs(r.heartbeat_at - at) <= window for r in self.ranks.values()):
+            return at
+        return None
 
     def in_order(self) -> list:
         """The job's :class:`RankState` objects by rank (cached: checks ask every tick, for every rank)."""
@@ -191,6 +191,7 @@ class Closing:
     work: Any = None
     result: Optional[RoundResult] = None
     done: bool = False
+    nbytes: int = 0  # its reports' array bytes, in the job's pending_bytes until it is done
 
 
 class State:
@@ -661,61 +662,77 @@ class State:
 
     def _close(self, job: JobState, rnd: Round, complete: bool) -> None:
         del job.rounds[rnd.step]
-        job.pending_bytes -= rnd.nbytes
         if complete:
             job.rounds_complete += 1
         else:
             job.rounds_incomplete += 1
         args = (job.world, job.schemas, rnd.step, rnd.reports, complete, job.layouts)
         if self.round_slice_ranks and len(rnd.reports) >= self.round_slice_ranks:
-            item = Closing(job, reconcile_in_slices(*args))
+            # its reports stay in the job's pending_bytes until it is done: memory bounded per job
+            item = Closing(job, reconcile_in_slices(*args), nbytes=rnd.nbytes)
             next(item.work)  # its first slice takes the layout: the schemas it needs are held from here
             self.closing.append(item)
-        elif job.deferred is not None:  # behind a round in slices: its turn comes after that one's
-            item = Closing(job, result=reconcile(*args), done=True)
         else:
-            self._finish(job, reconcile(*args))
-            return
+            job.pending_bytes -= rnd.nbytes
+            if job.deferred is None:
+                self._finish(job, reconcile(*args))
+                return
+            item = Closing(job, result=reconcile(*args), done=True)  # its turn comes after the round in slices
         if job.deferred is None:
             job.deferred = collections.deque()
         job.deferred.append(item)
         while len(self.closing) > MAX_CLOSING:  # memory: each holds its round's reports
-            self.advance()
+            try:
+                self.advance()
+            except Exception:  # that round's bug, not the frame's that closed this one
+                self.reject("internal")
 
     def _dispatch(self, method: str, job: JobState, *args) -> None:
-        """A checks' event of the job, now or, while a round of it is reconciled in slices, after it."""
+        """A checks' event of the job, now or, while a round of it is reconciled in slices, after it
+        (ticks then run once, at the clock of their turn: they judge the state as it is then)."""
         if self.runner is None:
             return
-        if job.deferred is not None:
-            job.deferred.append((method, args))
-        else:
+        if job.deferred is None:
             self.runner.dispatch(method, job, *args)
+        elif method != "on_tick" or not job.deferred or job.deferred[-1] != ("on_tick", None):
+            job.deferred.append((method, None if method == "on_tick" else args))
 
     def advance(self) -> bool:
         """Run one slice of the oldest round in :attr:`closing`; once its reconciliation is done,
-        its result goes to the job and the checks, and so do the job's events that waited for it
-        (unless the job restarted or was dropped since). Returns whether rounds are left. Raises
-        what the reconciliation raised (that round is then skipped)."""
+        its result goes to the job and the checks, and so do the job's events that waited for it.
+        A round of a job restarted or dropped since is dropped unfinished. Returns whether rounds
+        are left. Raises what the reconciliation raised (that round is then skipped)."""
         if not self.closing:
             return False
         item = self.closing[0]
+        if self.jobs.get(item.job.job) is not item.job:  # its checks forgot the job: nobody waits
+            self.closing.popleft()
+            item.job.deferred, item.work = None, None
+            return bool(self.closing)
         try:
             next(item.work)
         except StopIteration as done:
-            self.closing.popleft()
-            item.result, item.done, item.work = done.value, True, None
-            self._flush(item.job)
+            item.result = done.value
+            self._done(item)
         except BaseException:
-            self.closing.popleft()
-            item.done, item.work = True, None
-            self._flush(item.job)
+            self._done(item)
             raise
         return bool(self.closing)
 
+    def _done(self, item: Closing) -> None:
+        self.closing.popleft()
+        item.done, item.work = True, None
+        item.job.pending_bytes -= item.nbytes
+        self._flush(item.job)
+
     def finish_closing(self) -> None:
-        """Reconcile every round in :attr:`closing` to the end (see :meth:`advance`)."""
-        while self.advance():
-            pass
+        """Reconcile every round in :attr:`closing` to the end (see :meth:`advance`); a round whose
+        reconciliation raises is counted (rejected, reason ``internal``) and skipped."""
+        while self.closing:
+            try:
+                self.advance()
+            except Exception:
+                self.reject("internal")
 
     def _flush(self, job: JobState) -> None:
         """Run the job's waiting events, in order, up to its next round still in slices."""
@@ -730,10 +747,14 @@ class State:
                     return
                 q.popleft()
                 if head.result is not None:
-                    self._finish(job, head.result)
+                    try:
+                        self._finish(job, head.result)
+                    except Exception:  # a bug of ours: the events after it still run
+                        self.reject("internal")
             else:
                 q.popleft()
-                self.runner.dispatch(head[0], job, *head[1])
+                method, args = head
+                self.runner.dispatch(method, job, *(args if args is not None else (self.clock(),)))
         job.deferred = None
 
     def _finish(self, job: JobState, result: RoundResult) -> None:

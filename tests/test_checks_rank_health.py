@@ -468,23 +468,32 @@ def test_silence_while_the_intake_drops_the_jobs_frames_names_no_rank():
 
 def test_a_job_whose_goodbyes_the_intake_dropped_is_not_named_silent_after_the_overload():
     """Issue 14: a large job ends in a burst (its final reports and goodbyes) that the intake
-    drops in part. Its ranks unheard since the drop are not named silent after the overload
-    window, since no peer shows the job going on; a rank that stays unheard while a peer is
-    heard after the drops is named, as before."""
+    drops in part. Some goodbyes came through near the drop: the ranks last heard then are not
+    named silent after the overload window. A rank silent since well before stays named, and a
+    job whose ranks all stop at a drop without any goodbye is named as before."""
     j = Job(["rank_silent"], world=4, silent_after_s=5)
     for r in range(4):
         j.heartbeat(r)
-    j.tick(1)
-    j.heartbeat(0, closing=True)  # rank 0's goodbye came through; ranks 1-3's were dropped
+    for _ in range(7):  # rank 3 dies long before the end: named
+        j.tick(1)
+        for r in range(3):
+            j.heartbeat(r)
+    assert j.named("rank_silent") == [3]
+    j.heartbeat(0, closing=True)  # rank 0's goodbye came through; ranks 1 and 2's were dropped
     j.state.overloaded({(("j", ""), None)})
     for _ in range(12):  # well past the overload window: nobody speaks again
         j.tick(1)
-    assert j.named("rank_silent") == []
-    j.heartbeat(2)  # rank 2 is heard after all: the job goes on, ranks 1 and 3 are silent
-    for _ in range(6):
-        j.tick(1)
-        j.heartbeat(2)
-    assert j.named("rank_silent") == [1, 3]
+    assert j.named("rank_silent") == [3]
+    assert j.events("rank_silent") == [("raised", 3)]
+
+    k = Job(["rank_silent"], world=3, silent_after_s=5)  # all stop at a drop, no goodbye: a dead job
+    for r in range(3):
+        k.heartbeat(r)
+    k.tick(1)
+    k.state.overloaded({(("j", ""), None)})
+    for _ in range(12):
+        k.tick(1)
+    assert k.named("rank_silent") == [0, 1, 2]
 
 
 # --- training_stalled ----------------------------------------------------------------------------

@@ -216,3 +216,40 @@ def test_rounds_reconciled_in_slices_raise_exactly_what_rounds_reconciled_at_onc
     from .test_scale_probe import _same_round
 
     _same_round(b.last_round, a.last_round)
+
+
+def _one_round_in_slices(feed: Feed, traffic, step: int = 0) -> None:
+    for r in range(WORLD):
+        feed.send(feed.records([traffic[r][step]])[0])
+    assert len(feed.state.closing) == 1 and feed.state.jobs["j"].deferred is not None
+
+
+def test_a_round_in_slices_of_a_job_dropped_meanwhile_is_dropped_and_a_failing_one_skipped(monkeypatch):
+    """The round of a job the state dropped is not reconciled on; a reconciliation that raises
+    (a bug of ours) is counted as internal, and the job's events that waited behind it still run,
+    in order, so its checks go on; the job's probe memory is given back in both cases."""
+    traffic = with_probes(scenario(set()))
+    f = Feed(ROUND_CHECKS, round_slice_ranks=1)
+    _one_round_in_slices(f, traffic)
+    job = f.state.jobs["j"]
+    assert job.pending_bytes > 0
+    f.state._drop(job)
+    assert f.state.advance() is False and not f.state.closing and job.deferred is None
+
+    import gradwatch.aggregator.reconcile as rec
+
+    g = Feed(ROUND_CHECKS, round_slice_ranks=1)
+    monkeypatch.setattr(rec.statistics, "aggregate_all", lambda arrays: 1 / 0)
+    _one_round_in_slices(g, traffic)
+    for s in range(1, 5):  # steps behind the round: their events wait
+        for r in range(WORLD):
+            g.send(g.records([traffic[r][s]])[0])
+    job = g.state.jobs["j"]
+    waiting = [e[0] for e in job.deferred if isinstance(e, tuple)]
+    assert waiting.count("on_steps") == 4
+    called = []
+    dispatch = g.runner.dispatch
+    monkeypatch.setattr(g.runner, "dispatch", lambda method, *a: (called.append(method), dispatch(method, *a)))
+    g.state.finish_closing()
+    assert g.state.rejected["internal"] == 1 and job.deferred is None and job.pending_bytes == 0
+    assert job.last_round is None and called == waiting  # the later steps judged, in order

@@ -15,10 +15,11 @@ goes on without monitoring, which is as blind as a silent rank.
 
 While the aggregator's intake is dropping this job's frames (overload: counted as
 ``gradwatch_messages_rejected_total{reason="overload"}``), and for ``silent_after_s`` after, silence
-may be the aggregator's own: nothing new is named then (what was named stays named). After it, a
-rank last heard before the job's latest drop is named only once a peer that did not say goodbye
-has been heard since that drop: when a job ends in an overload (the end of a 16,384-rank job is
-a burst of final reports and goodbyes), the goodbyes dropped do not make its ranks silent.
+may be the aggregator's own: nothing new is named then (what was named stays named). A job that
+ends in an overload (the end of a 16,384-rank job is one burst of final reports and goodbyes, some
+dropped) is not made silent by its lost goodbyes: when some of its ranks said goodbye within
+``silent_after_s`` of the job's latest drop, a rank last heard within ``silent_after_s`` before
+that drop, or after it, is not named (one silent since earlier still is, and stays named).
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ class RankSilent(Check):
         findings = []
         live = [r.step for r in job.ranks.values() if not r.closing and now - r.last_seen <= self.t.silent_after_s]
         lead = max(live, default=-1)
-        # the intake dropped some of the job's frames: a rank unheard since may have spoken (said
-        # goodbye, even), unless the job is seen to go on after the drops
-        doubt = job.unheard_until()
+        # the job ended while the intake dropped its frames: a rank whose last message came shortly
+        # before a drop, or after, may have said goodbye unheard
+        ended = job.ended_in_overload(self.t.silent_after_s)
+        unsure_from = ended - self.t.silent_after_s if ended is not None else float("inf")
         for r in job.in_order():
             k = r.rank
             age = now - r.last_seen
@@ -68,7 +70,7 @@ class RankSilent(Check):
                              "host": r.host, "local_rank": r.local_rank},
                 ))
                 continue
-            if r.closing or age <= self.t.silent_after_s or r.last_seen <= doubt:
+            if r.closing or age <= self.t.silent_after_s or r.last_seen >= unsure_from:
                 continue
             findings.append(Finding(
                 self.name, job.job, r.step,
