@@ -114,13 +114,18 @@ class Intake:
         self._bytes: collections.Counter = collections.Counter()  # job -> bytes held
         self._lock = threading.Lock()
 
+    @staticmethod
+    def share_for(world: int, report_bytes: int) -> tuple[int, int]:
+        """``(frames, bytes)`` one job of ``world`` ranks with ``report_bytes`` probe reports holds
+        in the intake at a probed step: its reports and the messages of the steps that come while
+        they are handled and their round closes (at 16,384 ranks and a step a second, 42,000
+        frames waited: 4 x world)."""
+        return 4 * world, world * (report_bytes + 512)
+
     def short_for(self, world: int, report_bytes: int) -> Optional[tuple[int, int]]:
-        """``(frames, bytes)`` settings that would hold one probed step of a job of ``world``
-        ranks whose probe reports are ``report_bytes`` long, or None when these do, within the
-        half of the intake one job keeps once the intake is over half full: its reports and the
-        messages of the steps that come while they are handled and their round closes (at 16,384
-        ranks and a step a second, 42,000 frames waited: 4 x world frames, 8 x world the setting)."""
-        frames, nbytes = 8 * world, 2 * world * (report_bytes + 512)
+        """``(frames, bytes)`` settings that would hold :meth:`share_for` within the half of the
+        intake one job keeps once it is over half full, or None when these do."""
+        frames, nbytes = (2 * n for n in self.share_for(world, report_bytes))
         return None if frames <= self.max_frames and nbytes <= self.max_bytes else (
             max(frames, self.max_frames), max(nbytes, self.max_bytes))
 
@@ -513,7 +518,7 @@ class Aggregator:
             if len(self._intake_warned) >= 1024:  # jobs come and go over months
                 self._intake_warned.clear()
             self._intake_warned.add(job.job)
-            frames, nbytes = 4 * job.world, job.world * (biggest + 512)
+            frames, nbytes = self.intake.share_for(job.world, biggest)
             log.warning(
                 "gradwatch aggregator: job %s (%d ranks) loses frames to overload: a probed step of it (%d reports "
                 "of ~%d kB) and the steps that come while it is handled need ~%d frames and ~%d MB of the intake, "

@@ -190,7 +190,6 @@ class Closing:
     job: JobState
     work: Any = None
     result: Optional[RoundResult] = None
-    done: bool = False
     nbytes: int = 0  # its reports' array bytes, in the job's pending_bytes until it is done
 
 
@@ -677,15 +676,12 @@ class State:
             if job.deferred is None:
                 self._finish(job, reconcile(*args))
                 return
-            item = Closing(job, result=reconcile(*args), done=True)  # its turn comes after the round in slices
+            item = Closing(job, result=reconcile(*args))  # done; its turn comes after the round in slices
         if job.deferred is None:
             job.deferred = collections.deque()
         job.deferred.append(item)
         while len(self.closing) > MAX_CLOSING:  # memory: each holds its round's reports
-            try:
-                self.advance()
-            except Exception:  # that round's bug, not the frame's that closed this one
-                self.reject("internal")
+            self._advance_counted()  # that round's bug is not the frame's that closed this one
 
     def _dispatch(self, method: str, job: JobState, *args) -> None:
         """A checks' event of the job, now or, while a round of it is reconciled in slices, after it
@@ -721,7 +717,7 @@ class State:
 
     def _done(self, item: Closing) -> None:
         self.closing.popleft()
-        item.done, item.work = True, None
+        item.work = None
         item.job.pending_bytes -= item.nbytes
         self._flush(item.job)
 
@@ -729,10 +725,13 @@ class State:
         """Reconcile every round in :attr:`closing` to the end (see :meth:`advance`); a round whose
         reconciliation raises is counted (rejected, reason ``internal``) and skipped."""
         while self.closing:
-            try:
-                self.advance()
-            except Exception:
-                self.reject("internal")
+            self._advance_counted()
+
+    def _advance_counted(self) -> None:
+        try:
+            self.advance()
+        except Exception:
+            self.reject("internal")
 
     def _flush(self, job: JobState) -> None:
         """Run the job's waiting events, in order, up to its next round still in slices."""
@@ -743,7 +742,7 @@ class State:
         while q:
             head = q[0]
             if isinstance(head, Closing):
-                if not head.done:
+                if head.work is not None:
                     return
                 q.popleft()
                 if head.result is not None:

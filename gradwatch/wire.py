@@ -330,6 +330,14 @@ PROBE_ARRAYS: dict[str, tuple[str, int, str]] = {
     "fp_weight": ("<u8", 0, "params"),
 }
 
+# PROBE_ARRAYS as the encoder and decoder read them: (key, dtype, columns, row kind, bytes a row, optional)
+_PROBE_PLAN = tuple(
+    (key, np.dtype(dtype), cols, kind, np.dtype(dtype).itemsize * max(cols, 1),
+     key in statistics.ARRAYS and statistics.ARRAYS[key].optional)
+    for key, (dtype, cols, kind) in PROBE_ARRAYS.items()
+)
+
+
 _Array = Optional[np.ndarray]  # raw bytes on the wire (module docstring), an ndarray decoded
 
 Report = msgspec.defstruct(
@@ -484,14 +492,14 @@ def _bytes(a, dtype: str, shape: tuple) -> bytes:
 def _probe_bytes(msg) -> dict:
     rows = {"slots": None, "params": None}
     out = {}
-    for key, (dtype, cols, kind) in PROBE_ARRAYS.items():
+    for key, dtype, cols, kind, size, optional in _PROBE_PLAN:  # the decoder's plan, mirrored
         a = getattr(msg, key)
         if a is None:
-            if key in statistics.ARRAYS and statistics.ARRAYS[key].optional:
+            if optional:
                 continue  # decodes as all NaN: not observed
             raise ValueError(f"a probe report needs {key}")
         out[key] = _bytes(a, dtype, (rows[kind], cols) if cols else (rows[kind],))
-        rows[kind] = len(out[key]) // (np.dtype(dtype).itemsize * max(cols, 1))
+        rows[kind] = len(out[key]) // size
     return out
 
 
@@ -559,14 +567,6 @@ def _typed(raw: np.ndarray, key: str, dtype, cols: int, rows: Optional[int], siz
     if rows is not None and a.shape[0] != rows:
         raise WireError("bad_array", f"{key}: {a.shape[0]} rows, schema has {rows}")
     return a
-
-
-# PROBE_ARRAYS as the decoder reads them: (key, dtype, columns, row kind, bytes a row, optional)
-_PROBE_PLAN = tuple(
-    (key, np.dtype(dtype), cols, kind, np.dtype(dtype).itemsize * max(cols, 1),
-     key in statistics.ARRAYS and statistics.ARRAYS[key].optional)
-    for key, (dtype, cols, kind) in PROBE_ARRAYS.items()
-)
 
 
 def _check_header(h: Header) -> None:
