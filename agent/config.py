@@ -47,6 +47,13 @@ class AgentConfig(BaseSettings):
     spike_factor: float = Field(10.0, gt=1, description="A gradient norm above this multiple of the recent median is a spike that starts a burst.")
     local_norms: bool = Field(True, description="Install a DDP communication hook for per-rank gradient norms before all-reduce (only when the model has no hook yet; see Monitor.wrap_comm_hook).")
     batch_size: int = Field(0, ge=0, description="Samples per rank per micro-step; 0 infers it from the model input's first dimension.")
+    nan_guard: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="NaN guard: at every unprobed step, one sum of each leaf module's output (no host sync), so "
+        "a NaN or Inf made in the forward pass is located at its module whatever the step (probed steps "
+        "have it anyway). 'auto' keeps it while it costs at most a quarter of the budget (measured over "
+        "the first steps; off on short CPU steps, where it costs a few percent), 'on' always, 'off' never.",
+    )
     fused: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Fused torch.compile statistics kernel: 'on' compiles it in the background at attach "

@@ -15,7 +15,7 @@ from typing import Callable
 
 PART_ERRORS = 10  # a part of the agent failing this often is switched off, the rest goes on
 MAX_ERRORS = 1000  # every part together: the agent switches itself off
-PARTS = ("forward", "output-grad", "sentinel", "comm-hook")  # what can be switched off alone
+PARTS = ("forward", "output-grad", "sentinel", "comm-hook", "guard")  # what can be switched off alone
 
 
 class Failures:

@@ -50,6 +50,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("weight_fp", width=2, bits=True, doc="fingerprint of every parameter after the step"),
     Section("act", width=6, doc="moments record of each recorded output (stats.MOMENT_FIELDS)"),
     Section("out_grad", width=2, doc="[sum of squares, non-finite count] of each output gradient"),
+    Section("guard", doc="the NaN guard's sum of each output it saw, in call order (not finite: the output held NaN/Inf)"),
 )
 NAMES = tuple(s.name for s in SECTIONS)
 _NAME_SET = frozenset(NAMES)

@@ -1,4 +1,4 @@
-"""Module and tensor hooks of a probed step.
+"""Module and tensor hooks of a probed step, and the NaN guard of the others.
 
 During a probed step's training forward every leaf module gets one forward hook (see
 :class:`ProbeRecorder` for when hooks come and go). The hook walks the module's output
@@ -7,6 +7,13 @@ record per floating or complex tensor, and puts a tensor hook on each tensor tha
 norm of its gradient. No module full backward hooks (cases C01, C06, C15): tensor hooks fire for
 any container, keep no ``grad_output`` alive, and do not change the identity of inputs or outputs.
 Hooks return ``None`` and never rebuild the user's objects.
+
+With the NaN guard on, the same hook stays in place at unprobed steps and records one value per
+floating output of a known slot: its sum (float32 for half precision). A sum is NaN or Inf exactly
+when the output held a NaN or an Inf (or, in float32, overflowed past 3.4e38), so the first slot
+whose sum is not finite is the module a forward NaN came from, at any step; the sum costs one
+read of the output right after the module wrote it (in cache) and one small kernel, and no host
+synchronisation.
 
 Everything recorded stays on the device as small tensors in :class:`ProbeRecorder`; nothing here
 calls ``.item()``, ``.cpu()`` or any other host synchronisation (case C22).
@@ -97,6 +104,12 @@ class ProbeRecorder:
     (which fire in the reentrant variant, whose recomputed outputs carry the gradient, and
     never in the non-reentrant one). :meth:`remove` takes every hook off. ``model`` is held weakly.
 
+    The NaN guard (:meth:`set_guard`): while it is on, the hooks stay in place at unprobed steps
+    too (taken off for evaluation as above), and each training forward call appends to ``guarded``
+    the slot and to ``sums`` the sum (0-d float32 or float64 device tensor) of each floating output
+    of a slot a probed step has seen (a slot the schema does not list yet cannot be named);
+    ``guard_s`` is the host time the guard took since the last reset.
+
     Under ``torch.compile`` every hook returns at its first line, a test of
     ``torch.compiler.is_compiling()`` that dynamo folds to a constant while tracing: the compiled
     graphs are those of the model without the agent, and adding or removing hooks recompiles
@@ -120,6 +133,10 @@ class ProbeRecorder:
         self.batch = 0
         self.host_s = 0.0  # seconds spent in this recorder's hooks since the last reset (the budget's)
         self.probing = False
+        self.guard = False  # the NaN guard: hooks stay on at unprobed steps (set_guard)
+        self.guarded: list[int] = []
+        self.sums: list[torch.Tensor] = []
+        self.guard_s = 0.0
         self.not_instrumented: list[str] = []
         self._model = weakref.ref(model) if model is not None else lambda: None
         self._leaves = [(path, weakref.ref(m)) for path, m in leaf_modules(model)] if model is not None else []
@@ -136,11 +153,25 @@ class ProbeRecorder:
         self.batch = 0
         self._in_forward = False
         self.host_s = 0.0
+        self.guarded = []
+        self.sums = []
+        self.guard_s = 0.0
 
     def install(self) -> None:
         """Hooks on for a probed step (records reset)."""
         self.probing = True
         self.reset()
+        self._hooks_on()
+
+    def set_guard(self, on: bool) -> None:
+        """The NaN guard on or off (class doc); hooks follow unless a probe holds them."""
+        self.guard = on
+        if on:
+            self._hooks_on()
+        elif not self.probing:
+            self.remove()
+
+    def _hooks_on(self) -> None:
         self._leaves_on()
         root = self._model()
         if root is not None and not self._handles:  # kept in place for a compiled model
@@ -151,11 +182,13 @@ class ProbeRecorder:
                 pass
 
     def remove(self, final: bool = False) -> None:
-        """Hooks off (with a compiled model only at ``final``, see the class doc); records are
-        kept until :meth:`reset`."""
+        """Hooks off (with a compiled model only at ``final``, see the class doc; with the guard
+        on, the end of the probe only); records are kept until :meth:`reset`."""
         self.probing = False
         self._in_forward = False
-        if self.compiled and not final:
+        if final:
+            self.guard = False
+        if (self.compiled or self.guard) and not final:
             return
         self.compiled = False
         self._leaves_off()
@@ -233,7 +266,13 @@ class ProbeRecorder:
             if torch.compiler.is_compiling():
                 return None
             rec = recorder_ref()
-            if rec is None or "forward" in rec.disabled:
+            if rec is None:
+                return None
+            if not rec.probing:  # hooks in place between probes: the NaN guard's
+                if rec.guard:
+                    rec._guard(module_path, output)
+                return None
+            if "forward" in rec.disabled:
                 return None
             t0 = time.perf_counter()
             try:
@@ -266,6 +305,26 @@ class ProbeRecorder:
 
         return hook
 
+    def _guard(self, module_path: str, output: Any) -> None:
+        """The NaN guard's record of one call (class doc): a sum per floating output of a known slot."""
+        if "guard" in self.disabled:
+            return
+        t0 = time.perf_counter()
+        try:
+            if not _in_backward() and (self._in_forward or torch.is_grad_enabled()):
+                index = self._slot_index
+                for out_path, t in ((("", output),) if isinstance(output, torch.Tensor) else iter_tensors(output)):
+                    i = index.get((module_path, out_path))
+                    if i is None or not t.is_floating_point():
+                        continue
+                    lt = _local(t).detach()
+                    self.guarded.append(i)
+                    # float32 accumulation for half precision (a float16 sum overflows at 65,504)
+                    self.sums.append(lt.sum(dtype=torch.float32) if lt.dtype in _HALF else lt.sum())
+        except Exception as e:
+            self.on_error(f"guard:{module_path}", e)
+        self.guard_s += time.perf_counter() - t0
+
     def _recomputed(self, module_path: str, output: Any) -> None:
         if "output-grad" in self.disabled:
             return
@@ -290,6 +349,8 @@ class ProbeRecorder:
 
         return hook
 
+
+_HALF = (torch.float16, torch.bfloat16)
 
 #: modules recorded as one unit although they have children: their children are not called as
 #: modules (``nn.MultiheadAttention`` uses ``out_proj``'s weights through a functional call)

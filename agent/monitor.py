@@ -82,7 +82,8 @@ class Monitor:
         self.recorder.disabled = self.disabled
         self.not_instrumented = self.recorder.not_instrumented
         self.schedule = ProbeSchedule(cfg.every, cfg.burst, cfg.spike_factor, self.recorder, self.failures,
-                                      budget=cfg.budget, max_interval_s=cfg.max_probe_interval_s)
+                                      budget=cfg.budget, max_interval_s=cfg.max_probe_interval_s,
+                                      guard=cfg.nan_guard)
         self.comm = CommHook(self.failures, self.disabled)
         self.fingerprints = Fingerprints(self.world_size)
         self.scaler: Optional[ScalerWatch] = None
@@ -255,7 +256,7 @@ class Monitor:
         waits = (self._last_wait, self.comm.first_wait) if first is not None else None
         step_time, self._last_step_end = now - self._last_step_end, now
         self._follow_wait()
-        probed, hooks_s = self.recorder.probing, self.recorder.host_s
+        probed, hooks_s, guard_s = self.recorder.probing, self.recorder.host_s, self.recorder.guard_s
         try:
             self._submit(step, step_time, compute_time, waits)
         except Exception as e:
@@ -270,8 +271,8 @@ class Monitor:
             # the budget: this step's agent host time (sentinel, module hooks, submit, and the
             # previous boundary's hook switching) against its wall time, boundary to boundary
             end = time.perf_counter()
-            agent_s = self._carry_s + self._pre_s + hooks_s + (end - now)
-            self.schedule.account(step, probed, agent_s, end - self._acct_end)
+            agent_s = self._carry_s + self._pre_s + hooks_s + guard_s + (end - now)
+            self.schedule.account(step, probed, agent_s, end - self._acct_end, guard_s)
             self.schedule.advance(self.step)
             self._acct_end, self._pre_s = end, 0.0
             self._carry_s = time.perf_counter() - end
@@ -289,6 +290,8 @@ class Monitor:
                 self.sender.request_schema()
             sections.update(measure.probe(self._params, rec, self.fingerprints))
             self.probes += 1
+        elif rec.guarded:
+            sections["guard"] = rec.sums
         flat, counts = frame.pack(sections)
         host, ready = frame.to_host(flat)
         batch = self.cfg.batch_size * max(rec.micro, 1) if self.cfg.batch_size else rec.batch
@@ -304,6 +307,7 @@ class Monitor:
             calls=tuple((i, c, n) for i, (c, n) in rec.counts.items()) if probe else (),
             probe_interval=self.schedule.interval, over_budget=self.schedule.over_budget, waits=waits or (),
             shard_dims=self.layout.dims, norms=self.fingerprints.enabled,
+            guard=tuple(rec.guarded) if rec.guarded and not probe else None,
         )
         # the sender polls ``ready`` rather than waiting: a collective stuck on the device must not
         # stop its heartbeats (they tell a hung rank from the peers waiting for it)

@@ -10,6 +10,8 @@ scale. A pure function of its inputs, so it runs and is tested without a model.
 from __future__ import annotations
 
 import math
+from typing import Optional
+
 import msgspec
 import numpy as np
 
@@ -57,6 +59,8 @@ class StepLayout(msgspec.Struct, frozen=True):
             empty without a mesh (DDP). With it, the report carries ``grad_sq``.
         norms: the report carries each parameter's gradient norm (wire ``grad_norms``), every
             step: the rank has replicas the aggregator compares them with.
+        guard: the NaN guard's slot of each value in the frame's ``guard`` section, in call
+            order; None when the guard did not run this step (off, or a probed step).
     """
 
     step: int
@@ -82,6 +86,7 @@ class StepLayout(msgspec.Struct, frozen=True):
     over_budget: bool = False
     shard_dims: tuple[tuple[int, ...], ...] = ()
     norms: bool = False
+    guard: Optional[tuple[int, ...]] = None
 
 
 def waited_s(start: bytes, end: bytes) -> float:
@@ -107,6 +112,14 @@ def grad_sq(sq: np.ndarray, present, shard_dims) -> tuple[tuple[tuple[int, ...],
     for d in set(shard_dims):  # a class without a gradient this step still says 0
         out.setdefault(d, 0.0)
     return tuple(sorted(out.items()))
+
+
+def first_nonfinite(slots: tuple[int, ...], sums: np.ndarray) -> int:
+    """The NaN guard's verdict (wire ``nonfinite_slot``): the slot of the first of ``sums``
+    (float64 [n], one per guarded output in call order, ``slots`` theirs) that is not finite, -1
+    when all are."""
+    bad = ~np.isfinite(sums)
+    return int(slots[int(bad.argmax())]) if bad.any() else -1
 
 
 def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.Report:
@@ -156,7 +169,8 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
         agent_cost=L.agent_cost, probe_interval=L.probe_interval, over_budget=L.over_budget,
     )
     if not L.probe:
-        return wire.Report(h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite, **common)
+        slot = first_nonfinite(L.guard, f["guard"]) if L.guard is not None and len(f["guard"]) == len(L.guard) else None
+        return wire.Report(h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite, nonfinite_slot=slot, **common)
     param = np.full((L.n_params, 3), np.nan)
     fp_grad = np.zeros(L.n_params, np.uint64)
     fp_weight = np.zeros(L.n_params, np.uint64)

@@ -18,12 +18,17 @@ thread reads at its next step boundary, so it arrives a step or two after the fa
 never costs a host synchronisation.
 
 At each step boundary :meth:`ProbeSchedule.advance` switches the recorder's module hooks on or off,
-so hooks exist only while a probed step runs.
+so hooks exist only while a probed step runs, unless the NaN guard keeps them (:mod:`.hooks`).
+The guard's cost is part of the every-step cost the budget sees; with ``nan_guard="auto"`` it is
+also judged on its own: once :data:`GUARD_STEPS` unprobed steps are measured, the guard stays on
+only if the median of its host time per step is at most :data:`GUARD_SHARE` of the budget of a
+training step, else it goes off for the rest of the run (one log line says so).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import statistics
 import warnings
@@ -43,6 +48,10 @@ REFRESH = 16  # unprobed samples between two recomputations of their medians (a 
 CLIP = 4.0  # a probed step's wall-time excess counts as at most this many times its own agent host time
 # (or 1% of a step): a pause in a probed step (evaluation, a checkpoint, the OS preempting the
 # process on a busy machine) is not the agent's cost
+GUARD_SHARE = 0.25  # nan_guard="auto": the guard stays on while it costs at most this share of the budget
+GUARD_STEPS = 32  # nan_guard="auto": unprobed steps measured before the guard is judged
+
+log = logging.getLogger("gradwatch.agent")
 
 
 def _pow2_at_least(x: float) -> int:
@@ -137,16 +146,20 @@ class ProbeSchedule:
         history: finite gradient norms kept for the median.
         budget: budget mode: the agent's average cost as a fraction of the training step time.
         max_interval_s: budget mode: the longest interval between probes, seconds of step time.
+        guard: the NaN guard, ``"on"``, ``"off"`` or ``"auto"`` (on while it costs at most
+            :data:`GUARD_SHARE` of the budget, module docstring); switched on the recorder.
 
     Attributes:
         interval: the probe interval in use, steps.
         cost: the measured :class:`Cost`.
         over_budget: at the ceiling, the agent costs more than ``OVER_BUDGET * budget``.
+        guard_s: ``"auto"``: the guard's median host time per unprobed step once judged, seconds
+            (NaN before).
     """
 
     def __init__(self, every: Optional[int], burst: int, spike_factor: float, recorder: ProbeRecorder,
                  on_error: Callable[[str, BaseException], None], history: int = 32, *,
-                 budget: float = 0.01, max_interval_s: float = 60.0):
+                 budget: float = 0.01, max_interval_s: float = 60.0, guard: str = "off"):
         self.every = every
         self.burst = burst
         self.spike_factor = spike_factor
@@ -160,6 +173,10 @@ class ProbeSchedule:
         self._warned = False
         self._burst_until = 0  # written by the sender thread, read at step boundaries
         self._recent: collections.deque = collections.deque(maxlen=history)  # sender thread only
+        self._judge_guard = guard == "auto"
+        self._guard_costs: list[float] = []
+        self.guard_s = math.nan
+        recorder.set_guard(guard != "off")
 
     @property
     def fixed(self) -> bool:
@@ -185,9 +202,10 @@ class ProbeSchedule:
             return max(self.interval, START_INTERVAL)
         return _pow2_at_most(self.max_interval_s / self.cost.step_s)
 
-    def account(self, step: int, probed: bool, agent_s: float, step_s: float) -> None:
-        """Training thread, after ``step``: record its agent time and wall time (seconds) and, in
-        budget mode, choose the interval.
+    def account(self, step: int, probed: bool, agent_s: float, step_s: float, guard_s: float = 0.0) -> None:
+        """Training thread, after ``step``: record its agent time and wall time (seconds; ``guard_s``
+        the NaN guard's part of the agent time), judge an ``"auto"`` guard and, in budget mode,
+        choose the interval.
 
         The ideal interval is probe extra / (budget * training step - sentinel), the interval at
         which the average cost is the budget; the interval in use is the power of two at or above
@@ -199,7 +217,12 @@ class ProbeSchedule:
                 return
             # the choice below is a function of the medians alone (and idempotent): between two
             # recomputations of them it would choose the same again, at a cost every step
-            if not self.cost.add(probed, agent_s, step_s) or self.fixed:
+            changed = self.cost.add(probed, agent_s, step_s)
+            if self._judge_guard and not probed and math.isfinite(guard_s):
+                self._guard_costs.append(guard_s)
+                if len(self._guard_costs) >= GUARD_STEPS:
+                    self._judge()
+            if not changed or self.fixed:
                 return
             c = self.cost
             extra = c.probe_extra_s
@@ -225,6 +248,18 @@ class ProbeSchedule:
                     f"step {c.train_s * 1e3:.3g} ms)", RuntimeWarning, stacklevel=2)
         except Exception as e:
             self.on_error(PART, e)
+
+    def _judge(self) -> None:
+        """``"auto"``: the guard stays on or goes off for good (module docstring)."""
+        self._judge_guard = False
+        self.guard_s = statistics.median(self._guard_costs)
+        self._guard_costs = []
+        allowed = GUARD_SHARE * self.budget * self.cost.train_s
+        if self.guard_s > allowed:
+            self.recorder.set_guard(False)
+            log.info("gradwatch: NaN guard off (nan_guard='auto'): it costs %.3g ms a step, over %g of the %.1f%% "
+                     "budget (%.3g ms of a %.3g ms step); nan_guard='on' keeps it", self.guard_s * 1e3, GUARD_SHARE,
+                     self.budget * 100, allowed * 1e3, self.cost.train_s * 1e3)
 
     def advance(self, step: int) -> None:
         """Training thread, before ``step`` runs: module hooks on for a probed step, off otherwise."""

@@ -582,13 +582,18 @@ class State:
         grad_sq = None
         if sharded:
             grad_sq = [m.grad_sq] if isinstance(m, wire.Report) else [tuple(zip(m.grad_sq_dims, row)) for row in m.grad_sq.tolist()]
+        guard = None
+        if m.nonfinite_slot is not None:
+            guard = (m.schema, m.nonfinite_slot if isinstance(m, wire.Report) else m.nonfinite_slot.reshape(n))
         if one:
             rec["probe"] = 1.0 if probe else 0.0
-            released = table.add_one(r.rank, last, rec, norms and (norms[0], norms[1][0]), grad_sq and grad_sq[0])
+            if guard is not None and not isinstance(m, wire.Report):
+                guard = (guard[0], int(guard[1][0]))
+            released = table.add_one(r.rank, last, rec, norms and (norms[0], norms[1][0]), grad_sq and grad_sq[0], guard)
         else:
             values = {name: getattr(m, name) for name in TABLE_COLUMNS if name != "probe"}
             values["probe"] = np.zeros(n)
-            released = table.add(r.rank, m.step, values, norms, grad_sq)
+            released = table.add(r.rank, m.step, values, norms, grad_sq, guard)
         self._released(job, released)
         if not probe:
             return

@@ -56,12 +56,16 @@ class StepView:
         norms: ``{rank: (schema hash, float32 [n_params])}``: the ranks' per-parameter gradient
             norms (wire ``grad_norms``), for the ranks that sent them.
         grad_sq: ``{rank: ((mesh dims, sum of squares), ...)}`` of sharded ranks.
+        guard: ``{rank: (schema hash, slot)}``: the ranks whose NaN guard saw a non-finite output
+            at this step, and the first slot that held one (wire ``nonfinite_slot``).
     """
 
-    __slots__ = ("step", "ranks", *COLUMNS, "norms", "grad_sq")
+    __slots__ = ("step", "ranks", *COLUMNS, "norms", "grad_sq", "guard")
 
-    def __init__(self, step: int, ranks: np.ndarray, columns: dict, norms: dict, grad_sq: dict):
+    def __init__(self, step: int, ranks: np.ndarray, columns: dict, norms: dict, grad_sq: dict,
+                 guard: Optional[dict] = None):
         self.step, self.ranks, self.norms, self.grad_sq = step, ranks, norms, grad_sq
+        self.guard = guard if guard is not None else {}
         for name in COLUMNS:
             setattr(self, name, columns[name])
 
@@ -85,6 +89,7 @@ class StepTable:
         self._alloc(min(MIN_ROWS, self.max_rows))
         self.norms: dict[int, dict[int, tuple]] = {}  # step -> rank -> (schema, row)
         self.grad_sq: dict[int, dict[int, tuple]] = {}  # step -> rank -> grad_sq
+        self.guard: dict[int, dict[int, tuple]] = {}  # step -> rank -> (schema, slot), slots >= 0 only
 
     def _alloc(self, rows: int) -> None:
         self.rows = rows
@@ -100,7 +105,7 @@ class StepTable:
         return int((self.step_of >= 0).sum())
 
     def add(self, rank: int, steps: np.ndarray, values: dict, norms: Optional[tuple] = None,
-            grad_sq: Optional[list] = None) -> list[StepView]:
+            grad_sq: Optional[list] = None, guard: Optional[tuple] = None) -> list[StepView]:
         """Take ``rank``'s records; return the steps released, ascending.
 
         Args:
@@ -109,9 +114,10 @@ class StepTable:
             values: each of :data:`COLUMNS` -> array [n].
             norms: ``(schema hash, float32 [n, n_params])`` of the records, or None.
             grad_sq: per record its ``grad_sq`` (sharded layouts), or None.
+            guard: ``(schema hash, int32 [n])``: the records' ``nonfinite_slot``, or None.
         """
         if steps[0] <= self.released:  # late, some or all: steps the checks have judged already
-            steps, values, norms, grad_sq = _only(steps > self.released, steps, values, norms, grad_sq)
+            steps, values, norms, grad_sq, guard = _only(steps > self.released, steps, values, norms, grad_sq, guard)
             if not len(steps):
                 return []
         if len(steps) > self.max_rows:  # more than the table holds: a table's worth at a time
@@ -120,12 +126,13 @@ class StepTable:
                 part = slice(i, i + self.max_rows)
                 out += self.add(rank, steps[part], {k: v[part] for k, v in values.items()},
                                 None if norms is None else (norms[0], norms[1][part]),
-                                None if grad_sq is None else grad_sq[part])
+                                None if grad_sq is None else grad_sq[part],
+                                None if guard is None else (guard[0], guard[1][part]))
             return out
         first, last = int(steps[0]), int(steps[-1])
         out = self._room(first, last)
         if out:  # the room it took may have released some of these steps' peers' records
-            steps, values, norms, grad_sq = _only(steps > self.released, steps, values, norms, grad_sq)
+            steps, values, norms, grad_sq, guard = _only(steps > self.released, steps, values, norms, grad_sq, guard)
             if not len(steps):
                 return out
             first = int(steps[0])
@@ -147,6 +154,10 @@ class StepTable:
         if grad_sq is not None:
             for s, sq in zip(steps.tolist(), grad_sq):
                 self.grad_sq.setdefault(s, {})[rank] = sq
+        if guard is not None:
+            schema, slots = guard
+            for j in np.flatnonzero(slots >= 0).tolist():  # almost always none
+                self.guard.setdefault(int(steps[j]), {})[rank] = (schema, int(slots[j]))
         done = np.flatnonzero(self.count[idx] >= self.world)
         if len(done):
             last = int(steps[done[-1]])
@@ -154,10 +165,10 @@ class StepTable:
         return out
 
     def add_one(self, rank: int, step: int, values: dict, norms: Optional[tuple] = None,
-                grad_sq=None) -> list[StepView]:
+                grad_sq=None, guard: Optional[tuple] = None) -> list[StepView]:
         """:meth:`add` for one record (``values``: each of :data:`COLUMNS` -> a number; ``norms``:
-        ``(schema hash, float32 [n_params])``), without an array per column: one step per second
-        from thousands of ranks comes a record at a time."""
+        ``(schema hash, float32 [n_params])``; ``guard``: ``(schema hash, slot)``), without an array
+        per column: one step per second from thousands of ranks comes a record at a time."""
         if step <= self.released:
             return []
         out = self._room(step, step)
@@ -175,6 +186,8 @@ class StepTable:
             self.norms.setdefault(step, {})[rank] = norms
         if grad_sq is not None:
             self.grad_sq.setdefault(step, {})[rank] = grad_sq
+        if guard is not None and guard[1] >= 0:
+            self.guard.setdefault(step, {})[rank] = guard
         if self.count[i] >= self.world:
             out += self._release(self.step_of[(self.step_of >= 0) & (self.step_of <= step)])
         return out
@@ -195,7 +208,7 @@ class StepTable:
         """Drop ``rank``'s waiting records (its agent restarted: what it sent before is another boot's)."""
         self.count -= self.have[:, rank]
         self.have[:, rank] = False
-        for per in (self.norms, self.grad_sq):
+        for per in (self.norms, self.grad_sq, self.guard):
             for d in per.values():
                 d.pop(rank, None)
 
@@ -229,7 +242,7 @@ class StepTable:
             ranks = np.flatnonzero(self.have[i])
             columns = {name: self.cols[name][i, ranks] for name in COLUMNS}
             columns["probe"] = columns["probe"] > 0
-            out.append(StepView(s, ranks, columns, self.norms.pop(s, {}), self.grad_sq.pop(s, {})))
+            out.append(StepView(s, ranks, columns, self.norms.pop(s, {}), self.grad_sq.pop(s, {}), self.guard.pop(s, {})))
             self.step_of[i], self.count[i], self.seen[i] = -1, 0, math.nan
             self.have[i] = False
             self.released = max(self.released, s)
@@ -239,9 +252,10 @@ class StepTable:
         return out
 
 
-def _only(keep: np.ndarray, steps, values, norms, grad_sq):
+def _only(keep: np.ndarray, steps, values, norms, grad_sq, guard):
     """The records where ``keep`` holds (the same objects when it holds everywhere)."""
     if keep.all():
-        return steps, values, norms, grad_sq
+        return steps, values, norms, grad_sq, guard
     return (steps[keep], {k: v[keep] for k, v in values.items()}, None if norms is None else (norms[0], norms[1][keep]),
-            None if grad_sq is None else [g for g, k in zip(grad_sq, keep) if k])
+            None if grad_sq is None else [g for g, k in zip(grad_sq, keep) if k],
+            None if guard is None else (guard[0], guard[1][keep]))

@@ -21,8 +21,9 @@ tensors (:mod:`gradwatch.commands.demo.inject`, the demo's injector; never throu
                  compares a rank with the others' median)
   clean          no fault
 
-Axes: fault x injected rank (0 or the last) x injection step (30, probed at the default cadence of
-10, or 35, not probed) x world size (2, 3, 4, 8) x model (``gpt``: the demo's GPT, tiny; ``cnn``:
+The agents run with a fixed probe cadence of 10 and the NaN guard on (``--nan-guard``), default
+settings otherwise. Axes: fault x injected rank (0 or the last) x injection step (30, probed at
+that cadence, or 35, not probed) x world size (2, 3, 4, 8) x model (``gpt``: the demo's GPT, tiny; ``cnn``:
 bench/overhead.py's CNN on scikit-learn's digits) x load (``idle``: nothing added; ``busy``: two
 processes spinning on the CPUs beside the job) x repeats. Rank and step are sampled, not crossed:
 run i of a cell (world, model, load, repeat) takes rank and step from a rotation, so the four
@@ -63,7 +64,7 @@ import torch.nn as nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS_AT = (30, 35)  # injection steps: 30 is probed at the agent's default cadence (10), 35 is not
 HOLD_S = 6.0  # hang and silent last this long, then the rank resumes and the job ends normally
-EVERY = 10  # the agent's default probe cadence
+EVERY = 10  # the agents' fixed probe cadence here (the agent's default lets its budget pick one)
 CLEAN_RUNS = 2  # clean runs per cell
 POST = {"straggler": 64, "default": 36}  # steps after injection: 3 straggler windows of 16 steps; 3 probes
 LINGER_S = 1.5  # after the ranks exit, seconds the aggregator gets to finish rounds and checks
@@ -153,6 +154,7 @@ class Run:
     rank: Optional[int]  # injected rank (None: clean, or every rank)
     step: Optional[int]  # injection step
     steps: int
+    nan_guard: str = "on"  # the agent's nan_guard setting
 
 
 def _digits():
@@ -207,7 +209,7 @@ def _rank_main(rank: int, run: Run, port: int, endpoint: str, progress, out_dir:
         ddp = DDP(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         faults_ = Injector([parse(run.inject, run.world)] if run.inject else [], rank)
-        with agent.attach(ddp, opt, endpoint=endpoint, job=run.job, every=EVERY) as mon:
+        with agent.attach(ddp, opt, endpoint=endpoint, job=run.job, every=EVERY, nan_guard=run.nan_guard) as mon:
             for step in range(run.steps):
                 faults_.train_step(step, model, ddp, opt, *data(step), loss_of, mon)
                 progress[rank] = step + 1
@@ -291,7 +293,7 @@ def run_job(run: Run, endpoint: str, events_path: str, out_dir: str, digits, tim
 
 
 def plan(worlds, models, loads, repeats, names: Optional[set], steps_at=STEPS_AT,
-         clean_runs: int = CLEAN_RUNS) -> list[tuple[Run, Fault]]:
+         clean_runs: int = CLEAN_RUNS, nan_guard: str = "on") -> list[tuple[Run, Fault]]:
     """Every run of the matrix, in order (grouped by load, so hogs start and stop once per load)."""
     runs = []
     for load in loads:
@@ -309,12 +311,12 @@ def plan(worlds, models, loads, repeats, names: Optional[set], steps_at=STEPS_AT
                         spec += ":rank=all" if f.all_ranks else f":rank={rank}"
                         post = POST["straggler"] if f.expect == "straggler" else POST["default"]
                         job = f"fm-{load}-r{rep}-w{world}-{model}-{f.name}"
-                        runs.append((Run(job, model, world, load, rep, f.name, spec, rank, step, step + post), f))
+                        runs.append((Run(job, model, world, load, rep, f.name, spec, rank, step, step + post, nan_guard), f))
                     if names is None or "clean" in names:
                         for c in range(clean_runs):
                             job = f"fm-{load}-r{rep}-w{world}-{model}-clean{c}"
                             runs.append((Run(job, model, world, load, rep, "clean", "", None, None,
-                                             max(steps_at) + POST["straggler"]), CLEAN))
+                                             max(steps_at) + POST["straggler"], nan_guard), CLEAN))
     return runs
 
 
@@ -501,6 +503,9 @@ def main(argv=None) -> int:
     p.add_argument("--from-dir", metavar="DIR",
                    help="run nothing: score the runs that completed in DIR, the directory a matrix with the same "
                    "selection flags printed (one stopped early)")
+    p.add_argument("--nan-guard", choices=("on", "off", "auto"), default="on",
+                   help="the agents' nan_guard (default on: a forward NaN is located at any step; 'auto' would "
+                   "still be measuring itself at the injection steps, so it reads as on here)")
     p.add_argument("--aggregator-arg", action="append", default=[], metavar="ARG",
                    help="extra aggregator argument, e.g. --aggregator-arg=--checks.straggler-score=0.8 (repeatable; "
                    "the published figures use none: default thresholds)")
@@ -515,7 +520,7 @@ def main(argv=None) -> int:
     if bad := [x for x in [*models] if x not in NAN_LAYERS] + [x for x in loads if x not in ("idle", "busy")] \
             + sorted((names or set()) - known):
         raise SystemExit(f"unknown: {bad}; faults are {sorted(known)}")
-    runs = plan(worlds, models, loads, a.repeats, names, tuple(int(x) for x in a.at.split(",")), a.clean_runs)
+    runs = plan(worlds, models, loads, a.repeats, names, tuple(int(x) for x in a.at.split(",")), a.clean_runs, a.nan_guard)
     fault_of = {r.job: f for r, f in runs}
     if a.from_dir:
         outcomes = collect(runs, a.from_dir)
@@ -564,7 +569,8 @@ def main(argv=None) -> int:
           f"{time.time() - t0:.0f} s; load average at the end {os.getloadavg()[0]:.1f}")
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        env = {"torch": torch.__version__, "aggregator_args": a.aggregator_arg, "python": platform.python_version(), "cpu_count": os.cpu_count(),
+        env = {"torch": torch.__version__, "aggregator_args": a.aggregator_arg, "nan_guard": a.nan_guard,
+               "python": platform.python_version(), "cpu_count": os.cpu_count(),
                "argv": sys.argv[1:], "wall_s": time.time() - t0}
         with open(a.json, "w") as fp:
             json.dump({"env": env, "scores": scores,

@@ -64,11 +64,12 @@ import zmq
 from gradwatch import agent as gw
 from gradwatch import wire
 
-VARIANTS = ("none", "budget", "every10", "every1", "anchor", "tensorboard", "wandb", "none+busy", "budget+busy")
+VARIANTS = ("none", "budget", "guard", "every10", "every1", "anchor", "tensorboard", "wandb", "none+busy", "budget+busy")
 ALL_VARIANTS = VARIANTS
 LABELS = {
     "none": "no agent",
     "budget": "agent, budget 1% (default)",
+    "guard": "agent, budget 1%, nan_guard on",
     "every10": "agent every=10",
     "every1": "agent every=1",
     "anchor": "tutorial hooks (anchor)",
@@ -457,10 +458,12 @@ def make_runner(variant: str, wl: Workload, device: torch.device, endpoint: str,
     model = wl.build().to(device)
     opt = wl.optimizer(model)
     r = Runner(variant, model, opt, wl)
-    if variant in ("every10", "every1", "budget", "budget+busy"):
+    if variant in ("every10", "every1", "budget", "guard", "budget+busy"):
         opts = dict(agent_opts or {})
         if variant.startswith("every"):
             opts["every"] = 10 if variant == "every10" else 1
+        if variant == "guard":
+            opts["nan_guard"] = "on"
         job = f"bench-{wl.name}-{variant.replace('+', '-')}"
         r.attachment = gw.attach(model, opt, endpoint=endpoint, job=job, **opts)
         if not getattr(r.attachment, "active", False):

@@ -70,6 +70,11 @@ the losses the script handed to ``Monitor.observe_loss`` in the step (NaN when n
 ``loss_scale`` the AMP GradScaler's scale (NaN without one); ``skipped`` steps the loss scaler
 skipped since the previous record (their inf/NaN gradients are normal; they send no record).
 
+``nonfinite_slot`` (sent with the records of unprobed steps by an agent whose NaN guard is on; a
+report's int, a steps message's ``int32 [n]``): the first slot, in the order the step's forward
+passes called them, whose output held a NaN or an Inf (its sum was not finite), -1 when none did
+or nothing is known (absent: the guard was off). A probed step's ``act`` says as much and more.
+
 ``grad_norms`` (sent with every record by an agent with replicas to compare with): each
 parameter's gradient L2 norm after all-reduce, as the optimizer's pre-step hook measures it, of
 what this rank holds; NaN where the parameter had no gradient, a non-finite norm as it is.
@@ -308,6 +313,7 @@ STEP_COLUMNS: tuple[Column, ...] = (
 COLUMNS: dict[str, Column] = {c.name: c for c in STEP_COLUMNS}
 
 _GradSq = tuple[tuple[_Dims, float], ...]
+_Slot = Annotated[int, msgspec.Meta(ge=-1, lt=MAX_NAMES)]  # a slot index, -1: none
 
 #: the sender's state, sent with each report and each steps message (its latest values)
 _SENDER_FIELDS = (
@@ -356,6 +362,7 @@ Report = msgspec.defstruct(
         #: sharded layouts: ``((mesh dims, sum of squared local gradient elements), ...)``; None under DDP
         ("grad_sq", Optional[Annotated[_GradSq, msgspec.Meta(max_length=64)]], None),
         ("grad_norms", _Array, None),  # [n_params] float32, optional
+        ("nonfinite_slot", Optional[_Slot], None),  # the NaN guard's, optional
         ("v", int, PROTOCOL_VERSION),
     ],
     bases=(_Message,), tag="report", frozen=True, eq=False, module=__name__,
@@ -388,6 +395,7 @@ class Steps(_Message, tag="steps", eq=False):
     grad_norms: _Array = None  # float32 [n, n_params]
     grad_sq_dims: Annotated[tuple[_Dims, ...], msgspec.Meta(max_length=64)] = ()
     grad_sq: _Array = None  # float64 [n, len(grad_sq_dims)]
+    nonfinite_slot: _Array = None  # int32 [n], the NaN guard's
     v: int = PROTOCOL_VERSION
 
     def __len__(self) -> int:
@@ -424,6 +432,9 @@ class Steps(_Message, tag="steps", eq=False):
         if last.grad_sq is not None:
             extra["grad_sq_dims"] = tuple(d for d, _ in last.grad_sq)
             extra["grad_sq"] = np.array([[v for _, v in r.grad_sq] for r in reports], np.float64)
+        slots = [r.nonfinite_slot for r in reports]
+        if any(x is not None for x in slots):  # a record the guard did not watch knows nothing: -1
+            extra["nonfinite_slot"] = np.array([-1 if x is None else x for x in slots], np.int32)
         return cls(header if header is not None else last.header, last.schema, rec, **extra,
                    **{name: getattr(last, name) for name, _, _ in _SENDER_FIELDS})
 
@@ -528,6 +539,8 @@ def encode(msg: Message) -> bytes:
             arrays["grad_norms"] = _bytes(msg.grad_norms, "<f4", (n, None))
         if msg.grad_sq is not None:
             arrays["grad_sq"] = _bytes(msg.grad_sq, "<f8", (n, len(msg.grad_sq_dims)))
+        if msg.nonfinite_slot is not None:
+            arrays["nonfinite_slot"] = _bytes(msg.nonfinite_slot, "<i4", (n,))
         msg = msgspec.structs.replace(msg, **arrays)
     elif not isinstance(msg, (Schema, Heartbeat)):
         raise TypeError(f"not a wire message: {type(msg).__name__}")
@@ -615,6 +628,8 @@ def _finish_report(m, limits: Limits, sizes):
     else:
         out = dict.fromkeys(PROBE_ARRAYS)
     out["grad_norms"] = _grad_norms(m.grad_norms, n_params)
+    if m.nonfinite_slot is not None and n_slots is not None and m.nonfinite_slot >= n_slots:
+        raise WireError("bad_field", "nonfinite_slot: not a slot of the schema")
     return msgspec.structs.replace(m, **out)
 
 
@@ -641,6 +656,11 @@ def _finish_steps(m, limits: Limits, sizes):
         out["grad_sq"] = _typed(m.grad_sq, "grad_sq", "<f8", 0, n * len(m.grad_sq_dims)).reshape(n, len(m.grad_sq_dims))
     elif m.grad_sq_dims:
         raise WireError("missing_field", "grad_sq")
+    if m.nonfinite_slot is not None:
+        s = out["nonfinite_slot"] = _typed(m.nonfinite_slot, "nonfinite_slot", "<i4", 0, n)
+        n_slots = sizes(m.header, m.schema)[1] if sizes is not None else None
+        if not ((s >= -1) & (s < (MAX_NAMES if n_slots is None else n_slots))).all():
+            raise WireError("bad_array", "nonfinite_slot: not a slot of the schema")
     return msgspec.structs.replace(m, **out)
 
 

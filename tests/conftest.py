@@ -141,7 +141,8 @@ def expand(m) -> list:
     for i in range(len(m)):
         grad_sq = None if m.grad_sq is None else tuple(zip(m.grad_sq_dims, m.grad_sq[i].tolist()))
         out.append(wire.Report(m.header, m.schema, **{k: v[i] for k, v in cols.items()}, **sender, grad_sq=grad_sq,
-                               grad_norms=None if m.grad_norms is None else m.grad_norms[i]))
+                               grad_norms=None if m.grad_norms is None else m.grad_norms[i],
+                               nonfinite_slot=None if m.nonfinite_slot is None else int(m.nonfinite_slot[i])))
     return out
 
 

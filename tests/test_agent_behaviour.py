@@ -62,16 +62,18 @@ def optimizer_hook_count(opt: torch.optim.Optimizer) -> int:
 # --- (a) probe cadence and hook lifetime ------------------------------------------------------------
 
 
-def test_probe_cadence_and_module_hooks_only_during_probed_steps(collector):
+@pytest.mark.parametrize("nan_guard", ["off", "on"])
+def test_probe_cadence_and_module_hooks_only_during_probed_steps(collector, nan_guard):
     """every=3 over 10 steps: a report for each step, probe=True exactly at steps 0, 3, 6, 9;
-    leaf modules carry a forward hook only while a probed step runs; none are left after close."""
+    leaf modules carry a forward hook only while a probed step runs (every step with the NaN
+    guard on, one hook each); none are left after close."""
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(16, 8), torch.randn(16, 4)
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
     assert not leaf_hook_counts(model)
-    monitor = agent.attach(model, opt, endpoint=collector.endpoint, every=3)
+    monitor = agent.attach(model, opt, endpoint=collector.endpoint, every=3, nan_guard=nan_guard)
     hooked_at = []
     try:
         for step in range(10):
@@ -82,11 +84,15 @@ def test_probe_cadence_and_module_hooks_only_during_probed_steps(collector):
             F.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
+            assert all(len(m._forward_hooks) <= 1 for m in leaves), step
         reports = collector.wait_steps(10)
     finally:
         monitor.close()
-    assert hooked_at == [0, 3, 6, 9]
+    assert hooked_at == ([0, 3, 6, 9] if nan_guard == "off" else list(range(10)))
     assert sorted(reports) == list(range(10))
+    # the guard's verdict travels with the unprobed steps only: -1, nothing non-finite
+    assert {r.nonfinite_slot for r in reports.values() if not r.probe} == ({None} if nan_guard == "off" else {-1})
+    assert {r.nonfinite_slot for r in reports.values() if r.probe} == {None}
     assert [s for s, r in sorted(reports.items()) if r.probe] == [0, 3, 6, 9]
     assert monitor.step == 10 and monitor.probes == 4
     assert not leaf_hook_counts(model), "module hooks left after close()"
@@ -96,12 +102,12 @@ def test_probe_cadence_and_module_hooks_only_during_probed_steps(collector):
 # --- (b) identical run, plain module ----------------------------------------------------------------
 
 
-def _train_plain(steps: int, endpoint: str | None):
+def _train_plain(steps: int, endpoint: str | None, nan_guard: str = "auto"):
     torch.manual_seed(11)
     model = MLP(width=32, dropout=0.2)  # dropout: the agent must not consume random numbers
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(12)
-    monitor = agent.attach(model, opt, endpoint=endpoint, every=2) if endpoint else agent.NullMonitor()
+    monitor = agent.attach(model, opt, endpoint=endpoint, every=2, nan_guard=nan_guard) if endpoint else agent.NullMonitor()
     losses, outputs = [], []
     with monitor:
         for _ in range(steps):
@@ -116,13 +122,15 @@ def _train_plain(steps: int, endpoint: str | None):
     return monitor, torch.stack(losses), torch.stack(outputs), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_identical_run_plain_module(collector):
+@pytest.mark.parametrize("nan_guard", ["on", "off"])
+def test_identical_run_plain_module(collector, nan_guard):
     """Identical run: losses, outputs and final parameters with the agent attached (probed and
-    unprobed steps) equal bit for bit those of the same run without it."""
+    unprobed steps, with and without the NaN guard's sums) equal bit for bit those of the same
+    run without it."""
     torch.use_deterministic_algorithms(True)
     try:
         _, loss0, out0, params0 = _train_plain(8, None)
-        monitor, loss1, out1, params1 = _train_plain(8, collector.endpoint)
+        monitor, loss1, out1, params1 = _train_plain(8, collector.endpoint, nan_guard)
     finally:
         torch.use_deterministic_algorithms(False)
     assert monitor.step == 8 and monitor.probes == 4

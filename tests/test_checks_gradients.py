@@ -86,8 +86,8 @@ class Job:
     def send(self, msg) -> None:
         self.state.apply(wire.decode(wire.encode(msg), schema_sizes=self.state.schema_sizes))
 
-    def report(self, rank, step, grad_norm=1.0, local=1.0, nonfinite=0, arrays=None, batch=0, norms=None):
-        extra = {}
+    def report(self, rank, step, grad_norm=1.0, local=1.0, nonfinite=0, arrays=None, batch=0, norms=None, guard=None):
+        extra = {} if guard is None else {"nonfinite_slot": guard}
         if arrays is not None:
             n = len(PARAMS)
             extra = dict(probe=True, fp_grad=np.zeros(n, np.uint64), fp_weight=np.zeros(n, np.uint64), **arrays)
@@ -96,13 +96,15 @@ class Job:
         self.send(wire.Report(self.header(rank), self.digest, step, 0.01, grad_norm, nonfinite,
                               local_grad_norm=local, batch=batch, **extra))
 
-    def step(self, step, grad_norm=1.0, locals=None, nonfinite=0, arrays=None, batch=0, ranks=None, norms=None):
+    def step(self, step, grad_norm=1.0, locals=None, nonfinite=0, arrays=None, batch=0, ranks=None, norms=None,
+             guards=None):
         """Every rank (or ``ranks``) reports ``step``; ``arrays``: one dict for all or a list per rank;
-        ``norms``: every rank's per-parameter gradient norms (the same after all-reduce)."""
+        ``norms``: every rank's per-parameter gradient norms (the same after all-reduce);
+        ``guards``: each rank's NaN guard slot (wire ``nonfinite_slot``, None: no guard)."""
         for r in ranks if ranks is not None else range(self.world):
             a = arrays[r] if isinstance(arrays, list) else arrays
             local = locals[r] if locals is not None else 1.0
-            self.report(r, step, grad_norm, local, nonfinite, a, batch, norms)
+            self.report(r, step, grad_norm, local, nonfinite, a, batch, norms, guards[r] if guards is not None else None)
 
     def tick(self, dt: float = 0.1) -> None:
         self.now += dt
@@ -367,6 +369,45 @@ def test_nonfinite_unprobed_backward_nan_located_in_forward_order_not_registrati
     assert job.events("nonfinite") == [("raised", 5, 1, module)]
     (f,) = job.active("nonfinite")
     assert (f.details["module"], f.details["values"]["param"], f.details["from"]) == (module, param, "grad_norms")
+
+
+@pytest.mark.parametrize("origin", [True, False], ids=["local-norms", "no-local-norms"])
+def test_nonfinite_unprobed_forward_nan_located_by_the_nan_guard_at_its_step(origin):
+    """At an unprobed event step the NaN guard's slot names the module whose output first held
+    the NaN, pass activation, at once: the origin rank's (rank 2 also saw one, later in forward
+    order: the all-reduce is after the forward); without local norms the rank the guard names."""
+    job = Job(["nonfinite"])
+    healthy = [1.0, 1.1, 0.9] if origin else [NAN] * 3
+    for s in range(5):
+        job.step(s, 1.0, locals=healthy, guards=[-1, -1, -1])
+    all_nan = [NAN] * len(PARAMS)  # a forward NaN: no gradient stays finite, the norms cannot tell
+    job.step(5, NAN, locals=[1.0, NAN, 0.9] if origin else [NAN] * 3, nonfinite=4, norms=all_nan,
+             guards=[-1, LAYERS.index("fc2"), LAYERS.index("head")])  # not probed
+    # rank 1 either way: the origin rank, or without local norms the lowest rank whose guard names a slot
+    assert job.events("nonfinite") == [("raised", 5, 1, "fc2")]
+    (f,) = job.active("nonfinite")
+    d = f.details
+    assert (d["pass"], d["module"], d["located"], d["from"], d["probed_step"]) == ("activation", "fc2", True, "guard", None)
+    assert d["values"] == {"module": "fc2", "output": "", "slot": 3, "rank": 1}
+    assert "made in the forward pass: the output of fc2" in f.summary
+    job.step(6, NAN, locals=[NAN] * 3, nonfinite=4, arrays=probe(param=_merge(ALL_GRADS_NAN, WEIGHTS_NAN)))
+    assert job.events("nonfinite") == [("raised", 5, 1, "fc2")]  # a later probe changes nothing
+
+
+def test_nonfinite_guard_slot_outside_the_schema_or_of_an_unknown_schema_is_left_out():
+    """A slot the rank's schema does not list, or a schema the aggregator does not hold, names
+    nothing: the finding waits for a probed step as without the guard."""
+    job = Job(["nonfinite"], world=2)
+    for s in range(3):
+        job.step(s, 1.0, locals=[1.0, 1.0])
+    # rank 0 claims a slot its schema does not list (the decoder only bounds it by a known schema)
+    job.state.apply(wire.Report(job.header(0), "feedfacefeedface", 3, 0.01, NAN, 4, local_grad_norm=NAN, nonfinite_slot=2))
+    job.report(1, 3, NAN, NAN, 4, guard=-1)
+    job.tick(0.1)
+    assert job.events("nonfinite") == []  # waiting for a probe: nothing the guard said can be named
+    job.tick(HOLD_S)
+    ((_, step, rank, layer),) = job.events("nonfinite")
+    assert (step, layer) == (3, None)
 
 
 @pytest.mark.parametrize(

@@ -173,3 +173,46 @@ def test_the_cpu_wait_column_reaches_the_step_view_from_the_wire():
     assert sorted(by_step) == [1, 2, 3]
     assert by_step[2].compute_wait[0] == 0.02 and math.isnan(by_step[2].compute_wait[1])
     assert by_step[3].compute_wait.tolist() == [0.004, 0.002] and by_step[3].compute_time.tolist() == [0.05, 0.05]
+
+
+def test_the_nan_guards_slots_reach_the_step_view_from_the_wire_and_only_where_it_saw_one():
+    """``nonfinite_slot`` through the aggregator's state, in a steps batch and in one report:
+    the released step's view holds ``{rank: (schema, slot)}`` for the ranks whose guard saw a
+    non-finite output there, nothing for -1 or an agent without the guard; the table keeps
+    nothing once the step is released, and a restarted rank's waiting slots go with its records."""
+    from gradwatch import wire
+    from gradwatch.aggregator.checks import Check, Runner, Thresholds
+    from gradwatch.aggregator.state import State
+
+    seen = []
+
+    class Views(Check):
+        name = "views"
+
+        def on_steps(self, job, views):
+            seen.extend(views)
+
+    runner = Runner([], Thresholds())
+    runner.checks = {"views": Views(Thresholds())}
+    state = State(grace_s=5.0, clock=lambda: 1000.0, runner=runner)
+    digest = "0123456789abcdef"
+
+    def rec(rank, step, slot):
+        return wire.Report(wire.Header("j", rank, 2, f"b{rank}", step, 1000.0), digest, step, 0.1, 1.0, 0, nonfinite_slot=slot)
+
+    state.apply(wire.Steps.of([rec(0, s, x) for s, x in ((1, -1), (2, 4), (3, None))]))
+    state.apply(wire.Steps.of([rec(1, s, None) for s in (1, 2, 3)]))
+    state.apply(rec(0, 4, 0))
+    state.apply(rec(1, 4, 2))
+    by_step = {v.step: v for v in seen}
+    assert sorted(by_step) == [1, 2, 3, 4]
+    assert [by_step[s].guard for s in (1, 2, 3)] == [{}, {0: (digest, 4)}, {}]
+    assert by_step[4].guard == {0: (digest, 0), 1: (digest, 2)}
+    assert not state.jobs["j"].table.guard
+
+    t = StepTable(2)
+    s, v = records([7, 8], 0)
+    t.add(0, s, v, guard=("h", np.array([3, -1], np.int32)))
+    assert t.guard == {7: {0: ("h", 3)}}
+    t.forget_rank(0)
+    assert add(t, 1, [7, 8]) == [] and not t.guard[7]

@@ -604,6 +604,32 @@ def test_steps_carry_sharded_sums_of_squares_per_record():
     assert reason_of(pack(m)) == "missing_field"
 
 
+def test_the_nan_guards_slot_round_trips_in_reports_and_steps_and_is_bounded_by_the_schema():
+    """``nonfinite_slot``: a report's optional int (-1: nothing non-finite; absent: no guard), a
+    steps message's int32 [n] (-1 also for a record the guard did not watch); a slot the known
+    schema does not list, or below -1, is rejected by reason."""
+    for slot in (None, -1, 0, N_SLOTS - 1):
+        assert wire.decode(wire.encode(report(probe=False, nonfinite_slot=slot)), schema_sizes=sizes()).nonfinite_slot == slot
+    m = raw(report(probe=False, nonfinite_slot=N_SLOTS))  # past the schema's slots
+    assert reason_of(pack(m), schema_sizes=sizes()) == "bad_field"
+    assert wire.decode(pack(m)).nonfinite_slot == N_SLOTS  # an unknown schema: the check bounds it
+    for bad in (-2, 1.5, "0", wire.MAX_NAMES):
+        m["nonfinite_slot"] = bad
+        assert reason_of(pack(m)) == "bad_field", bad
+    st = wire.Steps.of([report(probe=False, step=s, nonfinite_slot=x) for s, x in ((1, -1), (2, None), (3, 2))])
+    got = wire.decode(wire.encode(st), schema_sizes=sizes())
+    assert got.nonfinite_slot.dtype == np.dtype("<i4") and got.nonfinite_slot.tolist() == [-1, -1, 2]
+    assert wire.Steps.of([report(probe=False)]).nonfinite_slot is None  # no guard: not sent at all
+    m = raw(st)
+    for bad, known in (([0, 1, N_SLOTS], True), ([0, -2, 1], False), ([0, 1], False), ([0, 1, 2.5], False)):
+        m["nonfinite_slot"] = np.array(bad, "<i4" if all(isinstance(x, int) for x in bad) else "<f4").tobytes()
+        if len(bad) == 3 and isinstance(bad[2], float):
+            m["nonfinite_slot"] += b"\x00"  # not whole int32s
+        assert reason_of(pack(m), schema_sizes=sizes() if known else None) == "bad_array", bad
+    m["nonfinite_slot"] = [0, 1, 2]  # not bytes
+    assert reason_of(pack(m)) == "bad_field"
+
+
 def _records(steps) -> bytes:
     r = np.zeros(len(steps), wire.RECORD)
     r["step"] = steps
@@ -662,8 +688,13 @@ def test_the_step_columns_are_declared_once_for_both_messages():
                                                        "fp_grad", "fp_weight"), (kind, f)
 
 
-@pytest.mark.parametrize("msg", [schema(), report(), report(probe=False), steps(), heartbeat()],
-                         ids=["schema", "probe", "report", "steps", "heartbeat"])
+def _guarded_steps() -> wire.Steps:
+    return wire.Steps.of([report(probe=False, step=s, nonfinite_slot=x) for s, x in ((1, -1), (2, 1))])
+
+
+@pytest.mark.parametrize("msg", [schema(), report(), report(probe=False), report(probe=False, nonfinite_slot=2), steps(),
+                                 _guarded_steps(), heartbeat()],
+                         ids=["schema", "probe", "report", "guarded-report", "steps", "guarded-steps", "heartbeat"])
 def test_frames_are_plain_msgpack_both_ways(msg):
     """msgpack-python reads what the encoder writes, and the decoder reads what msgpack-python
     writes from the same map (its own encoder, its own key order)."""
@@ -672,7 +703,7 @@ def test_frames_are_plain_msgpack_both_ways(msg):
     again = msgpack.packb(dict(reversed(list(m.items()))), use_bin_type=True)
     got = wire.decode(again, schema_sizes=sizes())
     assert type(got) is type(msg) and same(scalars(got), scalars(msg))
-    for k in ARRAY_FIELDS | {c.name for c in wire.STEP_COLUMNS}:
+    for k in ARRAY_FIELDS | {c.name for c in wire.STEP_COLUMNS} | {"nonfinite_slot"}:
         a, b = getattr(got, k, None), getattr(msg, k, None)
         if isinstance(b, np.ndarray):
             assert np.asarray(a).tobytes() == np.ascontiguousarray(b, a.dtype).tobytes(), k

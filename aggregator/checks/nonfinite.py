@@ -20,7 +20,11 @@ values are computed:
    all-reduce, so not rank-specific);
 4. ``weight``: else the first module whose weights after the optimizer step did.
 
-At an event step that was not probed, the every-step per-parameter gradient norms (wire
+At an event step that was not probed, a rank whose agent runs the NaN guard (wire
+``nonfinite_slot``: every step, the first slot whose output's sum was not finite) tells where a
+NaN or Inf was made in the forward pass: that slot's module is named, pass ``activation``
+(``from: guard``), the origin rank's first, else the lowest rank's. Otherwise, the every-step
+per-parameter gradient norms (wire
 ``grad_norms``, sent by ranks with replicas) can still tell where a NaN came in through the
 backward pass: it makes non-finite the gradient of the module it entered and of every module
 before it in forward order, and leaves those after it finite. So when the parameters whose norm
@@ -117,6 +121,22 @@ def _entry(went: np.ndarray, had: np.ndarray, pos: np.ndarray) -> Optional[int]:
     return int(np.flatnonzero(went & (pos == last))[-1])
 
 
+def guarded(schemas: dict, guard: dict, origin: list) -> Optional[dict]:
+    """Where the NaN guard saw a forward NaN at a step (``rank -> (schema hash, slot)``,
+    :attr:`StepView.guard`), or None: the first origin rank's report, else the lowest rank's,
+    whose schema is known and lists the slot.
+
+    Returns:
+        ``{"module", "output", "slot", "rank"}``: the slot's module path and output path.
+    """
+    for rank in [*(r for r in origin if r in guard), *sorted(guard)]:
+        h, slot = guard[rank]
+        s = schemas.get(h)
+        if s is not None and 0 <= slot < len(s.slots):
+            return {"module": s.slots[slot][0], "output": s.slots[slot][1], "slot": slot, "rank": rank}
+    return None
+
+
 def boundary(schemas: dict, before: Optional[dict], now: dict, origin: list) -> Optional[dict]:
     """Where a NaN came in through the backward pass, from two consecutive steps' per-parameter
     gradient norms (``rank -> (schema hash, float32 [n_params])``, :attr:`StepView.norms`; NaN
@@ -160,7 +180,8 @@ class NonFinite(Check):
         "Finds where NaN/Inf first appeared: the first step with a non-finite gradient, the origin rank "
         "(the one whose local gradient norm before all-reduce was non-finite) and, from the probed steps, "
         "the first module in forward order and the pass (forward activation, output gradient, parameter "
-        "gradient, weight); at an unprobed step, the module a NaN came in at through the backward pass, "
+        "gradient, weight); at an unprobed step, the module whose output the agent's NaN guard saw go "
+        "non-finite in the forward pass, or the module a NaN came in at through the backward pass, "
         "from every step's per-parameter gradient norms. One finding per job, kept active."
     )
     dashboard = "gradient_flow"
@@ -215,6 +236,7 @@ class NonFinite(Check):
                 if st.event is None:
                     st.prev_norms = v.norms or st.prev_norms  # a reference: nothing computed per step
                 elif not st.event["probed"]:
+                    st.event["guard"] = guarded(schemas, v.guard, st.event["origin_ranks"])
                     st.event["boundary"] = boundary(schemas, st.prev_norms, v.norms, st.event["origin_ranks"])
             st.known_local.update(v.ranks[np.isfinite(v.local_grad_norm)].tolist())
 
@@ -269,6 +291,10 @@ class NonFinite(Check):
 
     def _locate_in(self, st: _Job) -> Optional[dict]:
         ev = st.event
+        g = ev.get("guard")
+        if g is not None:  # the unprobed event's own forward pass, seen by the NaN guard
+            return {"module": g["module"], "pass": "activation", "located": True, "probed_step": None,
+                    "from": "guard", "rank": g["rank"], "values": g}
         b = ev.get("boundary")
         if b is not None:  # the unprobed event's own gradients tell: no probe after it can
             return {"module": b["module"], "pass": "parameter_gradient", "located": True, "probed_step": None,
@@ -362,7 +388,11 @@ class NonFinite(Check):
         else:
             layer = loc["module"]
             what = loc["pass"].replace("_", " ")
-            if loc.get("from") == "grad_norms":
+            if loc.get("from") == "guard":
+                out = loc["values"]["output"]
+                summary += (f"; it was made in the forward pass: the output{' ' + out if out else ''} of {layer} was the "
+                            "first to hold NaN/Inf (the agent's NaN guard)")
+            elif loc.get("from") == "grad_norms":
                 b = loc["values"]
                 summary += (f"; it came in through the backward pass at {layer}: the gradients of {b['param']} "
                             f"and the {b['went_nonfinite'] - 1} parameters before it went non-finite, the "

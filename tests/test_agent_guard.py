@@ -1,0 +1,164 @@
+"""The agent's NaN guard (``nan_guard``): at unprobed steps, the first module whose output held a
+NaN or an Inf, in the order the step's forward passes called them (wire ``nonfinite_slot``).
+
+Real parts: real models and hooks, a real ZeroMQ socket receiving the reports, the real schedule
+judging the guard's cost.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from gradwatch import agent
+from gradwatch.agent.hooks import ProbeRecorder
+from gradwatch.agent.schedule import GUARD_SHARE, GUARD_STEPS, WARMUP_STEPS, ProbeSchedule
+from gradwatch.agent.stats import Reducer
+
+
+class Pair(nn.Module):
+    """A leaf module with a tuple output: (x, 2x)."""
+
+    def forward(self, x):
+        return x, 2 * x
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.pair, self.fc2 = nn.Linear(4, 8), nn.ReLU(), Pair(), nn.Linear(8, 1)
+
+    def forward(self, x):
+        a, b = self.pair(self.act(self.fc1(x)))
+        return self.fc2(a + b)
+
+
+def slot_of(collector, reports, module: str, output: str = "") -> int:
+    schema = collector.schema(reports[0].schema)
+    return [(s[0], s[1]) for s in schema.slots].index((module, output))
+
+
+def nan_at(module: nn.Module, where=None):
+    """A forward hook that runs before the agent's and makes the output (or its element ``where``
+    of a tuple) NaN, as the fault injector does."""
+
+    def hook(m, args, out):
+        if where is None:
+            return out * float("nan")
+        out = list(out)
+        out[where] = out[where] * float("nan")
+        return tuple(out)
+
+    return module.register_forward_hook(hook, prepend=True)
+
+
+@pytest.mark.parametrize("target", ["fc1", "pair[1]"])
+def test_the_guard_names_the_first_module_whose_output_went_non_finite_at_an_unprobed_step(collector, target):
+    """every=10, NaN made at step 13 (unprobed) in fc1's output or in the second element of pair's
+    tuple: that step's record names the slot, earlier unprobed steps say -1 (watched, nothing),
+    probed steps carry no verdict (their activation records say more); after the NaN reached the
+    weights, the first module (fc1) is non-finite at every step."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = agent.attach(model, opt, endpoint=collector.endpoint, job="guard", every=10, nan_guard="on")
+    module, where = ("fc1", None) if target == "fc1" else ("pair", 1)
+    for step in range(16):
+        h = nan_at(getattr(model, module), where) if step == 13 else None
+        model(torch.randn(4, 4)).square().sum().backward()
+        if h is not None:
+            h.remove()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    reps = collector.wait_steps(16, job="guard")
+    want = slot_of(collector, reps, module, "" if where is None else f"[{where}]")
+    assert [reps[s].nonfinite_slot for s in range(16)] == (
+        [None] + [-1] * 9 + [None] + [-1] * 2 + [want] + [slot_of(collector, reps, "fc1")] * 2)
+    assert reps[13].grad_nonfinite > 0 and not monitor.errors
+
+
+def test_the_guard_first_in_call_order_over_micro_steps(collector):
+    """Gradient accumulation: the guard's verdict is the first non-finite output over all the
+    step's forward passes, in call order (here the second micro-step's fc2, not its fc1)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = agent.attach(model, opt, endpoint=collector.endpoint, job="micro", every=10, nan_guard="on")
+    for step in range(3):
+        for micro in range(3):
+            h = nan_at(model.fc2) if (step, micro) == (1, 1) else None
+            model(torch.randn(4, 4)).square().sum().backward()
+            if h is not None:
+                h.remove()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    reps = collector.wait_steps(3, job="micro")
+    assert reps[1].nonfinite_slot == slot_of(collector, reps, "fc2") and reps[2].nonfinite_slot == 0
+
+
+def test_the_guard_steps_aside_for_evaluation_forwards(collector):
+    """With the guard on, unprobed training forwards run with the agent's module hooks and
+    evaluation forwards (no grad) without any: no hook may change which kernels they run."""
+    seen = []
+
+    class Probe(nn.Linear):
+        def forward(self, x):
+            seen.append((torch.is_grad_enabled(), len(self._forward_hooks)))
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Probe(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with agent.attach(model, opt, endpoint=collector.endpoint, job="eval", every=100, nan_guard="on"):
+        for step in range(4):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                model(torch.randn(2, 4))
+    assert seen == [(True, 1), (False, 0)] * 4
+
+
+def _judged(guard_share_of_budget: float, caplog) -> bool:
+    """Whether an ``auto`` guard stays on when it costs ``guard_share_of_budget`` of a 1 % budget
+    of 10 ms steps, measured over GUARD_STEPS unprobed steps by the real schedule."""
+    torch.manual_seed(0)
+    model = Net()
+    rec = ProbeRecorder(Reducer("off"), lambda *a: None, model)
+    s = ProbeSchedule(None, 0, 10.0, rec, lambda *a: None, budget=0.01, guard="auto")
+    assert rec.guard and model.fc1._forward_hooks
+    step_s, sentinel_s = 0.010, 0.00002
+    guard_s = guard_share_of_budget * 0.01 * step_s
+    with caplog.at_level(logging.INFO, "gradwatch.agent"):
+        for step in range(WARMUP_STEPS + GUARD_STEPS + 8):
+            if s.is_probe(step):
+                s.account(step, True, 0.0005, step_s)
+                continue
+            s.account(step, False, sentinel_s + guard_s, step_s, guard_s)
+    return rec.guard
+
+
+def test_auto_keeps_the_guard_where_it_costs_little_and_drops_it_for_good_where_not(caplog):
+    assert _judged(GUARD_SHARE / 2, caplog) and not caplog.records
+    assert not _judged(GUARD_SHARE * 2, caplog)
+    (r,) = caplog.records
+    assert "NaN guard off" in r.getMessage() and "nan_guard='on' keeps it" in r.getMessage()
+
+
+def test_off_means_no_hooks_between_probes_and_on_survives_the_probes(collector):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with agent.attach(model, opt, endpoint=collector.endpoint, job="off", every=2, nan_guard="off") as m:
+        assert not m.recorder.guard
+        for step in range(4):
+            model(torch.randn(4, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            assert bool(model.fc1._forward_hooks) == (m.step % 2 == 0), m.step  # the next step is probed
+    assert not model.fc1._forward_hooks and not model._forward_pre_hooks
