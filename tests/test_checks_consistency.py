@@ -193,14 +193,16 @@ DRIFTED = FP.copy()
 DRIFTED[PIDX["head.weight"]] += np.uint64(1)
 
 
-def step_of(job: Job, step: int, desync: bool = False, drift=None) -> None:
+def step_of(job: Job, step: int, desync: bool = False, drift=None, jump: float = 0.0) -> None:
     """Every rank reports ``step``: rank 1's gradient norm of head.weight altered after all-reduce
-    (``desync``); with ``drift`` (True/False) a probed step, rank 1's weights differing or not."""
+    (``desync``); with ``drift`` (True/False) a probed step, rank 1's weights differing or not, and
+    its weight norm of head.weight moved by ``jump`` (the others' stay put)."""
     for r in range(job.world):
         norms = altered("head.weight", 1.5) if desync and r == 1 else NORMS
         extra = {}
         if drift is not None:
-            extra = dict(probe=True, fp_grad=FP, fp_weight=DRIFTED if drift and r == 1 else FP, **probe())
+            arrays = probe(param={"head.weight": {1: 1.0 + jump}}) if r == 1 else probe()
+            extra = dict(probe=True, fp_grad=FP, fp_weight=DRIFTED if drift and r == 1 else FP, **arrays)
         job.send(wire.Report(job.header(r), job.digest, step, 0.01, 1.0, 0, local_grad_norm=1.0,
                              grad_norms=np.asarray(norms, np.float32), **extra))
 
@@ -251,18 +253,25 @@ def test_a_desync_at_a_probed_step_holds_its_finding_while_the_drift_it_caused_l
     assert job.events("grad_agreement")[-1] == ("resolved", 10, 1, None) and job.events("replica_drift") == []
 
 
-def test_a_job_level_gradient_finding_folds_no_drift():
+@pytest.mark.parametrize("named", [False, True], ids=["tie", "tie-broken"])
+def test_a_job_level_gradient_finding_folds_only_a_job_level_drift(named):
     """World 2: two replicas disagree and neither can be named (no majority), so grad_agreement's
-    finding is job-level. It says no rank's fault, so it claims no finding as its knock-on: the
-    drift that follows is raised (a tensor-parallel bit flip's drift names the flipped holder while
-    grad_agreement only sees the tie: the named finding must stay raised)."""
+    finding is job-level. It says no rank's fault: the drift that follows is folded into it when
+    it names no rank either (one fault, one finding), and raised when the drift's tie-break names
+    the rank whose weight norm jumped (a tensor-parallel bit flip's drift names the flipped holder
+    while grad_agreement only sees the tie: the named finding must stay raised)."""
     job = Job(CHECKS, world=2)
-    for step in range(5):
-        step_of(job, step, desync=step == 3)
+    for step in range(5):  # probes at 0 and 2: the agreeing history the tie-break needs
+        step_of(job, step, desync=step == 3, drift=False if step in (0, 2) else None)
         job.tick()
     assert job.events("grad_agreement") == [("raised", 3, None, None), ("resolved", 3, None, None)]
-    step_of(job, 5, drift=True)
-    assert [e[0] for e in job.events("replica_drift")] == ["raised"] and job.runner.folded[(UNIT, "replica_drift")] == 0
+    step_of(job, 5, drift=True, jump=5.0 if named else 0.0)
+    if named:
+        assert job.events("replica_drift") == [("raised", 5, 1, None)] and job.runner.folded[(UNIT, "replica_drift")] == 0
+    else:
+        assert job.events("replica_drift") == [] and job.runner.folded[(UNIT, "replica_drift")] == 1
+        (f,) = job.active("grad_agreement")
+        assert f.rank is None and [(k["check"], k["rank"]) for k in f.details["knock_on"]] == [("replica_drift", None)]
 
 
 def test_drift_long_after_a_desync_or_without_one_is_raised():

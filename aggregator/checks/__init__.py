@@ -46,9 +46,10 @@ alert names its rank), the cause's finding lists it in ``details["knock_on"]`` (
 event), and it is counted in ``gradwatch_findings_folded_total``. The cause of the same rank is
 preferred, then an active one; while the cause is active a knock-on naming another rank is folded
 too (that rank is the fault's victim, not a second fault), once it resolved only one naming its
-rank or none (a rank hung after another came back is a fault of its own). Only a cause that names
-a rank folds anything: a job-level finding (two tensor-parallel holders tied, a desync in world 2)
-does not say whose fault it is, and a knock-on naming the rank carries more than it. The cause's finding stays active, without a
+rank or none (a rank hung after another came back is a fault of its own). A job-level cause (two
+tensor-parallel holders tied, a desync in world 2) folds only a knock-on that names no rank either:
+it does not say whose fault it is, and a knock-on naming the rank (the bit flip's drift that the
+tie-break decided) carries more than it and stays raised. The cause's finding stays active, without a
 *resolved* event, while a knock-on folded into it is still reported, even when its own check no
 longer reports it (a desync's gradient agrees again at the next step while the replicas it left
 different still differ): a cause resolved within the window is reopened (an *updated* event), and
@@ -530,15 +531,16 @@ class Runner:
     def _cause(self, job: str, causes: tuple[str, ...], f: Finding) -> Optional[tuple[str, tuple]]:
         """The finding of a cause check that explains ``f``: (check, key) of an active one, or of
         one resolved within knock_on_window_s naming ``f``'s rank (or ``f`` names none); the same
-        rank first, then an active one. Only a cause that names a rank: a job-level finding (a tie
-        of two tensor-parallel holders, a desync in world 2) does not say whose fault it is, and a
-        finding that names the rank (the bit flip's drift) must stay raised, not be folded under it."""
+        rank first, then an active one. A job-level cause (a tie of two tensor-parallel holders, a
+        desync in world 2) only for an ``f`` that names no rank either: it does not say whose fault
+        it is, and a finding that names the rank (the bit flip's drift) must stay raised, not be
+        folded under it."""
         best, best_score = None, None
         for p in causes:
             active = self.active.get((job, p), {})
             for key, g in active.items():
-                if g.rank is None:
-                    continue  # a job-level finding says no rank's fault: it claims no finding as its effect
+                if g.rank is None and f.rank is not None:
+                    continue  # a job-level finding says no rank's fault: it claims no rank's finding as its effect
                 score = (g.rank != f.rank, 0)
                 if best_score is None or score < best_score:
                     best, best_score = (p, key), score
@@ -550,8 +552,9 @@ class Runner:
                 for _, g in recent:
                     score = (g.rank != f.rank, 1)
                     # a resolved fault explains a later finding of its own rank or of none, never
-                    # another rank's: that one is a fault of its own (a rank back from silence, another hung)
-                    if g.rank is None or (f.rank is not None and g.rank != f.rank):
+                    # another rank's: that one is a fault of its own (a rank back from silence, another
+                    # hung); a job-level one only a finding of none
+                    if f.rank is not None and g.rank != f.rank:
                         continue
                     if g.key not in active and (best_score is None or score < best_score):
                         best, best_score = (p, g.key), score
