@@ -133,7 +133,8 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
 
     Returns:
         A sentinel report (with ``L.norms`` and gradients, ``grad_norms`` float32 [n_params]: the
-        sentinel's norms as measured, NaN where a parameter had no gradient), or with ``L.probe``
+        sentinel's norms as measured, NaN where a parameter had no gradient; with ``L.guard``,
+        ``nonfinite_slot``, :func:`first_nonfinite` of the frame's ``guard`` section), or with ``L.probe``
         a probe report whose ``param`` is float32
         [n_params, 3] (gradient norm, weight norm, non-finite count; NaN where a parameter had no
         gradient), ``act`` float32 [n_slots, 6] (NaN where no call output an element),

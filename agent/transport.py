@@ -71,7 +71,8 @@ def nonfinite(r: wire.Report) -> bool:
 def _record_bytes(r: wire.Report) -> int:
     """What a record adds to a steps message, bytes (about)."""
     g = r.grad_norms
-    return _ROW_BYTES + (4 * len(g) if g is not None else 0) + (8 * len(r.grad_sq) if r.grad_sq else 0)
+    return (_ROW_BYTES + (4 * len(g) if g is not None else 0) + (8 * len(r.grad_sq) if r.grad_sq else 0)
+            + (4 if r.nonfinite_slot is not None else 0))
 
 
 def _joins(last: wire.Report, r: wire.Report) -> bool:

@@ -416,6 +416,24 @@ def test_report_from_a_probe_frame():
     assert r.grad_norms is None  # nobody to compare them with (StepLayout.norms)
 
 
+@pytest.mark.parametrize("sums, slots, want", [
+    ([1.0, -2.0, 3.0], (0, 1, 2), -1),  # all finite: watched, nothing
+    ([1.0, math.inf, math.nan], (0, 4, 1), 4),  # the first not finite in call order, not the lowest slot
+    ([math.nan, math.nan], (2, 2), 2),  # a module called twice
+    ([3e38, 3e38], (0, 1), -1),  # large but finite sums stay finite in the float32 frame
+])
+def test_sentinel_report_carries_the_nan_guards_first_non_finite_slot(sums, slots, want):
+    """The guard's sums ride in the step's frame; the sender thread names the slot of the first
+    that is not finite (-1 when none), on an unprobed step only; without the guard, no verdict."""
+    flat, counts = frame.pack({"grad_norm": [torch.tensor(3.0)], "guard": [torch.tensor(x) for x in sums]})
+    h = wire.Header("j", 1, 2, "b", 1, 0.0)
+    L = report.StepLayout(7, 0.5, math.nan, 0, "s", (0,), counts, n_params=1, guard=slots)
+    assert report.build(h, L, flat.numpy(), drops=0).nonfinite_slot == want
+    flat, counts = frame.pack({"grad_norm": [torch.tensor(3.0)]})
+    assert report.build(h, report.StepLayout(7, 0.5, math.nan, 0, "s", (0,), counts, n_params=1), flat.numpy(),
+                        drops=0).nonfinite_slot is None
+
+
 def test_sentinel_report_carries_each_parameters_gradient_norm_when_there_are_replicas():
     """The norms as measured (float32, not re-derived from squares), NaN for a parameter without a
     gradient, on an unprobed step; none without gradients."""
