@@ -20,9 +20,11 @@ never costs a host synchronisation.
 At each step boundary :meth:`ProbeSchedule.advance` switches the recorder's module hooks on or off,
 so hooks exist only while a probed step runs, unless the NaN guard keeps them (:mod:`.hooks`).
 The guard's cost is part of the every-step cost the budget sees; with ``nan_guard="auto"`` it is
-also judged on its own: once :data:`GUARD_STEPS` unprobed steps are measured, the guard stays on
+first judged on its own: once :data:`GUARD_STEPS` unprobed steps are measured, the guard stays on
 only if the median of its host time per step is at most :data:`GUARD_SHARE` of the budget of a
-training step, else it goes off for the rest of the run (one log line says so).
+training step, else it goes off for the rest of the run (one log line says so). While it is
+judged its time is left out of the budget's samples, so a guard about to go cannot make the agent
+look over budget.
 """
 
 from __future__ import annotations
@@ -217,8 +219,11 @@ class ProbeSchedule:
                 return
             # the choice below is a function of the medians alone (and idempotent): between two
             # recomputations of them it would choose the same again, at a cost every step
-            changed = self.cost.add(probed, agent_s, step_s)
-            if self._judge_guard and not probed and math.isfinite(guard_s):
+            judging = self._judge_guard and not probed and math.isfinite(guard_s)
+            # an "auto" guard being judged is not yet the agent's cost: the budget (and its
+            # over-budget warning) sees it only once it stays
+            changed = self.cost.add(probed, agent_s - guard_s if judging else agent_s, step_s)
+            if judging:
                 self._guard_costs.append(guard_s)
                 if len(self._guard_costs) >= GUARD_STEPS:
                     self._judge()

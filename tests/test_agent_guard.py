@@ -162,3 +162,22 @@ def test_off_means_no_hooks_between_probes_and_on_survives_the_probes(collector)
             opt.zero_grad()
             assert bool(model.fc1._forward_hooks) == (m.step % 2 == 0), m.step  # the next step is probed
     assert not model.fc1._forward_hooks and not model._forward_pre_hooks
+
+
+def test_an_auto_guard_that_goes_off_raises_no_over_budget_warning_and_leaves_no_cost_behind(recwarn):
+    """A guard costing 5 % of the step (5 budgets) on a job whose sentinel alone is cheap: while
+    the auto guard is judged nothing is over budget, it goes off, and the agent measured afresh
+    without it is within the budget (no warning, no over_budget)."""
+    torch.manual_seed(0)
+    rec = ProbeRecorder(Reducer("off"), lambda *a: None, Net())
+    s = ProbeSchedule(None, 0, 10.0, rec, lambda *a: None, budget=0.01, max_interval_s=0.1, guard="auto")
+    step_s, sentinel_s, guard_s = 0.010, 0.00002, 0.0005
+    for step in range(WARMUP_STEPS + GUARD_STEPS + 200):
+        g = guard_s if rec.guard else 0.0
+        if s.is_probe(step):
+            s.account(step, True, 0.0002 + g, step_s)
+        else:
+            s.account(step, False, sentinel_s + g, step_s, g)
+    assert not rec.guard and not s.over_budget and s.guard_s == guard_s
+    assert s.cost.sentinel_s == sentinel_s and s.fraction < 0.01
+    assert not [w for w in recwarn if "budget" in str(w.message)]
