@@ -51,8 +51,9 @@ class AgentConfig(BaseSettings):
         "auto",
         description="NaN guard: at every unprobed step, one sum of each leaf module's output (no host sync), so "
         "a NaN or Inf made in the forward pass is located at its module whatever the step (probed steps "
-        "have it anyway). 'auto' keeps it while it costs at most a quarter of the budget (measured over "
-        "the first steps; off on short CPU steps, where it costs a few percent), 'on' always, 'off' never.",
+        "have it anyway). 'auto' keeps it while it costs at most a quarter of the budget (its host time, "
+        "measured once over the first 32 unprobed steps, also under a fixed every; off on short CPU steps, "
+        "where it costs a few percent), 'on' always, 'off' never.",
     )
     fused: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -220,6 +220,7 @@ class ProbeRecorder:
         if torch.compiler.is_compiling():  # traced by torch.compile: step aside (see class doc)
             self.compiled = True  # an attribute store: dynamo replays it, no graph break
             return None
+        t0 = time.perf_counter()
         try:
             # grad enabled, as the micro-step count always meant (case C16, C19); a fused fast path
             # needs grad off too (or every parameter frozen: then this hook does block it)
@@ -233,6 +234,8 @@ class ProbeRecorder:
                 self._leaves_off()
         except Exception as e:
             self.on_error("forward", e)
+        if not self.probing:  # between probes the root's hooks are there for the guard: its cost
+            self.guard_s += time.perf_counter() - t0
         return None
 
     def _root_post(self, module, args, output) -> None:
@@ -270,7 +273,7 @@ class ProbeRecorder:
                 return None
             if not rec.probing:  # hooks in place between probes: the NaN guard's
                 if rec.guard:
-                    rec._guard(module_path, output)
+                    rec._guard(module_path, output, time.perf_counter())
                 return None
             if "forward" in rec.disabled:
                 return None
@@ -305,22 +308,22 @@ class ProbeRecorder:
 
         return hook
 
-    def _guard(self, module_path: str, output: Any) -> None:
-        """The NaN guard's record of one call (class doc): a sum per floating output of a known slot."""
-        if "guard" in self.disabled:
+    def _guard(self, module_path: str, output: Any, t0: float) -> None:
+        """The NaN guard's record of one call (class doc): a sum per floating output of a known
+        slot, at most :data:`MAX_GUARDED` a step (a forward loop that never steps the optimizer
+        must not grow them); ``t0`` is when the hook was entered."""
+        if "guard" in self.disabled or len(self.guarded) >= MAX_GUARDED:
             return
-        t0 = time.perf_counter()
         try:
             if not _in_backward() and (self._in_forward or torch.is_grad_enabled()):
                 index = self._slot_index
-                for out_path, t in ((("", output),) if isinstance(output, torch.Tensor) else iter_tensors(output)):
+                for out_path, t in iter_tensors(output):
                     i = index.get((module_path, out_path))
-                    if i is None or not t.is_floating_point():
+                    if i is None or t.dtype not in _SUMMED:
                         continue
                     lt = _local(t).detach()
                     self.guarded.append(i)
-                    # float32 accumulation for half precision (a float16 sum overflows at 65,504)
-                    self.sums.append(lt.sum(dtype=torch.float32) if lt.dtype in _HALF else lt.sum())
+                    self.sums.append(_finite_sum(lt))
         except Exception as e:
             self.on_error(f"guard:{module_path}", e)
         self.guard_s += time.perf_counter() - t0
@@ -350,7 +353,22 @@ class ProbeRecorder:
         return hook
 
 
-_HALF = (torch.float16, torch.bfloat16)
+#: outputs the NaN guard sums (float8 types cannot be summed; complex outputs are not guarded)
+_SUMMED = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+#: the NaN guard's sums a step holds at most
+MAX_GUARDED = 4096
+
+
+def _finite_sum(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d device tensor that is finite exactly when ``t`` (float16/32/64, bfloat16) holds no
+    NaN or Inf (barring a float32 sum past 3.4e38): its sum, accumulated in float32 for half
+    precision (a float16 sum overflows at 65,504); a float64 sum times 0, which keeps NaN and Inf
+    (as NaN) and makes every finite sum 0, so the frame's float32 cannot overflow it."""
+    if t.dtype == torch.float32:
+        return t.sum()
+    if t.dtype == torch.float64:
+        return t.sum() * 0.0
+    return t.sum(dtype=torch.float32)
 
 #: modules recorded as one unit although they have children: their children are not called as
 #: modules (``nn.MultiheadAttention`` uses ``out_proj``'s weights through a functional call)

@@ -101,6 +101,7 @@ class Monitor:
         self._last_wait = b""  # its reading at the previous step's end (measure.waited_s parses it)
         self._slots: tuple = ()
         self._schema: Optional[wire.Schema] = None
+        self._guard_memory = report.GuardMemory()  # the sender thread's, in step order
         # the socket first: if it cannot be made, attach fails before any hook is in place
         self.sender = Sender(
             cfg.endpoint, header=self._header, schema=self._schema_msg, heartbeat=self._heartbeat_msg,
@@ -307,7 +308,7 @@ class Monitor:
             calls=tuple((i, c, n) for i, (c, n) in rec.counts.items()) if probe else (),
             probe_interval=self.schedule.interval, over_budget=self.schedule.over_budget, waits=waits or (),
             shard_dims=self.layout.dims, norms=self.fingerprints.enabled,
-            guard=tuple(rec.guarded) if rec.guarded and not probe else None,
+            guard=tuple(rec.guarded) if rec.guard and not probe else None,
         )
         # the sender polls ``ready`` rather than waiting: a collective stuck on the device must not
         # stop its heartbeats (they tell a hung rank from the peers waiting for it)
@@ -316,7 +317,7 @@ class Monitor:
     def _finalise(self, h: wire.Header, partial_layout: Callable[..., report.StepLayout], host: torch.Tensor) -> wire.Report:
         """Sender thread: the step's report (unprobed ones join the sender's batch of steps)."""
         layout = partial_layout(agent_cost=self.schedule.fraction)
-        return report.build(h, layout, host.numpy(), self.sender.drops)
+        return report.build(h, layout, host.numpy(), self.sender.drops, self._guard_memory)
 
     def _watch(self, r: wire.Report) -> bool:
         """Sender thread, each step's report in order: a burst of probes if its gradient norm asks

@@ -114,15 +114,29 @@ def grad_sq(sq: np.ndarray, present, shard_dims) -> tuple[tuple[tuple[int, ...],
     return tuple(sorted(out.items()))
 
 
-def first_nonfinite(slots: tuple[int, ...], sums: np.ndarray) -> int:
-    """The NaN guard's verdict (wire ``nonfinite_slot``): the slot of the first of ``sums``
-    (float64 [n], one per guarded output in call order, ``slots`` theirs) that is not finite, -1
-    when all are."""
-    bad = ~np.isfinite(sums)
-    return int(slots[int(bad.argmax())]) if bad.any() else -1
+class GuardMemory:
+    """The NaN guard's verdicts of one rank (wire ``nonfinite_slot``), made in step order on the
+    sender thread: the first slot, in call order, whose output held NaN or Inf at a step while it
+    held none at the rank's previous guarded step, -1 when no slot went non-finite. A slot that is
+    non-finite at every step (an attention mask of -inf, say) is no news, and must not hide the
+    module a NaN later comes from behind it in call order.
+
+    Attributes:
+        before: the slots that were non-finite at the previous guarded step.
+    """
+
+    def __init__(self):
+        self.before: frozenset = frozenset()
+
+    def verdict(self, slots: tuple[int, ...], sums: np.ndarray) -> int:
+        """The verdict of one step: ``sums`` float64 [n], one per guarded output in call order,
+        ``slots`` their slots (:class:`StepLayout` ``guard``); remembered for the next step."""
+        now = [slots[i] for i in np.flatnonzero(~np.isfinite(sums)).tolist()]
+        self.before, before = frozenset(now), self.before
+        return next((int(k) for k in now if k not in before), -1)
 
 
-def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.Report:
+def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int, guard: Optional[GuardMemory] = None) -> wire.Report:
     """The wire report of one step.
 
     Args:
@@ -130,11 +144,12 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
         L: the step's layout.
         host: float32 frame copied to the host (:func:`frame.pack`'s tensor as numpy).
         drops: reports the sender dropped so far.
+        guard: the rank's :class:`GuardMemory` (a fresh one when None: no step before this one).
 
     Returns:
         A sentinel report (with ``L.norms`` and gradients, ``grad_norms`` float32 [n_params]: the
         sentinel's norms as measured, NaN where a parameter had no gradient; with ``L.guard``,
-        ``nonfinite_slot``, :func:`first_nonfinite` of the frame's ``guard`` section), or with ``L.probe``
+        ``nonfinite_slot``, :meth:`GuardMemory.verdict` of the frame's ``guard`` section), or with ``L.probe``
         a probe report whose ``param`` is float32
         [n_params, 3] (gradient norm, weight norm, non-finite count; NaN where a parameter had no
         gradient), ``act`` float32 [n_slots, 6] (NaN where no call output an element),
@@ -170,7 +185,9 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int) -> wire.R
         agent_cost=L.agent_cost, probe_interval=L.probe_interval, over_budget=L.over_budget,
     )
     if not L.probe:
-        slot = first_nonfinite(L.guard, f["guard"]) if L.guard is not None and len(f["guard"]) == len(L.guard) else None
+        slot = None
+        if L.guard is not None and len(f["guard"]) == len(L.guard):
+            slot = (guard if guard is not None else GuardMemory()).verdict(L.guard, f["guard"])
         return wire.Report(h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite, nonfinite_slot=slot, **common)
     param = np.full((L.n_params, 3), np.nan)
     fp_grad = np.zeros(L.n_params, np.uint64)

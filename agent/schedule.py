@@ -149,7 +149,8 @@ class ProbeSchedule:
         budget: budget mode: the agent's average cost as a fraction of the training step time.
         max_interval_s: budget mode: the longest interval between probes, seconds of step time.
         guard: the NaN guard, ``"on"``, ``"off"`` or ``"auto"`` (on while it costs at most
-            :data:`GUARD_SHARE` of the budget, module docstring); switched on the recorder.
+            :data:`GUARD_SHARE` of the budget, module docstring; with a fixed ``every`` too, against
+            ``budget``); switched on the recorder by :meth:`advance`, off when its part failed.
 
     Attributes:
         interval: the probe interval in use, steps.
@@ -175,10 +176,10 @@ class ProbeSchedule:
         self._warned = False
         self._burst_until = 0  # written by the sender thread, read at step boundaries
         self._recent: collections.deque = collections.deque(maxlen=history)  # sender thread only
+        self.guard = guard != "off"  # the monitor switches it on at the end of attach (advance(0))
         self._judge_guard = guard == "auto"
         self._guard_costs: list[float] = []
         self.guard_s = math.nan
-        recorder.set_guard(guard != "off")
 
     @property
     def fixed(self) -> bool:
@@ -261,14 +262,20 @@ class ProbeSchedule:
         self._guard_costs = []
         allowed = GUARD_SHARE * self.budget * self.cost.train_s
         if self.guard_s > allowed:
+            self.guard = False
             self.recorder.set_guard(False)
             log.info("gradwatch: NaN guard off (nan_guard='auto'): it costs %.3g ms a step, over %g of the %.1f%% "
                      "budget (%.3g ms of a %.3g ms step); nan_guard='on' keeps it", self.guard_s * 1e3, GUARD_SHARE,
                      self.budget * 100, allowed * 1e3, self.cost.train_s * 1e3)
 
     def advance(self, step: int) -> None:
-        """Training thread, before ``step`` runs: module hooks on for a probed step, off otherwise."""
+        """Training thread, before ``step`` runs: module hooks on for a probed step, off otherwise
+        (but for the NaN guard's: on while it is, off once it failed too often)."""
         try:
+            if self.guard and "guard" in self.recorder.disabled:
+                self.guard = False
+            if self.recorder.guard != self.guard:
+                self.recorder.set_guard(self.guard)
             want = self.is_probe(step)
             if want and not self.recorder.probing:
                 self.recorder.install()

@@ -64,8 +64,8 @@ import zmq
 from gradwatch import agent as gw
 from gradwatch import wire
 
-VARIANTS = ("none", "budget", "guard", "every10", "every1", "anchor", "tensorboard", "wandb", "none+busy", "budget+busy")
-ALL_VARIANTS = VARIANTS
+VARIANTS = ("none", "budget", "every10", "every1", "anchor", "tensorboard", "wandb", "none+busy", "budget+busy")
+ALL_VARIANTS = ("none", "budget", "guard", *VARIANTS[2:])  # guard: by --variants only
 LABELS = {
     "none": "no agent",
     "budget": "agent, budget 1% (default)",

@@ -72,8 +72,9 @@ skipped since the previous record (their inf/NaN gradients are normal; they send
 
 ``nonfinite_slot`` (sent with the records of unprobed steps by an agent whose NaN guard is on; a
 report's int, a steps message's ``int32 [n]``): the first slot, in the order the step's forward
-passes called them, whose output held a NaN or an Inf (its sum was not finite), -1 when none did
-or nothing is known (absent: the guard was off). A probed step's ``act`` says as much and more.
+passes called them, whose output held a NaN or an Inf (its sum was not finite) while it held none
+at the rank's previous guarded step, -1 when none did or nothing is known (absent: the guard was
+off). A probed step's ``act`` says as much and more.
 
 ``grad_norms`` (sent with every record by an agent with replicas to compare with): each
 parameter's gradient L2 norm after all-reduce, as the optimizer's pre-step hook measures it, of

@@ -274,6 +274,20 @@ def test_a_job_level_gradient_finding_folds_only_a_job_level_drift(named):
         assert f.rank is None and [(k["check"], k["rank"]) for k in f.details["knock_on"]] == [("replica_drift", None)]
 
 
+def test_a_job_level_drift_while_the_job_level_gradient_finding_is_active_is_folded():
+    """World 2, the tie still reported (the desync lasts from step 3 to 5) when the probe at 5 sees
+    the replicas differ with no rank to name: folded into the active finding, not raised."""
+    job = Job(CHECKS, world=2)
+    for step in range(5):
+        step_of(job, step, desync=step >= 3, drift=False if step in (0, 2) else None)
+        job.tick()
+    assert job.events("grad_agreement") == [("raised", 3, None, None)]
+    step_of(job, 5, desync=True, drift=True)
+    assert job.events("replica_drift") == [] and job.runner.folded[(UNIT, "replica_drift")] == 1
+    (f,) = job.active("grad_agreement")
+    assert [(k["check"], k["rank"], k["step"]) for k in f.details["knock_on"]] == [("replica_drift", None, 5)]
+
+
 def test_drift_long_after_a_desync_or_without_one_is_raised():
     """Outside knock_on_window_s (60 s by default, the runner's clock), or with no gradient
     finding at all (a bit flip in one replica's weights), drift is a fault of its own."""

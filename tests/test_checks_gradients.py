@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import collections
+from types import SimpleNamespace
 import concurrent.futures
 import json
 import math
@@ -394,9 +395,40 @@ def test_nonfinite_unprobed_forward_nan_located_by_the_nan_guard_at_its_step(ori
     assert job.events("nonfinite") == [("raised", 5, 1, "fc2")]  # a later probe changes nothing
 
 
+def test_nonfinite_the_gradient_norms_locating_a_backward_nan_outrank_the_guard():
+    """A guard slot at the event step while some gradients stayed finite: the loss's forward pass
+    was finite (a forward NaN on its path leaves no gradient finite), so the non-finite output was
+    off that path and the backward NaN the norms locate is named."""
+    job = Job(["nonfinite"])
+    finite = [1.0, 2.0, NAN, 3.0, 0.5]
+    for s in range(5):
+        job.step(s, 1.0, locals=[1.0, 1.1, 0.9], norms=finite, guards=[-1] * 3)
+    job.step(5, NAN, locals=[1.0, NAN, 0.9], nonfinite=4, norms=[NAN, NAN, NAN, NAN, 0.5],
+             guards=[-1, LAYERS.index("emb"), -1])
+    assert job.events("nonfinite") == [("raised", 5, 1, "fc2")]
+    (f,) = job.active("nonfinite")
+    assert (f.details["from"], f.details["pass"]) == ("grad_norms", "parameter_gradient")
+
+
+def test_nonfinite_a_guard_naming_the_rank_says_so_without_local_norms():
+    job = Job(["nonfinite"], world=2)
+    for s in range(3):
+        job.step(s, 1.0, locals=[NAN, NAN], guards=[-1, -1])
+    job.step(3, NAN, locals=[NAN, NAN], nonfinite=4, guards=[-1, LAYERS.index("act")])
+    (f,) = job.active("nonfinite")
+    assert (f.rank, f.layer) == (1, "act") and "on rank 1 (seen in its NaN guard; no local gradient norms)" in f.summary
+
+
 def test_nonfinite_guard_slot_outside_the_schema_or_of_an_unknown_schema_is_left_out():
     """A slot the rank's schema does not list, or a schema the aggregator does not hold, names
     nothing: the finding waits for a probed step as without the guard."""
+    from gradwatch.aggregator.checks.nonfinite import guarded
+
+    schemas = {"h": SimpleNamespace(slots=SLOTS)}
+    assert guarded(schemas, {0: ("h", len(SLOTS))}, []) is None  # past the known schema's slots
+    assert guarded(schemas, {0: ("h", -1)}, []) is None
+    assert guarded(schemas, {0: ("other", 1)}, []) is None
+    assert guarded(schemas, {0: ("other", 1), 2: ("h", 1)}, [0])["rank"] == 2  # the next rank that can tell
     job = Job(["nonfinite"], world=2)
     for s in range(3):
         job.step(s, 1.0, locals=[1.0, 1.0])

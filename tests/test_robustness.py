@@ -131,6 +131,7 @@ def test_attach_with_an_endpoint_without_port_fails_naming_it_and_leaves_no_hook
     with pytest.raises(gw.ConfigError, match="endpoint"):
         gw.attach(model, opt, endpoint="tcp://aggregator")
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert not model._forward_hooks and not model._forward_pre_hooks  # nor the NaN guard's (on by default)
 
 
 def test_null_monitor_passes_a_comm_hook_through(monkeypatch):

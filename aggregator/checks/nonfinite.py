@@ -21,9 +21,10 @@ values are computed:
 4. ``weight``: else the first module whose weights after the optimizer step did.
 
 At an event step that was not probed, a rank whose agent runs the NaN guard (wire
-``nonfinite_slot``: every step, the first slot whose output's sum was not finite) tells where a
-NaN or Inf was made in the forward pass: that slot's module is named, pass ``activation``
-(``from: guard``), the origin rank's first, else the lowest rank's. Otherwise, the every-step
+``nonfinite_slot``: every step, the first slot whose output went non-finite) tells where a NaN or
+Inf was made in the forward pass: that slot's module is named, pass ``activation`` (``from:
+guard``), the origin rank's first, else the lowest rank's, unless the gradient norms below locate
+a backward NaN (gradients that stayed finite prove the loss's forward pass finite). The every-step
 per-parameter gradient norms (wire
 ``grad_norms``, sent by ranks with replicas) can still tell where a NaN came in through the
 backward pass: it makes non-finite the gradient of the module it entered and of every module
@@ -121,6 +122,12 @@ def _entry(went: np.ndarray, had: np.ndarray, pos: np.ndarray) -> Optional[int]:
     return int(np.flatnonzero(went & (pos == last))[-1])
 
 
+def _ranks_in_order(origin: list, per_rank: dict) -> list:
+    """The ranks of ``per_rank`` whose record tells where a NaN came from: the origin ranks first
+    (in their order), then every rank in rank order."""
+    return [*(r for r in origin if r in per_rank), *sorted(per_rank)]
+
+
 def guarded(schemas: dict, guard: dict, origin: list) -> Optional[dict]:
     """Where the NaN guard saw a forward NaN at a step (``rank -> (schema hash, slot)``,
     :attr:`StepView.guard`), or None: the first origin rank's report, else the lowest rank's,
@@ -129,7 +136,7 @@ def guarded(schemas: dict, guard: dict, origin: list) -> Optional[dict]:
     Returns:
         ``{"module", "output", "slot", "rank"}``: the slot's module path and output path.
     """
-    for rank in [*(r for r in origin if r in guard), *sorted(guard)]:
+    for rank in _ranks_in_order(origin, guard):
         h, slot = guard[rank]
         s = schemas.get(h)
         if s is not None and 0 <= slot < len(s.slots):
@@ -151,7 +158,7 @@ def boundary(schemas: dict, before: Optional[dict], now: dict, origin: list) -> 
     """
     if not before or not now:
         return None
-    for rank in [*(r for r in origin if r in now), *sorted(now)]:
+    for rank in _ranks_in_order(origin, now):
         h, row = now[rank]
         prev = before.get(rank)
         s = schemas.get(h)
@@ -291,14 +298,16 @@ class NonFinite(Check):
 
     def _locate_in(self, st: _Job) -> Optional[dict]:
         ev = st.event
+        b = ev.get("boundary")
+        if b is not None:  # the unprobed event's own gradients tell: no probe after it can
+            # (first: gradients that stayed finite prove the loss's forward pass finite, so a
+            # non-finite output the guard saw was off that path)
+            return {"module": b["module"], "pass": "parameter_gradient", "located": True, "probed_step": None,
+                    "from": "grad_norms", "rank": b["rank"], "values": b}
         g = ev.get("guard")
         if g is not None:  # the unprobed event's own forward pass, seen by the NaN guard
             return {"module": g["module"], "pass": "activation", "located": True, "probed_step": None,
                     "from": "guard", "rank": g["rank"], "values": g}
-        b = ev.get("boundary")
-        if b is not None:  # the unprobed event's own gradients tell: no probe after it can
-            return {"module": b["module"], "pass": "parameter_gradient", "located": True, "probed_step": None,
-                    "from": "grad_norms", "rank": b["rank"], "values": b}
         rounds = sorted((r for r in st.rounds if r.step >= ev["step"]), key=lambda r: r.step)
         if ev["probed"] and not any(r.step == ev["step"] for r in rounds):
             return None  # the event step's own probe is on its way: it is the one that can tell
@@ -371,7 +380,8 @@ class NonFinite(Check):
         elif ev["where"] == "all-reduce":
             who = "in the all-reduce (every rank's local gradient norm was finite)"
         elif rank is not None:
-            who = f"on rank {rank} (seen in its probe; no local gradient norms)"
+            seen = "its NaN guard" if loc and loc.get("from") == "guard" else "its probe"
+            who = f"on rank {rank} (seen in {seen}; no local gradient norms)"
         else:
             who = "on an unknown rank (no local gradient norms)"
         summary = f"first non-finite gradient at step {step} {who}"
