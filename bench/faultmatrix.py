@@ -496,6 +496,24 @@ def collect(runs: list[tuple[Run, Fault]], tmp: str) -> list[Outcome]:
     return out
 
 
+def load(paths: list[str]) -> tuple[list[Outcome], dict[str, Fault]]:
+    """The outcomes of the runs saved by ``--json`` in ``paths``, and each job's fault (a job name
+    is unique across files: it names load, repeat, world, model and fault)."""
+    outcomes, fault_of = [], {}
+    known = {f.name: f for m in NAN_LAYERS for f in faults(m)}
+    for path in paths:
+        with open(path) as fp:
+            for r in json.load(fp)["runs"]:
+                fields = {k: r[k] for k in Run.__dataclass_fields__ if k in r}
+                run = Run(**fields)
+                if run.job in fault_of:
+                    raise SystemExit(f"{path}: job {run.job} also in an earlier file")
+                model_faults = {f.name: f for f in faults(run.model)}
+                fault_of[run.job] = CLEAN if run.fault == "clean" else model_faults.get(run.fault, known.get(run.fault))
+                outcomes.append(Outcome(run, r["ok"], r.get("wall_s", math.nan), r["applied"], r["findings"], r.get("error", "")))
+    return outcomes, fault_of
+
+
 def start_aggregator(events_path: str, log_path: str, extra=()) -> tuple[subprocess.Popen, str]:
     """The real aggregator process at default thresholds; ranks forgotten 20 s after their goodbye
     so the matrix's many jobs never fill ``max_jobs``."""
@@ -540,6 +558,8 @@ def main(argv=None) -> int:
     p.add_argument("--nan-guard", choices=("on", "off", "auto"), default="on",
                    help="the agents' nan_guard (default on: a forward NaN is located at any step; 'auto' would "
                    "still be measuring itself at the injection steps, so it reads as on here)")
+    p.add_argument("--from-json", nargs="+", metavar="PATH",
+                   help="run nothing: score together the runs of these --json files (e.g. a matrix run in parts)")
     p.add_argument("--aggregator-arg", action="append", default=[], metavar="ARG",
                    help="extra aggregator argument, e.g. --aggregator-arg=--checks.straggler-score=0.8 (repeatable; "
                    "the published figures use none: default thresholds)")
@@ -556,6 +576,15 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown: {bad}; faults are {sorted(known)}")
     runs = plan(worlds, models, loads, a.repeats, names, tuple(int(x) for x in a.at.split(",")), a.clean_runs, a.nan_guard)
     fault_of = {r.job: f for r, f in runs}
+    if a.from_json:
+        outcomes, fault_of = load(a.from_json)
+        print(f"{len(outcomes)} runs from {', '.join(a.from_json)}\n")
+        scores = score(outcomes, fault_of)
+        print(table(scores))
+        if a.json:
+            with open(a.json, "w") as fp:
+                json.dump({"env": {"from_json": a.from_json}, "scores": scores}, fp, indent=1)
+        return 0
     if a.from_dir:
         outcomes = collect(runs, a.from_dir)
         print(f"{len(outcomes)} of {len(runs)} runs completed in {a.from_dir}\n")
