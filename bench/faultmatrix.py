@@ -44,7 +44,6 @@ was first applied), p50/p95, and false findings per 1000 clean job-steps.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import multiprocessing as mp
@@ -165,40 +164,10 @@ def _digits():
     return d.images.astype("float32") / 16.0, d.target.astype("int64")
 
 
-#: glibc mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-#: the largest block glibc may keep on its heaps instead of mapping it (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
-MMAP_THRESHOLD_MAX = 32 << 20
-
-
-def steady_allocator() -> bool:
-    """Make glibc malloc keep the memory a rank has freed, so that a training step reuses the
-    previous step's pages instead of faulting fresh ones in: no trimming of the heap's top, and
-    blocks up to 32 MiB (every activation of the matrix's models) from the heap, not mmap.
-
-    With glibc's defaults (a dynamic mmap threshold, the heap's top trimmed past twice that) whether
-    a step's activations are handed back to the kernel and faulted in again (page zeroing: kernel
-    time on the training thread) depends on the process's allocation history: one rank of a job
-    takes 0 page faults per step, its peer 500-4,000 (2 MiB activations of the CNN: 512 pages each),
-    several milliseconds of its compute time, persistently, and a step or an event (a probe burst,
-    a pause) can move a rank between these modes. That is a straggler no injected fault made: on
-    13-25 ms steps the ranks of one run differed by up to ~45 % (relative score 0.66, 6.5 ms: half
-    the straggler check's 10 ms floor), which the check rightly names once the pages cost a little
-    more (a busier host; the likely cause of the CI slice's stray straggler findings). The matrix
-    measures injected faults, so its ranks must be alike.
-
-    Returns whether both settings took (False off glibc: nothing to do there)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    # either setting also turns glibc's dynamic threshold off
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) & bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-
-
 def _rank_main(rank: int, run: Run, port: int, endpoint: str, progress, out_dir: str, digits) -> None:
     """One rank: train ``run.steps`` steps with the agent attached and the faults applied."""
+    from gradwatch.commands.demo.alloc import steady_allocator
+
     steady_allocator()  # before the first step: every rank's allocator alike (see steady_allocator)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(run.world), LOCAL_RANK=str(rank), TORCHELASTIC_RUN_ID=run.job,
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

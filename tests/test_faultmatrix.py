@@ -23,7 +23,7 @@ FAULTS = ("explode", "nan_fwd_late", "hang", "silent")
 STEPS = """
 import ctypes, resource, sys
 if sys.argv[1] == "steady":
-    from bench.faultmatrix import steady_allocator
+    from gradwatch.commands.demo.alloc import steady_allocator
     if not steady_allocator():
         print("unsupported")
         sys.exit()
@@ -57,7 +57,7 @@ def test_matrix_ranks_reuse_freed_memory_instead_of_faulting_it_in_every_step():
     zeroed, at the next, or not, depending on the process's allocation history; one rank of a run
     took 0 page faults per step, its peer up to ~4,000: up to ~45 % (6.5 ms) more own time,
     persistently, which the straggler check rightly names once the faults cost a little more. With
-    bench.faultmatrix.steady_allocator (every rank calls it) a step reuses the pages of the step
+    gradwatch.commands.demo.alloc.steady_allocator (every rank of the matrix and of the demo calls it) a step reuses the pages of the step
     before."""
 
     def faults_per_step(mode: str) -> str:

@@ -44,11 +44,14 @@ one window, while a persistent shift moves every window. Pooling the span's step
 asking each window to be slow on its own, shrinks the median's noise against per-step jitter of
 some ten percent by about sqrt(3) (3 x 16 steps against 16), so the threshold can sit between a
 clean rank (near 1) and a 30 % straggler (about 0.77 before jitter), 0.85, with a margin of several
-standard deviations on either side against jitter. The defaults (0.7, 10 ms) stay conservative: on
-CPUs shared with other work a rank that shares its core with a busy process is persistently slower
-for tens of steps, in wall time just like a slow device, and 0.85 names it. The absolute floor
-keeps systematic differences of a few milliseconds on very short steps (one rank logging) from
-counting. Once named, a rank is back in line only when its span's relative score reaches the
+standard deviations on either side against jitter. The score's default (0.7) stays conservative:
+on CPUs shared with other work a rank that shares its core with a busy process is persistently
+slower for tens of steps, in wall time just like a slow device, and 0.85 names it. The absolute
+floor (3 ms) keeps systematic differences of a few milliseconds on very short steps (one rank
+logging) from counting; it was 10 ms, which hid 30 % stragglers on 15-20 ms steps (excess 5-15 ms,
+relative scores 0.5-0.67, already below 0.7) once the fault matrix's ranks stopped differing by
+their allocators' page faults (glibc returning and refaulting one rank's activations every step:
+up to ~45 % and 6 ms more own time, a real slowdown of the whole job, which this check names). Once named, a rank is back in line only when its span's relative score reaches the
 midpoint between ``straggler_score`` and 1 or its excess falls below half the floor (hysteresis: a
 rank near the threshold is one finding, not several); the finding then resolves, about half a span
 after the rank recovers.
@@ -201,7 +204,7 @@ class Straggler(Check):
         straggler_window: int = Field(16, ge=2, description="Judged steps per window of the straggler medians.")
         straggler_windows: int = Field(3, ge=1, description="Windows pooled for the relative score and excess (the span), and the windows a rank needs before it can be named.")
         straggler_exclude_wait: bool = Field(True, description="Leave out of each rank's own time the part its training thread waited for a CPU (the agent's compute_wait, Linux run-queue wait), so a rank that a busy host starves of CPU is not named (gradwatch_rank_straggler_cpu_wait_ratio shows it). False compares wall compute times, as before 2026-12: for hosts where that wait overlaps work elsewhere, such as a GPU-bound rank whose thread yields while waiting for its device on busy CPUs.")
-        straggler_min_s: float = Field(0.01, ge=0, description="Seconds by which a rank's time must exceed its peers' median at the same step (median over the span's steps) for it to straggle, so scheduling jitter and systematic differences on very short steps are not named (0.002 suffices against jitter: the medians ignore pauses).")
+        straggler_min_s: float = Field(0.003, ge=0, description="Seconds by which a rank's time must exceed its peers' median at the same step (median over the span's steps) for it to straggle, so scheduling jitter and systematic differences on very short steps are not named (0.002 suffices against jitter: the medians ignore pauses). 0.01 until 2026-12-02: it hid 30 % stragglers on 15-20 ms steps (README, Detection quality).")
 
     metrics = {
         "rank_straggler_relative_score": (

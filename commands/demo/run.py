@@ -62,6 +62,9 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
 
     Faults from ``cfg.inject`` are applied here, in the harness, never in the agent.
     """
+    from .alloc import steady_allocator
+
+    steady_allocator()  # the ranks' allocators alike: no rank refaults its activations every step
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(cfg.ranks), LOCAL_RANK=str(rank), TORCHELASTIC_RUN_ID=cfg.job,
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
