@@ -546,6 +546,36 @@ def test_training_stalled_names_no_peer_that_moved_on_before_the_step_that_freed
     assert j.status("training_stalled") == Outcome.HEALTHY
 
 
+def test_training_stalled_stays_the_hung_ranks_finding_when_it_wakes_into_the_waiting_all_reduce():
+    """The end of a hang in world 8 (fault matrix): the hung rank wakes and joins the all-reduce,
+    which takes a while on a loaded host, so for a moment every rank waits there. That is the same
+    stall at the same step, not a deadlock of its own: no job-level finding; the named rank's
+    finding resolves once a step completes."""
+    j = Job(["training_stalled"], stall_after_s=4, silent_after_s=3)
+    for r in range(3):
+        j.report(r, 0)
+    for t in range(6):  # rank 2 hangs outside all-reduce, its peers wait for it
+        j.tick(1)
+        j.heartbeat(0, 0, waiting=True, in_step_s=t + 1.0)
+        j.heartbeat(1, 0, waiting=True, in_step_s=t + 1.0)
+        j.heartbeat(2, 0, waiting=False, in_step_s=t + 1.0)
+    assert j.named("training_stalled") == [2]
+    for t in range(2):  # rank 2 woke and waits in the all-reduce with the others
+        j.tick(1)
+        for r in range(3):
+            j.heartbeat(r, 0, waiting=True, in_step_s=7.0 + t)
+    assert j.events("training_stalled") == [("raised", 2)] and j.named("training_stalled") == [2]
+    for r in range(3):
+        j.report(r, 1)
+    j.tick(0.1)
+    assert j.events("training_stalled") == [("raised", 2), ("resolved", 2)]
+    for _ in range(5):  # a deadlock later, at another step, is a finding of its own
+        j.tick(1)
+        for r in range(3):
+            j.heartbeat(r, 1, waiting=True)
+    assert j.named("training_stalled") == [None]
+
+
 def test_training_stalled_is_job_level_when_no_rank_stands_out_and_names_a_silent_one():
     j = Job(["training_stalled"], stall_after_s=4, silent_after_s=3)
     for r in range(3):

@@ -106,6 +106,7 @@ class TrainingStalled(Check):
         self._times: dict[str, collections.deque] = {}
         self._heard: dict[str, float] = {}  # job -> its latest message's time at the previous tick
         self._since: dict[str, float] = {}  # job -> when the aggregator heard it again after a dark gap
+        self._named: dict[str, tuple[int, tuple]] = {}  # job -> (last step, findings naming ranks) of its stall
 
     def on_steps(self, job, views):
         times = self._times.setdefault(job.job, collections.deque(maxlen=self.WINDOW))
@@ -135,6 +136,7 @@ class TrainingStalled(Check):
         self._idle[job.job] = idle
         bound = self.bound(job.job)
         if idle < bound:
+            self._named.pop(job.job, None)
             return Evaluation.healthy()
         heard = [r for r in live if now - r.last_seen <= self.t.silent_after_s]
         if not heard:
@@ -183,7 +185,15 @@ class TrainingStalled(Check):
                 )
                 for r in silent
             ]
-            return Evaluation.found(*sorted(findings, key=lambda f: f.rank))
+            findings = sorted(findings, key=lambda f: f.rank)
+            self._named[job.job] = (step, tuple(findings))
+            return Evaluation.found(*findings)
+        named = self._named.get(job.job)
+        if named is not None and named[0] == step:
+            # the stall whose rank was named goes on at the same step with every rank waiting: the
+            # hung rank woke and joined the all-reduce that the others wait in (one fault, one
+            # finding: it stays the named rank's until a step completes)
+            return Evaluation.found(*named[1])
         why = (
             "every heard rank waits in all-reduce (a deadlock in the collective or the network)" if waiting
             else "no rank waits in all-reduce (stuck in data loading, checkpointing or the host)"
@@ -195,5 +205,5 @@ class TrainingStalled(Check):
         return {"job_step_age_seconds": {(): idle}} if idle is not None else {}
 
     def forget(self, job_id):
-        for d in (self._idle, self._times, self._heard, self._since):
+        for d in (self._idle, self._times, self._heard, self._since, self._named):
             d.pop(job_id, None)
