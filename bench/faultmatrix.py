@@ -187,8 +187,8 @@ def _rank_main(rank: int, run: Run, port: int, endpoint: str, progress, out_dir:
     try:
         torch.manual_seed(0)
         # steps of 15-20 ms of compute on one idle core, several times that under load: a 30 %
-        # straggler is a few milliseconds idle, near straggler_min_s (10 ms), the straggler check's
-        # floor against scheduler jitter, and clears it under load
+        # straggler is a few milliseconds idle, just past straggler_min_s (3 ms), the straggler
+        # check's floor against scheduler jitter, and well past it under load
         if run.model == "gpt":  # the demo's GPT at its default size
             model = GPT(GPTConfig(context=64, width=64, layers=2, heads=4))
             text = stdlib_text()
