@@ -212,6 +212,8 @@ class State:
             them. Meanwhile the job's checks' events wait (:attr:`JobState.deferred`) and run
             after the round's, in the order they came: the checks see what they would have seen
             had the round been reconciled at once. 0: every round is reconciled when it closes.
+        group_depth: the exporter's ``--layer-depth``: each round is also merged for export
+            with the round (:attr:`.reconcile.RoundResult.grouped`); 0: not.
     """
 
     def __init__(
@@ -233,10 +235,12 @@ class State:
         restart_grace_s: float = 30.0,
         boot_takeover_s: float = 3.0,
         round_slice_ranks: int = 0,
+        group_depth: int = 0,
     ):
         import time
 
         self.round_slice_ranks = round_slice_ranks
+        self.group_depth = group_depth  # rounds also merged for export at this layer depth (RoundResult.grouped)
         #: rounds closed but not reconciled yet (:class:`Closing`), oldest first
         self.closing: collections.deque = collections.deque()
 
@@ -670,7 +674,7 @@ class State:
             job.rounds_complete += 1
         else:
             job.rounds_incomplete += 1
-        args = (job.world, job.schemas, rnd.step, rnd.reports, complete, job.layouts)
+        args = (job.world, job.schemas, rnd.step, rnd.reports, complete, job.layouts, self.group_depth)
         if self.round_slice_ranks and len(rnd.reports) >= self.round_slice_ranks:
             # its reports stay in the job's pending_bytes until it is done: memory bounded per job
             item = Closing(job, reconcile_in_slices(*args), nbytes=rnd.nbytes)

@@ -262,6 +262,34 @@ def test_rank_series_limit_keeps_only_named_ranks_and_job_level_stand_ins():
     assert scrape(8, None)[0]["gradwatch_rank_step"] == 8  # no limit: every rank
 
 
+def test_a_huge_jobs_round_series_are_those_of_the_ranks_a_finding_names():
+    """Above rank_series_max the per-rank series of the latest round (totals over layers, the
+    agent's cost and interval) come from the named ranks' rows of the round, looked up among
+    its ranks: a named rank missing from the round exports none, the others their own row."""
+    from dataclasses import replace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    layers = ["embed", "head"]
+    rng = np.random.default_rng(0)
+    reports = {}
+    for r in (0, 1, 2, 3, 5, 6, 7):  # rank 4 missed the round
+        sch = schema(r, layers)
+        rep = report(r, 1, 10, sch, rng)
+        rep.act[0, 5] = 10 * r  # the rank's non-finite activation elements: tells the rows apart
+        reports[r] = rep
+    rr = reconcile(8, {sch.hash: sch}, 10, reports, False)
+    named = [Finding("straggler", "j", 10, "slow", rank=5), Finding("step_skew", "j", 10, "behind", rank=4)]
+    s = _snap(8, named)
+    s = replace(s, jobs=(replace(s.jobs[0], last_round=rr),))
+    reg = CollectorRegistry()
+    reg.register(SnapshotCollector(lambda: s, rank_detail_max=4, rank_series_max=4))
+    text = generate_latest(reg).decode()
+    got = [line for line in text.splitlines() if line.startswith("gradwatch_rank_activation_nonfinite{")]
+    assert got == ['gradwatch_rank_activation_nonfinite{job_id="j",rank="5"} 50.0']
+    assert series(reg)["gradwatch_rank_probe_interval_steps"] == 1
+
+
 def test_job_totals_count_forgotten_ranks_so_they_never_decrease():
     from gradwatch.aggregator.reconcile import snapshot
     from gradwatch.aggregator.state import JobState, RankState, State

@@ -189,3 +189,17 @@ def test_rendering_does_not_depend_on_the_interpreter():
                              env={**os.environ, "PYTHONHASHSEED": seed})
         assert run.returncode == 0, run.stderr
         assert run.stdout == want, f"PYTHONHASHSEED={seed}"
+
+
+def test_a_scrape_reads_the_layers_the_writer_merged_with_the_round(monkeypatch):
+    """At ``--layer-depth`` the writer merges a round's layers with the round (a slice of its own
+    for a large one): a scrape of a 16,384-rank job waited 0.1-0.8 s for that merge before."""
+    from gradwatch.aggregator import exporter
+
+    def merge_on_scrape(rr, depth):
+        raise AssertionError("the scrape merged a round's layers itself")
+
+    monkeypatch.setattr(exporter, "group_layers", merge_on_scrape)
+    text = render(2)
+    assert text == (GOLDEN / "metrics_layer_depth_2.txt").read_text()
+    assert "gradwatch_layer_" in text

@@ -163,6 +163,11 @@ def test_rounds_of_several_schemas_and_missing_arrays_equal_a_fresh_reconciliati
         _same_round(got, want)
         for depth in (1, 2):
             _same_round(group_layers(got, depth), group_layers(want, depth))
+            # merged with the round for export (the writer's slice), as the exporter would merge it
+            with_groups = reconcile(world, schemas, 3, reports, True, cache, group_depth=depth)
+            assert with_groups.grouped.group_depth == depth and with_groups.grouped.grouped is None
+            _same_round(with_groups.grouped, group_layers(want, depth))
+            _same_round(dataclasses.replace(with_groups, grouped=None), want)
 
 
 # --- statistics ------------------------------------------------------------------------------------
