@@ -52,6 +52,12 @@ MAX_DROPPED_JOBS = 1024
 #: every rank (25 ms and 50-100 ms at 16,384 ranks), so a huge job's come more rarely than every
 #: 0.1 s and every publish_interval_s. At 1/4 each, half the writer went to them at 16,384 ranks.
 PERIODIC_SHARE = 0.1
+#: most share of the writer thread's time a large round's reconciliation slices take while frames
+#: wait in the intake (they run back to back once it is empty): the steps after a probed step are
+#: handled first, so that a 16,384-rank job's metrics do not wait for its round (0.5-1 s). The
+#: round's checks wait for it meanwhile (:attr:`.state.JobState.deferred`), so its findings come
+#: at most 1/ROUND_SHARE times later than if it ran at once; ``MAX_CLOSING`` bounds its memory.
+ROUND_SHARE = 0.25
 #: the cyclic garbage collector's thresholds in the daemon (:meth:`Aggregator.serve_forever`, a
 #: process of its own): a large job's state holds millions of tracked objects (ranks, open rounds'
 #: reports) and the default (700, 10, 10) collected every few hundred frames; at 16,384 ranks
@@ -452,14 +458,19 @@ class Aggregator:
         last_pub = last_tick = 0.0
         interval = wait = self.cfg.publish_interval_s
         tick_wait = 0.1
+        slice_due = 0.0
         intake = self.intake
         try:
             while not self._stop.is_set():
                 if intake.ready.wait(min(interval, 0.1) if not self.state.closing else 0):
                     for frame, key in intake.take(1000):
                         self.handle(frame, key)
-                if self.state.closing:  # a large round's reconciliation, a slice between batches
+                # a large round's reconciliation, a slice between batches: at most ROUND_SHARE of
+                # the writer while frames wait, back to back once none do
+                if self.state.closing and (not intake.frames or time.perf_counter() >= slice_due):
+                    t0 = time.perf_counter()
                     self._guarded(self.state.advance, "reconcile a round")
+                    slice_due = t0 + (time.perf_counter() - t0) / ROUND_SHARE
                 dropped = intake.dropped  # read once: the intake thread may add more meanwhile
                 if dropped != self._overload_counted:
                     self.state.reject("overload", dropped - self._overload_counted)

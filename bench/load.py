@@ -413,7 +413,7 @@ def _drive(args, proc, endpoint: str, base: str) -> dict:
         for j, steps in r["done"].items():
             for s, t in steps.items():
                 done[j][int(s)] = max(done[j].get(int(s), 0.0), t)
-    fresh = []
+    fresh, fresh_by_step = [], []
     for j, steps in done.items():
         seen = [(s.t, s.min_step.get(j, -1)) for s in scrapes if s.ranks.get(j, 0) == args.ranks]
         k = 0
@@ -422,6 +422,7 @@ def _drive(args, proc, endpoint: str, base: str) -> dict:
                 k += 1
             if k < len(seen):
                 fresh.append(max(0.0, seen[k][0] - steps[step]))
+                fresh_by_step.append((j, step, round(fresh[-1], 3)))
     # the job's newest complete step: senders stop on their own (--duration), the slowest decides
     last_step = {j: min(r["last_step"][j] for r in results) for j in done}
     rec = {k: v for k, v in last.received.items()}
@@ -444,6 +445,7 @@ def _drive(args, proc, endpoint: str, base: str) -> dict:
         absorbed_msgs_per_s=msgs, absorbed_reports_per_s=reps,
         offered_reports_per_s=sent.get("records", 0) / max(1e-9, t_end - t0),
         freshness_p50_s=pct(fresh, 50), freshness_p99_s=pct(fresh, 99), freshness_n=len(fresh),
+        freshness_by_step=fresh_by_step,  # (job, step, seconds): which steps wait (e.g. after a probed one)
         last_step_sent=last_step, last_step_visible=last.min_step, ranks_visible=last.ranks,
         scrape_p50_s=pct([s.seconds for s in scrapes], 50), scrape_max_s=max(s.seconds for s in scrapes),
         scrape_bytes=sizes[-1], scrape_samples=last.samples,

@@ -148,6 +148,24 @@ def test_one_schema_rounds_stack_as_the_general_path_scatters():
         assert present.all()
 
 
+def test_stacking_in_chunks_equals_one_concatenation(monkeypatch):
+    """A large round's arrays are stacked STACK_CHUNK reports at a time (the interpreter lock is
+    free between chunks): any chunk size gives the arrays one concatenation gives."""
+    from gradwatch.aggregator import reconcile as rec
+
+    rng = np.random.default_rng(8)
+    for world in (1, 5, 7):
+        s = _schema(0, world, MODULES[:int(rng.integers(0, 6))])
+        reps = [_report(rng, r, s) for r in range(world)]
+        L, P = len(s.slots), len(s.params)
+        cases = (("act", np.float64, (world, L, 6)), ("param", np.float64, (world, P, 3)), ("fp_grad", np.uint64, (world, P)))
+        for chunk in (1, 2, 3, 1024):
+            monkeypatch.setattr(rec, "STACK_CHUNK", chunk)
+            for attr, dtype, shape in cases:
+                want = np.concatenate([getattr(x, attr) for x in reps], dtype=dtype).reshape(shape)
+                _same(rec._stack(reps, attr, dtype, shape), want)
+
+
 def test_rounds_of_several_schemas_and_missing_arrays_equal_a_fresh_reconciliation_grouped_too():
     rng = np.random.default_rng(4)
     cache = LayoutCache()
