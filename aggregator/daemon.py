@@ -53,11 +53,13 @@ MAX_DROPPED_JOBS = 1024
 #: 0.1 s and every publish_interval_s. At 1/4 each, half the writer went to them at 16,384 ranks.
 PERIODIC_SHARE = 0.1
 #: most share of the writer thread's time a large round's reconciliation slices take while frames
-#: wait in the intake (they run back to back once it is empty): the steps after a probed step are
-#: handled first, so that a 16,384-rank job's metrics do not wait for its round (0.5-1 s). The
-#: round's checks wait for it meanwhile (:attr:`.state.JobState.deferred`), so its findings come
-#: at most 1/ROUND_SHARE times later than if it ran at once; ``MAX_CLOSING`` bounds its memory.
+#: wait in the intake (:class:`SliceGate`): the steps after a probed step are handled first, so
+#: that a 16,384-rank job's metrics do not wait for its round (0.5-1 s of the writer)
 ROUND_SHARE = 0.25
+#: seconds after which a round's slices run back to back whatever waits: the round's checks wait
+#: for it (:attr:`.state.JobState.deferred`, its job's ticks included: ``rank_silent``,
+#: ``training_stalled``), so its findings come at most about this much later than without the share
+ROUND_WAIT_S = 1.0
 #: the cyclic garbage collector's thresholds in the daemon (:meth:`Aggregator.serve_forever`, a
 #: process of its own): a large job's state holds millions of tracked objects (ranks, open rounds'
 #: reports) and the default (700, 10, 10) collected every few hundred frames; at 16,384 ranks
@@ -217,6 +219,27 @@ class Intake:
             if not self._queues:
                 self.ready.clear()
         return out
+
+
+class SliceGate:
+    """When the writer runs the next slice of a large round's reconciliation (the writer thread's
+    own; :data:`ROUND_SHARE`, :data:`ROUND_WAIT_S`): at once when no frame waits, or once the round
+    has been in slices for ``ROUND_WAIT_S``; else when the slices so far have taken at most
+    ``ROUND_SHARE`` of the writer's time since the last one began."""
+
+    def __init__(self):
+        self._round = None  # the round in slices (its Closing), and since when (perf_counter s)
+        self._since = self._due = 0.0
+
+    def ready(self, head, frames_waiting: bool, now: float) -> bool:
+        """Whether to run a slice of ``head`` (the oldest round in slices) now."""
+        if head is not self._round:
+            self._round, self._since, self._due = head, now, now
+        return not frames_waiting or now >= self._due or now - self._since >= ROUND_WAIT_S
+
+    def ran(self, t0: float, t1: float) -> None:
+        """A slice ran from ``t0`` to ``t1``: the next waits until it is ROUND_SHARE of the time."""
+        self._due = t0 + (t1 - t0) / ROUND_SHARE
 
 
 class Aggregator:
@@ -458,19 +481,18 @@ class Aggregator:
         last_pub = last_tick = 0.0
         interval = wait = self.cfg.publish_interval_s
         tick_wait = 0.1
-        slice_due = 0.0
+        gate = SliceGate()
         intake = self.intake
         try:
             while not self._stop.is_set():
                 if intake.ready.wait(min(interval, 0.1) if not self.state.closing else 0):
                     for frame, key in intake.take(1000):
                         self.handle(frame, key)
-                # a large round's reconciliation, a slice between batches: at most ROUND_SHARE of
-                # the writer while frames wait, back to back once none do
-                if self.state.closing and (not intake.frames or time.perf_counter() >= slice_due):
+                # a large round's reconciliation, a slice between batches (SliceGate: frames first)
+                if self.state.closing and gate.ready(self.state.closing[0], intake.frames > 0, time.perf_counter()):
                     t0 = time.perf_counter()
                     self._guarded(self.state.advance, "reconcile a round")
-                    slice_due = t0 + (time.perf_counter() - t0) / ROUND_SHARE
+                    gate.ran(t0, time.perf_counter())
                 dropped = intake.dropped  # read once: the intake thread may add more meanwhile
                 if dropped != self._overload_counted:
                     self.state.reject("overload", dropped - self._overload_counted)

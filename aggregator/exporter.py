@@ -99,7 +99,7 @@ def _round_ranks(j, rr):
         return enumerate(rr.ranks)
     # the few named ranks looked up in the round's ascending ranks, not 16,384 ranks walked per metric
     found = ((bisect.bisect_left(rr.ranks, rank), rank) for rank in sorted(j.only))
-    return [(k, rank) for k, rank in found if k < len(rr.ranks) and rr.ranks[k] == rank]
+    return [(k, rr.ranks[k]) for k, rank in found if k < len(rr.ranks) and rr.ranks[k] == rank]
 
 
 def _rank_total(col: int):

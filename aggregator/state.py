@@ -58,7 +58,7 @@ import numpy as np
 from gradwatch import wire
 from gradwatch.statistics import ARRAYS, STATISTICS
 
-from .reconcile import LayoutCache, RoundResult, reconcile, reconcile_in_slices
+from .reconcile import LayoutCache, RoundResult, group_layers, reconcile, reconcile_in_slices
 from .shards import global_norms, mesh_of
 from .steps import COLUMNS as TABLE_COLUMNS
 from .steps import StepTable
@@ -212,8 +212,10 @@ class State:
             them. Meanwhile the job's checks' events wait (:attr:`JobState.deferred`) and run
             after the round's, in the order they came: the checks see what they would have seen
             had the round been reconciled at once. 0: every round is reconciled when it closes.
-        group_depth: the exporter's ``--layer-depth``: each round is also merged for export
-            with the round (:attr:`.reconcile.RoundResult.grouped`); 0: not.
+        group_depth: the exporter's ``--layer-depth``: a round reconciled in slices is also
+            merged for export, in a slice of its own (:attr:`.reconcile.RoundResult.grouped`); a
+            smaller round is merged by the first scrape that exports it, which costs less than
+            merging every round when probes are frequent. 0: none is.
     """
 
     def __init__(
@@ -240,7 +242,7 @@ class State:
         import time
 
         self.round_slice_ranks = round_slice_ranks
-        self.group_depth = group_depth  # rounds also merged for export at this layer depth (RoundResult.grouped)
+        self.group_depth = group_depth  # sliced rounds also merged for export at this depth (RoundResult.grouped)
         #: rounds closed but not reconciled yet (:class:`Closing`), oldest first
         self.closing: collections.deque = collections.deque()
 
@@ -674,10 +676,11 @@ class State:
             job.rounds_complete += 1
         else:
             job.rounds_incomplete += 1
-        args = (job.world, job.schemas, rnd.step, rnd.reports, complete, job.layouts, self.group_depth)
+        args = (job.world, job.schemas, rnd.step, rnd.reports, complete, job.layouts)
         if self.round_slice_ranks and len(rnd.reports) >= self.round_slice_ranks:
-            # its reports stay in the job's pending_bytes until it is done: memory bounded per job
-            item = Closing(job, reconcile_in_slices(*args), nbytes=rnd.nbytes)
+            # its reports stay in the job's pending_bytes until it is done: memory bounded per job;
+            # its layers are merged for export here too, a slice of its own (a scrape would wait)
+            item = Closing(job, reconcile_in_slices(*args, self.group_depth), nbytes=rnd.nbytes)
             next(item.work)  # its first slice takes the layout: the schemas it needs are held from here
             self.closing.append(item)
         else:
@@ -819,7 +822,10 @@ def cap_series(rr: RoundResult, budget: int) -> tuple[RoundResult, int]:
     cut = replace(
         rr, layers=rr.layers[:kl], act=rr.act[:, :kl], act_grad=rr.act_grad[:, :kl],
         layer_types=rr.layer_types[:kl], modules=rr.modules[:km], module=rr.module[:, :km], agg=agg,
+        grouped=None,
     )
+    if rr.grouped is not None:  # the layers merged for export follow the cut (on the writer, as before it)
+        cut = replace(cut, grouped=group_layers(cut, rr.grouped.group_depth))
     return cut, total - kl * SERIES_PER_LAYER - km * SERIES_PER_MODULE
 
 

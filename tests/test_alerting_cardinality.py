@@ -279,15 +279,17 @@ def test_a_huge_jobs_round_series_are_those_of_the_ranks_a_finding_names():
         rep.act[0, 5] = 10 * r  # the rank's non-finite activation elements: tells the rows apart
         reports[r] = rep
     rr = reconcile(8, {sch.hash: sch}, 10, reports, False)
-    named = [Finding("straggler", "j", 10, "slow", rank=5), Finding("step_skew", "j", 10, "behind", rank=4)]
+    # ranks in the round (first, last, between), one missing from it, one past the world
+    named = [Finding("straggler", "j", 10, "slow", rank=r) for r in (7, 5, 0)] + [
+        Finding("step_skew", "j", 10, "behind", rank=r) for r in (4, 9)]
     s = _snap(8, named)
     s = replace(s, jobs=(replace(s.jobs[0], last_round=rr),))
     reg = CollectorRegistry()
     reg.register(SnapshotCollector(lambda: s, rank_detail_max=4, rank_series_max=4))
     text = generate_latest(reg).decode()
     got = [line for line in text.splitlines() if line.startswith("gradwatch_rank_activation_nonfinite{")]
-    assert got == ['gradwatch_rank_activation_nonfinite{job_id="j",rank="5"} 50.0']
-    assert series(reg)["gradwatch_rank_probe_interval_steps"] == 1
+    assert got == [f'gradwatch_rank_activation_nonfinite{{job_id="j",rank="{r}"}} {10.0 * r}' for r in (0, 5, 7)]
+    assert series(reg)["gradwatch_rank_probe_interval_steps"] == 3
 
 
 def test_job_totals_count_forgotten_ranks_so_they_never_decrease():

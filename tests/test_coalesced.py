@@ -253,3 +253,26 @@ def test_a_round_in_slices_of_a_job_dropped_meanwhile_is_dropped_and_a_failing_o
     g.state.finish_closing()
     assert g.state.rejected["internal"] == 1 and job.deferred is None and job.pending_bytes == 0
     assert job.last_round is None and called == waiting  # the later steps judged, in order
+
+
+def test_a_rounds_slices_yield_to_waiting_frames_within_a_bound():
+    """SliceGate: with no frame waiting a large round's slices run back to back; while frames
+    wait, at most ROUND_SHARE of the writer's time, until the round has been in slices for
+    ROUND_WAIT_S, when it finishes back to back (its checks wait for it); a new round starts over."""
+    from gradwatch.aggregator.daemon import ROUND_SHARE, ROUND_WAIT_S, SliceGate
+
+    gate, a, b = SliceGate(), object(), object()
+    assert gate.ready(a, False, 10.0)  # nothing waits: at once
+    gate.ran(10.0, 10.2)  # a 0.2 s slice
+    assert gate.ready(a, False, 10.2)
+    due = 10.0 + 0.2 / ROUND_SHARE
+    assert not gate.ready(a, True, 10.2) and not gate.ready(a, True, due - 0.01)
+    assert gate.ready(a, True, due)
+    gate.ran(due, due + 0.01)  # short slices: the share is what the last one took
+    assert not gate.ready(a, True, due + 0.02) and gate.ready(a, True, due + 0.01 + 0.01 / ROUND_SHARE)
+    gate.ran(10.8, 10.95)
+    assert not gate.ready(a, True, 10.0 + ROUND_WAIT_S - 0.01)
+    assert gate.ready(a, True, 10.0 + ROUND_WAIT_S)  # in slices for ROUND_WAIT_S: back to back
+    assert gate.ready(b, True, 20.0)  # the next round: its first slice at once
+    gate.ran(20.0, 20.3)
+    assert not gate.ready(b, True, 20.31)

@@ -124,15 +124,17 @@ def recorded_input() -> list[tuple[float, bytes | None]]:
     return out
 
 
-def render(layer_depth: int) -> str:
-    """The exposition of an aggregator fed :func:`recorded_input`, without :data:`VOLATILE` samples."""
+def render(layer_depth: int, **settings) -> str:
+    """The exposition of an aggregator fed :func:`recorded_input`, without :data:`VOLATILE` samples
+    (``settings``: more aggregator settings)."""
     from prometheus_client import generate_latest
 
     from gradwatch.aggregator import Aggregator, load
 
     now = [0.0]
     agg = Aggregator(
-        load(listen="tcp://127.0.0.1:0", round_grace_s=2.0, layer_depth=layer_depth, events_path="", grafana_url=""),
+        load(listen="tcp://127.0.0.1:0", round_grace_s=2.0, layer_depth=layer_depth, events_path="", grafana_url="",
+             **settings),
         clock=lambda: now[0],
     )
     try:
@@ -142,6 +144,7 @@ def render(layer_depth: int) -> str:
                 agg.state.tick()
             else:
                 agg.handle(frame)
+            agg.state.finish_closing()  # a round in slices (round_slice_ranks): as an idle writer would
         agg.publish()
         # what /metrics serves (prometheus_client's WSGI app renders the registry the same way)
         text = generate_latest(agg.registry).decode()
@@ -191,15 +194,16 @@ def test_rendering_does_not_depend_on_the_interpreter():
         assert run.stdout == want, f"PYTHONHASHSEED={seed}"
 
 
-def test_a_scrape_reads_the_layers_the_writer_merged_with_the_round(monkeypatch):
-    """At ``--layer-depth`` the writer merges a round's layers with the round (a slice of its own
-    for a large one): a scrape of a 16,384-rank job waited 0.1-0.8 s for that merge before."""
+def test_a_scrape_reads_the_layers_the_writer_merged_with_a_round_in_slices(monkeypatch):
+    """At ``--layer-depth`` the writer merges the layers of a round it reconciles in slices (a
+    large one: here every round, ``round_slice_ranks`` 1) in a slice of its own: a scrape of a
+    16,384-rank job waited 0.1-0.8 s for that merge before. The exposition is the same."""
     from gradwatch.aggregator import exporter
 
     def merge_on_scrape(rr, depth):
         raise AssertionError("the scrape merged a round's layers itself")
 
     monkeypatch.setattr(exporter, "group_layers", merge_on_scrape)
-    text = render(2)
+    text = render(2, round_slice_ranks=1)
     assert text == (GOLDEN / "metrics_layer_depth_2.txt").read_text()
     assert "gradwatch_layer_" in text

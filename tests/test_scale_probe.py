@@ -433,3 +433,21 @@ def test_outlier_rank_streaks_as_arrays_equal_the_rank_by_rank_loop(seed):
             assert a.outcome == b.outcome
             assert [(f.rank, f.step, f.details) for f in a.findings] == [(f.rank, f.step, f.details) for f in b.findings]
         assert fast.values("j") == ref.values("j")
+
+
+def test_a_capped_round_exports_the_merge_of_what_is_left():
+    """cap_series cuts a round over the job's series budget; the layers merged for export with
+    the round (RoundResult.grouped) must be those of the cut round, or the cap would not hold."""
+    from gradwatch.aggregator.state import SERIES_PER_LAYER, SERIES_PER_MODULE, cap_series
+
+    rng = np.random.default_rng(9)
+    s = _schema(0, 3, MODULES)
+    reports = {r: _report(rng, r, s) for r in range(3)}
+    rr = reconcile(3, {s.hash: s}, 3, reports, True, group_depth=2)
+    assert rr.grouped.layers == ("blocks.0", "blocks.1", "blocks.2")
+    cut, dropped = cap_series(rr, 3 * (SERIES_PER_LAYER + SERIES_PER_MODULE))  # 3 of the 9 layers
+    assert dropped > 0 and cut.layers == tuple(MODULES[:3])
+    assert cut.grouped.layers == ("blocks.0",)
+    _same_round(cut.grouped, group_layers(dataclasses.replace(cut, grouped=None), 2))
+    plain, _ = cap_series(reconcile(3, {s.hash: s}, 3, reports, True), 3 * (SERIES_PER_LAYER + SERIES_PER_MODULE))
+    assert plain.grouped is None
