@@ -279,7 +279,7 @@ class Aggregator:
             max_pending_bytes=cfg.max_pending_bytes, max_label_len=cfg.max_label_len,
             max_step_jump=cfg.max_step_jump, restart_grace_s=cfg.restart_grace_s,
             boot_takeover_s=cfg.boot_takeover_s, round_slice_ranks=cfg.round_slice_ranks,
-            group_depth=cfg.layer_depth,
+            group_depth=cfg.layer_depth, rank_view_max=cfg.rank_series_max,
         )
         self._snapshot = Snapshot()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)

@@ -163,7 +163,7 @@ for _stat in statistics.STATISTICS:
 
 # --- per job -------------------------------------------------------------------------------------
 metric("job_world_size", "gauge", "World size the job's ranks report.", ("job_id",))(lambda s: (((j.job,), j.world) for j in s.jobs))
-metric("job_ranks_reporting", "gauge", "Ranks of the job the aggregator currently hears from.", ("job_id",))(lambda s: (((j.job,), len(j.ranks)) for j in s.jobs))
+metric("job_ranks_reporting", "gauge", "Ranks of the job the aggregator currently hears from.", ("job_id",))(lambda s: (((j.job,), j.n_ranks) for j in s.jobs))
 metric("job_restarts", "counter", "Times the job came back from an earlier step under the same job id (all ranks restarted from a checkpoint); its state and the checks' start over.", ("job_id",))(
     lambda s: (((j.job,), j.restarts) for j in s.jobs)
 )
@@ -171,8 +171,11 @@ metric("job_restarts", "counter", "Times the job came back from an earlier step 
 def _over_ranks(attr: str, aggs: tuple[str, ...]):
     def fn(s: Snapshot):
         for j in s.jobs:
-            if j.ranks:
+            if j.rank_columns is not None:  # a huge job's snapshot: every rank's values as columns
+                v = j.rank_columns[attr]
+            else:
                 v = np.fromiter(map(operator.attrgetter(attr), j.ranks), np.float64, len(j.ranks))
+            if len(v):
                 for a in aggs:
                     yield (j.job, a), float(getattr(np, a)(v))
 
@@ -339,7 +342,7 @@ class SnapshotCollector(Collector):
     @staticmethod
     def _over(snap: Snapshot, limit: int | None) -> set[str]:
         """Jobs with more than ``limit`` ranks (none when ``limit`` is None)."""
-        return set() if limit is None else {j.job for j in snap.jobs if max(j.world, len(j.ranks)) > limit}
+        return set() if limit is None else {j.job for j in snap.jobs if max(j.world, j.n_ranks) > limit}
 
     def _detail_filter(self, snap: Snapshot, d: MetricDef, samples):
         """Drop per-rank samples of jobs above ``rank_series_max`` ranks, and non-essential ones of

@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import math
+import operator
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
@@ -216,6 +217,9 @@ class State:
             merged for export, in a slice of its own (:attr:`.reconcile.RoundResult.grouped`); a
             smaller round is merged by the first scrape that exports it, which costs less than
             merging every round when probes are frequent. 0: none is.
+        rank_view_max: the exporter's ``--rank-series-max``: a snapshot of a job with more ranks
+            holds views only of the ranks an active finding names, and columns for the rest
+            (:func:`.reconcile.snapshot`). None: views of every rank.
     """
 
     def __init__(
@@ -238,10 +242,12 @@ class State:
         boot_takeover_s: float = 3.0,
         round_slice_ranks: int = 0,
         group_depth: int = 0,
+        rank_view_max: Optional[int] = None,
     ):
         import time
 
         self.round_slice_ranks = round_slice_ranks
+        self.rank_view_max = rank_view_max  # snapshots of larger jobs: views of named ranks only
         self.group_depth = group_depth  # sliced rounds also merged for export at this depth (RoundResult.grouped)
         #: rounds closed but not reconciled yet (:class:`Closing`), oldest first
         self.closing: collections.deque = collections.deque()
@@ -783,13 +789,23 @@ class State:
 
 
 #: the rank counters its job totals (``gradwatch_job_*_total``), named as :class:`.reconcile.RankView` fields
-JOB_TOTALS = ("steps", "nonfinite_steps", "agent_drops", "lost")
+#: the counters a job totals over its ranks (RankView fields of the same names), each the sum of
+#: these RankState fields: steps, non-finite steps, reports its agent dropped (over all its
+#: boots), messages lost
+COUNTERS = {"steps": ("steps",), "nonfinite_steps": ("nonfinite_steps",), "agent_drops": ("drops_base", "agent_drops"),
+            "lost": ("lost",)}
+JOB_TOTALS = tuple(COUNTERS)
 
 
 def rank_counters(r: RankState) -> dict[str, int]:
-    """The rank's counters that its job totals (:data:`JOB_TOTALS`): steps, non-finite steps,
-    reports its agent dropped (over all its boots), messages lost."""
-    return dict(zip(JOB_TOTALS, (r.steps, r.nonfinite_steps, r.drops_base + r.agent_drops, r.lost)))
+    """The rank's :data:`COUNTERS`."""
+    return {k: sum(getattr(r, f) for f in fields) for k, fields in COUNTERS.items()}
+
+
+def ranks_counters(ranks: list) -> dict[str, int]:
+    """:data:`COUNTERS` summed over ``ranks`` (RankState objects), a pass per field: a snapshot of
+    a 16,384-rank job sums them several times a second."""
+    return {k: sum(sum(map(operator.attrgetter(f), ranks)) for f in fields) for k, fields in COUNTERS.items()}
 
 
 def _nbytes(m: wire.Report) -> int:
