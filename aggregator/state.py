@@ -802,10 +802,14 @@ def rank_counters(r: RankState) -> dict[str, int]:
     return {k: sum(getattr(r, f) for f in fields) for k, fields in COUNTERS.items()}
 
 
-def ranks_counters(ranks: list) -> dict[str, int]:
-    """:data:`COUNTERS` summed over ``ranks`` (RankState objects), a pass per field: a snapshot of
-    a 16,384-rank job sums them several times a second."""
-    return {k: sum(sum(map(operator.attrgetter(f), ranks)) for f in fields) for k, fields in COUNTERS.items()}
+#: the RankState fields :data:`COUNTERS` read, each once
+COUNTER_FIELDS = tuple(dict.fromkeys(f for fields in COUNTERS.values() for f in fields))
+
+
+def counters_of(columns: dict) -> dict[str, int]:
+    """:data:`COUNTERS` summed over ranks from ``columns`` (each of :data:`COUNTER_FIELDS` ->
+    float64 [ranks]: a snapshot of a 16,384-rank job reads every rank's fields in one pass)."""
+    return {k: int(round(sum(float(columns[f].sum()) for f in fields))) for k, fields in COUNTERS.items()}
 
 
 def _nbytes(m: wire.Report) -> int:
