@@ -367,7 +367,7 @@ class SnapshotCollector(Collector):
         if huge:
             named = {(f.job, f.rank) for f in (snap.checks.active if snap.checks else ()) if f.rank is not None}
             few = replace(snap, jobs=tuple(
-                replace(j, ranks=tuple(r for r in j.ranks if (j.job, r.rank) in named),
+                replace(j, ranks=tuple(r for r in j.ranks if (j.job, r.rank) in named), reporting=j.n_ranks,
                         only=frozenset(k for job, k in named if job == j.job)) if j.job in huge else j
                 for j in snap.jobs))
         for d in METRICS.values():

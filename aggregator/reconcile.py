@@ -569,11 +569,11 @@ def snapshot(state, wall_now: float) -> Snapshot:
         order = job.in_order()
         totals = collections.Counter(getattr(job, "forgotten", ()))
         if limit is not None and max(job.world, len(order)) > limit:
-            named = {f.rank for f in (checks.active if checks else ()) if f.job == job.job and f.rank is not None}
+            named = {f.rank for f in (checks.active if checks else ()) if f.job == job.job and isinstance(f.rank, int)}
             ranks = tuple(_rank_view(job.ranks[k], wall_now, mono_now) for k in sorted(named) if k in job.ranks)
             n = len(order)
             # every rank's fields in one pass (16,384 ranks spread over a large heap: a pass per
-            # field cost ~5 ms each beside the writer's other work)
+            # field cost ~10 ms each beside the writer's other work), as float64
             fields = ("step", "last_seen", *COUNTER_FIELDS)
             values = itertools.chain.from_iterable(map(operator.attrgetter(*fields), order))
             col = dict(zip(fields, np.fromiter(values, np.float64, n * len(fields)).reshape(n, len(fields)).T))

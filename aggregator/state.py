@@ -808,7 +808,9 @@ COUNTER_FIELDS = tuple(dict.fromkeys(f for fields in COUNTERS.values() for f in 
 
 def counters_of(columns: dict) -> dict[str, int]:
     """:data:`COUNTERS` summed over ranks from ``columns`` (each of :data:`COUNTER_FIELDS` ->
-    float64 [ranks]: a snapshot of a 16,384-rank job reads every rank's fields in one pass)."""
+    float64 [ranks]: a snapshot of a 16,384-rank job reads every rank's fields in one pass). In
+    float64, as Prometheus holds them anyway: exact while each total stays below 2**53 (a job of
+    16,384 ranks x 10**7 steps is 1.6e11); past that, within float64's rounding."""
     return {k: int(round(sum(float(columns[f].sum()) for f in fields))) for k, fields in COUNTERS.items()}
 
 

@@ -7,6 +7,7 @@ finding names."""
 
 from __future__ import annotations
 
+import collections
 import math
 import re
 from collections import Counter
@@ -292,12 +293,13 @@ def test_a_huge_jobs_round_series_are_those_of_the_ranks_a_finding_names():
     assert series(reg)["gradwatch_rank_probe_interval_steps"] == 3
 
 
-def test_job_totals_count_forgotten_ranks_so_they_never_decrease():
+@pytest.mark.parametrize("rank_view_max", [None, 1])  # every rank's view, or a huge job's columns
+def test_job_totals_count_forgotten_ranks_so_they_never_decrease(rank_view_max):
     from gradwatch.aggregator.reconcile import snapshot
     from gradwatch.aggregator.state import JobState, RankState, State
 
     now = [0.0]
-    st = State(rank_ttl_s=10, clock=lambda: now[0])
+    st = State(rank_ttl_s=10, clock=lambda: now[0], rank_view_max=rank_view_max)
     job = st.jobs["j"] = JobState("j", 2, admitted=True)
     job.ranks = {0: RankState(0, steps=5, last_seen=0.0, agent_drops=1, drops_base=2), 1: RankState(1, steps=7, last_seen=9.0)}
     before = dict(snapshot(st, 0.0).jobs[0].totals)
@@ -305,3 +307,34 @@ def test_job_totals_count_forgotten_ranks_so_they_never_decrease():
     st.tick()  # rank 0 silent for 12 s > ttl: forgotten
     after = dict(snapshot(st, 0.0).jobs[0].totals)
     assert 0 not in job.ranks and before == after == {"steps": 12, "nonfinite_steps": 0, "agent_drops": 3, "lost": 0}
+
+
+def test_a_huge_jobs_snapshot_has_the_columns_totals_and_views_of_a_full_one():
+    """Above rank_view_max a snapshot keeps views of the named ranks only (a finding naming a rank
+    gone from the job, or another job's rank, adds none) and columns over every rank: equal to what
+    the views of every rank give, with distinct values in every field and forgotten ranks' counters."""
+    from gradwatch.aggregator.checks import Runner, Thresholds
+    from gradwatch.aggregator.reconcile import snapshot
+    from gradwatch.aggregator.state import JobState, RankState, State
+
+    rng = np.random.default_rng(1)
+    findings = [Finding("straggler", "j", 5, "slow", rank=3), Finding("rank_silent", "j", 5, "gone", rank=99),
+                Finding("straggler", "k", 5, "slow", rank=4), Finding("explosion", "j", 5, "norm", rank=None)]
+    runner = Runner(["straggler", "rank_silent", "explosion"], Thresholds())
+    for i, f in enumerate(findings):  # active findings, as the checks would have raised them
+        runner.active.setdefault((f.job, f.check), {})[(i,)] = f
+    st = State(clock=lambda: 1000.0, runner=runner)
+    job = st.jobs["j"] = JobState("j", 8, admitted=True)
+    job.ranks = {r: RankState(r, step=int(rng.integers(0, 100)), steps=int(rng.integers(0, 10**6)),
+                              nonfinite_steps=int(rng.integers(0, 9)), lost=int(rng.integers(0, 50)),
+                              agent_drops=int(rng.integers(0, 20)), drops_base=int(rng.integers(0, 20)),
+                              last_seen=float(rng.uniform(900, 1000))) for r in (0, 1, 2, 3, 5, 6, 7)}
+    job.forgotten = collections.Counter(steps=11, lost=2, agent_drops=4)
+    full = snapshot(st, 5000.0).jobs[0]
+    st.rank_view_max = 4
+    cut = snapshot(st, 5000.0).jobs[0]
+    assert full.n_ranks == cut.n_ranks == 7 and full.rank_columns is None
+    assert cut.ranks == tuple(v for v in full.ranks if v.rank == 3)
+    assert cut.totals == full.totals and dict(cut.totals)["steps"] == sum(r.steps for r in job.ranks.values()) + 11
+    for attr in ("step", "last_seen"):
+        np.testing.assert_array_equal(cut.rank_columns[attr], [getattr(v, attr) for v in full.ranks])
