@@ -147,13 +147,28 @@ def legit_view(m: dict, job="none") -> dict:
 
 
 def settle(agg, sock, job=None, n=None):
-    """Wait until the aggregator has applied everything sent (a marker heartbeat of its own job)."""
-    marker = wire.Header("settle-marker", 0, 1, "m", int(time.monotonic() * 1e6), 0.0)
-    sock.send(wire.encode(wire.Heartbeat(marker, -1, 0, 0, 0)))
-    wait_for(lambda: any(k.startswith("settle-marker") for k in agg.state.jobs)
-             and agg.state.jobs[[k for k in agg.state.jobs if k.startswith("settle-marker")][0]].ranks[0].last_seq == marker.seq,
-             10, what="the aggregator to drain")
-    time.sleep(0.2)  # a publish interval or two
+    """Wait until the aggregator has applied everything sent: a marker heartbeat of its own job,
+    twice. The intake takes the jobs' frames in turn, so the first marker can be applied before
+    frames of another job sent ahead of it; once it is and the intake is empty, those are in the
+    writer's current batch, which is applied before the second marker's."""
+
+    def mark():
+        marker = wire.Header("settle-marker", 0, 1, "m", int(time.monotonic() * 1e6), 0.0)
+        sock.send(wire.encode(wire.Heartbeat(marker, -1, 0, 0, 0)))
+        wait_for(lambda: any(k.startswith("settle-marker") for k in agg.state.jobs)
+                 and agg.state.jobs[[k for k in agg.state.jobs if k.startswith("settle-marker")][0]].ranks[0].last_seq == marker.seq,
+                 10, what="the aggregator to drain")
+
+    mark()
+    wait_for(lambda: agg.intake.frames == 0, 10, what="the intake to empty")
+    mark()
+
+    def published():  # the snapshot scrapes read has caught up with the state's counts
+        snap = agg.snapshot
+        return dict(snap.received) == dict(agg.state.received) and dict(snap.rejected) == dict(agg.state.rejected)
+
+    wait_for(published, 10, what="a snapshot of the drained state")
+    time.sleep(0.1)  # and the scrape's own view of it
 
 
 def rejected(m: dict) -> dict:
