@@ -679,6 +679,7 @@ def test_an_intake_too_small_for_a_jobs_probed_step_says_which_settings_would_ho
         wait_for(lambda: agg.state.jobs.get("big") is not None and agg.state.jobs["big"].admitted
                  and agg.state.jobs.get("small") is not None and agg.state.jobs["small"].admitted,
                  what="both jobs admitted")
+        dropped_before, t_stall = agg.intake.dropped, agg.state.clock()
         stalled.set()
         for a in small:
             a.heartbeat()  # the writer blocks on one of these
@@ -688,16 +689,13 @@ def test_an_intake_too_small_for_a_jobs_probed_step_says_which_settings_would_ho
         for _ in range(150):  # far past its share too: dropped, but one probed step of it fits
             for a in small:
                 a.heartbeat()
-        def dropped_jobs():
-            with agg.intake._lock:  # the intake thread adds to it
-                return {ident[0] for ident, _ in agg.intake.dropped_jobs}
-
-        # the writer is stalled, so nothing takes the drops: both jobs' heartbeats past their
-        # shares are dropped and named (the job schemas' and reports' burst may already have cost
-        # big some frames before the stall: a fixed wait after the first drop was too short on a
-        # loaded machine)
-        wait_for(lambda: dropped_jobs() == {"big", "small"}, what="both jobs' frames dropped past the intake's budget")
+        # both jobs' heartbeats past their shares are dropped (the schemas' and reports' burst may
+        # already have cost big some frames before the stall: waiting for a first drop was no wait)
+        wait_for(lambda: agg.intake.dropped > dropped_before + 100, what="frames dropped past the intake's budget")
         go.set()
+        # each drop names its job: both are marked overloaded (their silence checks muted)
+        wait_for(lambda: all(agg.state.jobs[j].overloaded_at >= t_stall for j in ("big", "small")),
+                 what="both jobs marked overloaded by their dropped frames")
         wait_for(lambda: agg.state.rejected["overload"] == agg.intake.dropped
                  and any("job big" in r.getMessage() for r in caplog.records), what="the warning")
         warned = [r.getMessage() for r in caplog.records if "loses frames to overload" in r.getMessage()]
