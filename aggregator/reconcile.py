@@ -563,7 +563,7 @@ def snapshot(state, wall_now: float) -> Snapshot:
     from .state import COUNTER_FIELDS, JOB_TOTALS, counters_of  # state imports this module
     mono_now = state.clock()
     checks = state.runner.view() if state.runner is not None else None
-    limit = getattr(state, "rank_view_max", None)
+    limit = state.rank_view_max
     jobs = []
     for job in state.jobs.values():
         order = job.in_order()
