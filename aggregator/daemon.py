@@ -56,6 +56,14 @@ PERIODIC_SHARE = 0.1
 #: wait in the intake (:class:`SliceGate`): the steps after a probed step are handled first, so
 #: that a 16,384-rank job's metrics do not wait for its round (0.5-1 s of the writer)
 ROUND_SHARE = 0.25
+#: most share of a job's room in the :class:`Intake` the bulk of its frames may take: past it a
+#: probe report is kept as its step's record alone (~1/40 of its bytes at 100 layers) and a schema
+#: (~15 kB at 100 layers, resent by every rank) is dropped (:func:`gradwatch.wire.shed`); the rest
+#: of the room holds the records of the steps that follow. A 16,384-rank job's probed step is ~160
+#: MB of reports at 100 layers, and its schema resends 245 MB: dropping whatever found no room hid
+#: those ranks' step until their next message (~1 s at a step a second), and dropped the next
+#: steps' records that found the room full of arrays.
+BULK_SHARE = 0.75
 #: seconds after which a round's slices run back to back whatever waits: the round's checks wait
 #: for it (:attr:`.state.JobState.deferred`, its job's ticks included: ``rank_silent``,
 #: ``training_stalled``), so its findings come at most about this much later than without the share
@@ -94,14 +102,21 @@ class Intake:
         max_bytes: most bytes of frames held (memory).
         max_frames: most frames held (how far behind the writer may fall).
         Past half of either, a job holds at most its share: the limit over one more than the
-        jobs holding frames. A frame past its job's share is dropped; a frame that finds no room
-        while its job is below its share makes room by dropping the oldest frame of the job
-        holding the most. Under overload a job flooding the aggregator thus loses its own frames,
-        never another job's share, whichever came first. Every drop is counted.
+        jobs holding frames. A probe report that would take its job past :data:`BULK_SHARE` of
+        its share of bytes, and the intake past that share of its half, is shed: kept as its
+        step's record alone (:func:`gradwatch.wire.shed`; the rank's step shows, the round lacks
+        its arrays); a schema is dropped there (its ranks resend it, and a stage's ranks share
+        one). The job's records thus keep room beside its bulk. A frame past its job's share is
+        dropped; a frame that finds no room while its job is below its share makes room by
+        dropping the oldest frame of the job holding the most. Under overload a job flooding the
+        aggregator thus loses its own frames, never another job's share, whichever came first.
+        Every drop and every shed report is counted.
 
     Attributes:
         bytes: bytes of frames held now.
         dropped: frames dropped for lack of room (the writer counts them as ``overload``).
+        shed: probe reports held as their step's record alone (:func:`gradwatch.wire.shed`); the
+            writer counts them as received reports, and in ``probes_shed``.
         dropped_jobs: the jobs whose frames were dropped since the writer last asked
             (:meth:`take_dropped`), as ``((job id, key), CURVE user id or None)``: the identity
             their headers claim and the key their sender authenticated with. At most
@@ -116,6 +131,7 @@ class Intake:
         self.bytes = 0
         self.frames = 0
         self.dropped = 0
+        self.shed = 0
         self.dropped_jobs: set = set()
         self.ready = threading.Event()
         self._queues: dict = {}  # job -> deque of (frame, user id), oldest first
@@ -158,9 +174,19 @@ class Intake:
         if n > self.max_bytes:
             self._drop(job)
             return
+        shares = len(self._queues) + (q is None) + 1  # and one for a newcomer
+        # arrays past BULK_SHARE of the job's share (or of the intake's half, from where shares apply)
+        shed = (2 * (self.bytes + n) > BULK_SHARE * self.max_bytes
+                and held_bytes + n > BULK_SHARE * self.max_bytes / shares)
+        if shed:
+            kept = wire.shed(item[0])
+            if not kept:  # a schema
+                self._drop(job)
+                return
+            shed = kept is not item[0]  # a probe report's record (anything else is kept whole)
+            item, n = (kept, item[1]), len(kept)
         full = self.frames + 1 > self.max_frames or self.bytes + n > self.max_bytes
         if full or 2 * (self.frames + 1) > self.max_frames or 2 * (self.bytes + n) > self.max_bytes:
-            shares = len(self._queues) + (q is None) + 1  # and one for a newcomer
             if held + 1 > self.max_frames / shares or held_bytes + n > self.max_bytes / shares:
                 self._drop(job)  # past its share: its own frame goes
                 return
@@ -169,6 +195,7 @@ class Intake:
                 full = self.frames + 1 > self.max_frames or self.bytes + n > self.max_bytes
         if q is None:
             q = self._queues[job] = collections.deque()
+        self.shed += shed
         q.append(item)
         self.frames += 1
         self.bytes += n
@@ -494,6 +521,7 @@ class Aggregator:
                     self._guarded(self.state.advance, "reconcile a round")
                     gate.ran(t0, time.perf_counter())
                 dropped = intake.dropped  # read once: the intake thread may add more meanwhile
+                self.state.probes_shed = intake.shed
                 if dropped != self._overload_counted:
                     self.state.reject("overload", dropped - self._overload_counted)
                     drops = intake.take_dropped()

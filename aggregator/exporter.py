@@ -217,6 +217,9 @@ metric("job_series_dropped", "gauge", "Per-layer series of the job's latest prob
 metric("jobs_evicted", "counter", "Jobs evicted before they sent a schema and a report (more than --max-pending-jobs such jobs at once).", ())(
     lambda s: (((), s.jobs_evicted),)
 )
+metric("probes_shed", "counter", "Probe reports the aggregator had no room for under overload and kept as their step's record alone: counted as received reports; their rounds lack those ranks' arrays (incomplete).", ())(
+    lambda s: (((), s.probes_shed),)
+)
 metric("messages_rejected", "counter", "Messages rejected, by reason (malformed, too_large, unknown_schema, ...).", ("reason",))(
     lambda s: (((k,), v) for k, v in s.rejected)
 )

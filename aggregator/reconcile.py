@@ -541,6 +541,7 @@ class Snapshot:
     decode_seconds: float = 0.0
     decode_count: int = 0
     jobs_evicted: int = 0  # pending jobs evicted (State.max_pending_jobs)
+    probes_shed: int = 0  # probe reports kept as their step's record alone (daemon.Intake.shed)
 
 
 def _rank_view(r, wall_now: float, mono_now: float) -> RankView:
@@ -562,13 +563,16 @@ def snapshot(state, wall_now: float) -> Snapshot:
     writer per snapshot, which made snapshots, and so the metrics' freshness, 4x rarer."""
     from .state import COUNTER_FIELDS, JOB_TOTALS, counters_of  # state imports this module
     mono_now = state.clock()
-    checks = state.runner.view() if state.runner is not None else None
     limit = state.rank_view_max
+    huge = {j.job for j in state.jobs.values() if limit is not None and max(j.world, len(j.ranks)) > limit}
+    checks = None
+    if state.runner is not None:
+        checks = state.runner.view(state.runner.named_ranks(huge) if huge else None)
     jobs = []
     for job in state.jobs.values():
         order = job.in_order()
         totals = collections.Counter(getattr(job, "forgotten", ()))
-        if limit is not None and max(job.world, len(order)) > limit:
+        if job.job in huge:
             named = {f.rank for f in (checks.active if checks else ()) if f.job == job.job and isinstance(f.rank, int)}
             ranks = tuple(_rank_view(job.ranks[k], wall_now, mono_now) for k in sorted(named) if k in job.ranks)
             n = len(order)
@@ -596,6 +600,7 @@ def snapshot(state, wall_now: float) -> Snapshot:
         state.decode_seconds,
         state.decode_count,
         getattr(state, "jobs_evicted", 0),
+        getattr(state, "probes_shed", 0),
     )
 
 

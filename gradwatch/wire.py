@@ -802,3 +802,35 @@ class _PeekMessage(msgspec.Struct):
 
 
 _HEADER_PEEK = msgspec.msgpack.Decoder(_PeekMessage)
+
+
+_RAW_MAP = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_REPORT, _SCHEMA, _TRUE, _FALSE = (msgspec.Raw(_ENCODER.encode(x)) for x in ("report", "schema", True, False))
+
+
+def shed(frame: bytes) -> bytes:
+    """What a receiver without room for a frame's bulk keeps of it:
+
+    * a probe report: the frame without its probe arrays (:data:`PROBE_ARRAYS`) and with ``probe``
+      false, its step's record alone, as an unprobed report of that step carries it (header,
+      scalars, ``grad_norms``, ``grad_sq``, ``nonfinite_slot`` kept byte for byte);
+    * a schema: nothing (``b""``): every rank resends its own, the ranks of a pipeline stage send
+      the same one, and heartbeats name its hash;
+    * any other frame, or one that is not a msgpack map: ``frame`` itself (the same object).
+
+    The aggregator's intake sheds frames past their share of its room (:data:`~gradwatch.aggregator.daemon.BULK_SHARE`):
+    the ranks' steps still show, the round lacks their arrays. Nothing is validated beyond the map:
+    the result is decoded with :func:`decode` like any frame, and rejected by reason there."""
+    try:
+        m = _RAW_MAP.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return frame
+    kind = m.get("kind")
+    if kind == _SCHEMA:
+        return b""
+    if kind != _REPORT or m.get("probe") != _TRUE:
+        return frame
+    for key in PROBE_ARRAYS:
+        m.pop(key, None)
+    m["probe"] = _FALSE
+    return _ENCODER.encode(m)

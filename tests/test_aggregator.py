@@ -440,6 +440,59 @@ def test_rounds_complete_when_every_rank_reports_and_close_incomplete_after_grac
         agg.stop()
 
 
+class _Kept:
+    """A stand-in socket that keeps the frames sent (fed to a State by hand, no timing)."""
+
+    def __init__(self):
+        self.frames: list = []
+
+    def send(self, frame: bytes) -> None:
+        self.frames.append(frame)
+
+
+def test_a_round_closes_once_every_missing_rank_went_past_its_step():
+    """A rank's messages come in step order: once every rank missing from a round has sent a record
+    of its step or a later one (its report dropped by its agent, shed by the aggregator's intake, or
+    not probed), the round waits no longer: it closes incomplete at once, not after round_grace_s."""
+    from gradwatch.aggregator.state import State
+
+    st = State(clock=lambda: 100.0)  # the clock stands still: no grace period runs out
+    out = _Kept()
+    ranks = [FakeRank(out, "passed", r, 3) for r in range(3)]
+
+    def feed():
+        for f in out.frames:
+            st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
+        out.frames.clear()
+
+    def probe(r, step):
+        r.report(step, probe=probe_arrays(len(SLOTS), len(PARAMS), 10 * step + r.rank))
+
+    for r in ranks:
+        r.schema()
+        r.report(0)
+    feed()
+    job = st.jobs["passed"]
+    probe(ranks[0], 5)
+    probe(ranks[1], 5)
+    ranks[2].report(4)  # before the probed step: its report may still come
+    feed()
+    assert list(job.rounds) == [5] and job.rounds_incomplete == 0
+    ranks[2].report(5)  # its record of the step, without the arrays: they will not come
+    feed()
+    assert not job.rounds and job.rounds_incomplete == 1 and job.last_round.step == 5
+    assert st.rejected == {}
+    probe(ranks[0], 10)
+    probe(ranks[1], 10)
+    probe(ranks[2], 15)  # a later probe passes the round before it, and opens its own
+    feed()
+    assert list(job.rounds) == [15] and job.rounds_incomplete == 2 and job.last_round.step == 10
+    probe(ranks[0], 15)
+    probe(ranks[1], 15)
+    feed()
+    assert not job.rounds and job.rounds_complete == 1 and job.rounds_incomplete == 2
+
+
 # --- (e) C38: start-up errors name the setting ----------------------------------------------------
 
 

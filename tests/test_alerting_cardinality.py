@@ -330,9 +330,18 @@ def test_a_huge_jobs_snapshot_has_the_columns_totals_and_views_of_a_full_one():
                               agent_drops=int(rng.integers(0, 20)), drops_base=int(rng.integers(0, 20)),
                               last_seen=float(rng.uniform(900, 1000))) for r in (0, 1, 2, 3, 5, 6, 7)}
     job.forgotten = collections.Counter(steps=11, lost=2, agent_drops=4)
-    full = snapshot(st, 5000.0).jobs[0]
+    # the checks' per-rank values: a huge job's are copied for the named ranks only, others' whole
+    scores = {(str(r),): r / 8 for r in range(8)}
+    runner.checks["straggler"]._values.update(j={"rank_straggler_relative_score": scores},
+                                              k={"rank_straggler_relative_score": scores})
+    whole = snapshot(st, 5000.0)
+    full = whole.jobs[0]
     st.rank_view_max = 4
-    cut = snapshot(st, 5000.0).jobs[0]
+    few = snapshot(st, 5000.0)
+    cut = few.jobs[0]
+    want = {("k", *lv): v for lv, v in scores.items()}
+    assert whole.checks.values["rank_straggler_relative_score"] == {**want, **{("j", *lv): v for lv, v in scores.items()}}
+    assert few.checks.values["rank_straggler_relative_score"] == {**want, ("j", "3"): 3 / 8}
     assert full.n_ranks == cut.n_ranks == 7 and full.rank_columns is None
     assert cut.ranks == tuple(v for v in full.ranks if v.rank == 3)
     assert cut.totals == full.totals and dict(cut.totals)["steps"] == sum(r.steps for r in job.ranks.values()) + 11

@@ -639,6 +639,97 @@ def test_a_job_flooding_the_intake_loses_its_own_frames_not_another_jobs():
     assert intake.dropped + len(first + rest) == 10_000 + 200 + 150 + 500 + 50  # each frame taken or counted
 
 
+WIDE_PARAMS = tuple((f"l{i}.weight", (4, 4), "float32") for i in range(300))
+WIDE_SLOTS = tuple((f"l{i}", "", "Linear", "float32") for i in range(300))
+
+
+def test_probe_reports_past_their_share_of_the_intake_keep_their_record_and_nothing_is_dropped():
+    """Issue 14: a large job's probed step arrives as a burst of reports, most of their bytes
+    arrays. Past BULK_SHARE of the job's share of the intake a probe report is shed: kept as its
+    step's record alone (wire.shed), so every rank's step still shows and the records of the next
+    step find room. Here 40 reports of 18 kB (740 kB) and the next step's records fit an intake
+    of 400 kB without a single drop (before, half the reports and every later record went).
+    Schemas (resent by every rank, the same for all) past the share are dropped."""
+    intake = Intake(400_000, 10_000)
+    world = 40
+    sent, schemas = [], []
+    for r in range(world):
+        a = Agent(None, "big", r, world, "", WIDE_PARAMS, WIDE_SLOTS)
+        a.send = schemas.append
+        a.schema()
+        a.send = sent.append
+        a.report(10, probe=True)
+        a.report(11)
+    frames = [(wire.encode(m), None) for m in sent]
+    assert len(frames[0][0]) > 18_000
+    intake.put(frames[0::2])  # the burst of reports, a burst of schema resends, the next step's records
+    intake.put([(wire.encode(m), None) for m in schemas])
+    intake.put(frames[1::2])
+    assert intake.dropped == world and 0 < intake.shed < world and intake.bytes <= 200_000
+    got = [wire.decode(f) for f, _ in intake.take(10**6)]
+    assert [(m.header.rank, m.step) for m in got] == [(r, 10) for r in range(world)] + [(r, 11) for r in range(world)]
+    full = [m for m in got if m.probe]
+    assert len(full) + intake.shed == world and [m.header.rank for m in full] == list(range(len(full)))
+    assert sum(len(f) for f, _ in frames[: len(full)]) <= 0.75 * 400_000 / 2  # the arrays' share
+    for m, (f, _) in zip(got[len(full):world], frames[2 * len(full):2 * world:2]):
+        want = wire.decode(f)
+        assert m.act is None and m.header == want.header and m.step_time == want.step_time
+
+
+def test_an_aggregator_without_room_for_a_probed_steps_arrays_shows_every_ranks_step():
+    """The same over TCP with the writer stalled during the burst: once it resumes, every rank's
+    step shows without waiting for its next message, the shed reports count as received reports
+    and in gradwatch_probes_shed_total, and the round, lacking their arrays, closes incomplete."""
+    import threading
+
+    cfg = load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
+               max_intake_bytes=1 << 20, max_message_bytes=1 << 20, rcv_hwm=100_000, round_grace_s=1.0)
+    agg = Aggregator(cfg)
+    ctx = zmq.Context()
+    stalled, go = threading.Event(), threading.Event()
+    real_handle = agg.handle
+
+    def handle(frame, key=None):
+        if stalled.is_set():
+            go.wait(60)
+        real_handle(frame, key)
+
+    agg.handle = handle
+    agg.start()
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(agg.endpoint)
+        world = 64
+        ranks = [Agent(sock, "big", r, world, "", WIDE_PARAMS, WIDE_SLOTS) for r in range(world)]
+        for a in ranks:
+            a.schema()
+            a.report(0)
+        wait_for(lambda: agg.state.jobs.get("big") is not None and len(agg.state.jobs["big"].ranks) == world
+                 and all(r.step == 0 for r in agg.state.jobs["big"].ranks.values()), what="the job's first step")
+        # (the 64 schemas' burst, 1 MB, may have cost frames: counted from here)
+        wait_for(lambda: agg.intake.frames == 0 and agg.state.rejected["overload"] == agg.intake.dropped,
+                 what="the intake drained")
+        dropped = agg.intake.dropped
+        stalled.set()
+        ranks[0].heartbeat()  # the writer blocks on it
+        for a in ranks:
+            a.report(1, probe=True)  # 64 x 18 kB: past the intake's 1 MB
+        wait_for(lambda: agg.intake.frames + agg.intake.dropped - dropped >= world, what="the burst in the intake")
+        assert agg.intake.shed > world // 2 and agg.intake.dropped == dropped
+        go.set()
+        job = agg.state.jobs["big"]
+        wait_for(lambda: all(r.step == 1 for r in job.ranks.values()), what="every rank's probed step")
+        wait_for(lambda: job.rounds_incomplete == 1, what="the round closed without the shed arrays")
+        assert agg.state.received["report"] == 2 * world and agg.state.rejected["overload"] == dropped
+        m = samples(requests.get(agg.metrics_url, timeout=5).text, "gradwatch_probes_shed_total")
+        assert m[()] == agg.intake.shed
+    finally:
+        go.set()
+        ctx.destroy(0)
+        agg.stop()
+
+
 def test_an_intake_too_small_for_a_jobs_probed_step_says_which_settings_would_hold_it(caplog):
     """Issue 14: a probed step of a large job arrives as one burst of world reports, and while its
     round closes the next step's messages come in: more than one job's share of a small intake.

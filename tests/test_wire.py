@@ -723,6 +723,37 @@ def test_peek_reads_the_job_identity_alone():
         assert wire.peek(junk) is None
 
 
+def test_shed_keeps_a_probe_reports_record_and_drops_its_arrays():
+    """What the aggregator's intake keeps of a frame it has no room for the bulk of. A probe
+    report: the same message as the agent's unprobed report of that step (every scalar,
+    grad_norms, grad_sq and the NaN guard's slot byte for byte), a fraction of the bytes. A
+    schema: nothing. Any other frame, junk included: itself."""
+    extra = dict(grad_norms=np.arange(N_PARAMS, dtype=np.float32) + 0.5, grad_sq=(((0,), 2.5), ((), 0.25)),
+                 nonfinite_slot=2)
+    full = wire.encode(report(probe=True, **extra))
+    out = wire.shed(full)
+    assert len(out) < len(full) - wire.probe_bytes(N_PARAMS, N_SLOTS) + 16
+    got = wire.decode(out, schema_sizes=sizes())
+    want = wire.decode(wire.encode(report(probe=False, **extra)), schema_sizes=sizes())
+    assert type(got) is wire.Report and not got.probe
+    assert same(scalars(got), scalars(want))
+    assert got.grad_norms.tobytes() == want.grad_norms.tobytes() and got.grad_sq == want.grad_sq
+    assert all(getattr(got, k) is None for k in wire.PROBE_ARRAYS)
+    # made with msgpack-python, keys in another order: still found
+    m = raw(report(probe=True))
+    assert len(wire.shed(pack(dict(reversed(list(m.items())))))) < len(pack(m)) - wire.probe_bytes(N_PARAMS, N_SLOTS) + 16
+    assert wire.shed(wire.encode(schema())) == b"" == wire.shed(pack(raw(schema())))
+    for other in (wire.encode(report(probe=False)), wire.encode(steps()), wire.encode(heartbeat()), b"", b"\xc1",
+                  pack([1]), pack({"kind": "report", "probe": 1}), b"\x91" * 10_000):
+        assert wire.shed(other) is other
+    # a forged map is shed as it is and left to decode, which names its fault
+    bad = raw(report(probe=True))
+    bad["step"] = -5
+    with pytest.raises(wire.WireError) as e:
+        wire.decode(wire.shed(pack(bad)))
+    assert e.value.reason == "bad_field"
+
+
 def test_a_resent_schema_with_a_known_hash_is_not_parsed_again():
     """The aggregator passes the schemas it holds: a resend with a known hash takes their lists,
     which the bogus lists of this frame prove (they would be rejected if parsed), under its own

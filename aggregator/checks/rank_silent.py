@@ -24,6 +24,7 @@ that drop, or after it, is not named (one silent since earlier still is, and sta
 
 from __future__ import annotations
 
+import numpy as np
 from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
@@ -50,13 +51,18 @@ class RankSilent(Check):
         if not job.ranks:
             return Evaluation.no_data()
         findings = []
-        live = [r.step for r in job.ranks.values() if not r.closing and now - r.last_seen <= self.t.silent_after_s]
-        lead = max(live, default=-1)
+        c = job.columns()
+        heard = now - c.last_seen <= self.t.silent_after_s
+        live = c.step[~c.closing & heard]
+        lead = int(live.max()) if len(live) else -1
         # the job ended while the intake dropped its frames: a rank whose last message came shortly
         # before a drop, or after, may have said goodbye unheard
         ended = job.ended_in_overload(self.t.silent_after_s)
         unsure_from = ended - self.t.silent_after_s if ended is not None else float("inf")
-        for r in job.in_order():
+        # the ranks the loop below may name: stopped behind their peers, or silent
+        maybe = (c.closing & (lead - c.step > self.t.skew_steps)) | (~c.closing & ~heard & (c.last_seen < unsure_from))
+        order = job.in_order()
+        for r in (order[i] for i in np.flatnonzero(maybe).tolist()):
             k = r.rank
             age = now - r.last_seen
             if r.closing and lead - r.step > self.t.skew_steps:

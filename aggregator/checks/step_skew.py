@@ -17,6 +17,7 @@ this check names nobody new: what the aggregator missed is not the ranks' doing.
 
 from __future__ import annotations
 
+import numpy as np
 from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
@@ -49,15 +50,14 @@ class StepSkew(Check):
         self._since: dict[str, float] = {}  # when the gap last went over skew_steps
 
     def on_tick(self, job, now):
-        live = [
-            r for r in job.in_order()
-            if not r.closing and r.step >= 0 and now - r.last_seen <= self.t.silent_after_s
-        ]
+        c = job.columns()
+        live = np.flatnonzero(~c.closing & (c.step >= 0) & (now - c.last_seen <= self.t.silent_after_s))
         if len(live) < 2:
             self._skew.pop(job.job, None)
             return Evaluation.no_data()
-        behind = min(live, key=lambda r: (r.step, r.rank))
-        ahead = max(live, key=lambda r: (r.step, -r.rank))
+        order = job.in_order()
+        # the lowest rank among the least and among the most advanced (argmin/argmax take the first)
+        behind, ahead = order[live[np.argmin(c.step[live])]], order[live[np.argmax(c.step[live])]]
         skew = ahead.step - behind.step
         self._skew[job.job] = skew
         if skew <= self.t.skew_steps:
@@ -65,6 +65,7 @@ class StepSkew(Check):
             return Evaluation.healthy()
         if now - self._since.setdefault(job.job, now) < self.t.skew_for_s:
             return None  # not yet held long enough to tell from reporting jitter
+        live = [order[i] for i in live.tolist()]
         lagging = [r.rank for r in live if ahead.step - r.step > self.t.skew_steps]
         return Evaluation.found(Finding(
             self.name, job.job, behind.step,

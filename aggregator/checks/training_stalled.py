@@ -121,12 +121,14 @@ class TrainingStalled(Check):
         return max(self.t.stall_after_s, self.t.stall_steps * median)
 
     def on_tick(self, job, now):
-        live = [r for r in job.in_order() if not r.closing]
-        last = max((r.last_report_at for r in live if r.steps), default=None)
-        if not live:
+        c = job.columns()
+        open_ = ~c.closing
+        if not open_.any():
             self._idle.pop(job.job, None)
             return Evaluation.healthy() if job.ranks else Evaluation.no_data()  # all said goodbye
-        heard_at = max(r.last_seen for r in live)
+        reported = open_ & (c.steps > 0)
+        last = float(c.last_report_at[reported].max()) if reported.any() else None
+        heard_at = float(c.last_seen[open_].max())
         if heard_at - self._heard.get(job.job, heard_at) > self.DARK_S:
             self._since[job.job] = heard_at
         self._heard[job.job] = heard_at
@@ -138,6 +140,7 @@ class TrainingStalled(Check):
         if idle < bound:
             self._named.pop(job.job, None)
             return Evaluation.healthy()
+        live = [r for r in job.in_order() if not r.closing]
         heard = [r for r in live if now - r.last_seen <= self.t.silent_after_s]
         if not heard:
             return Evaluation.no_data()  # everyone is silent: the job died, not stalled (rank_silent)
