@@ -59,6 +59,10 @@ Ready = Optional[Callable[[], bool]]
 BATCH_BYTES = 1 << 20
 #: the schema resend gap doubles up to this multiple of ``schema_every_s``
 SCHEMA_BACKOFF = 32
+#: each periodic schema resend comes up to this fraction of its gap late, drawn at random: a large
+#: job's ranks start together, and at 0.25 a 16,384-rank job's first resends (~10 kB each at 100
+#: layers) reached the aggregator within 2.5 s, a burst that crowded out the steps' records there
+SCHEMA_JITTER = 1.0
 _ROW_BYTES = 8 * len(wire.STEP_COLUMNS)
 
 
@@ -98,9 +102,9 @@ class Sender:
         heartbeat_s: seconds without a message before a heartbeat goes out.
         schema_every_s: seconds from a (re)connect or a schema change to the first resend; the gap
             doubles after each resend, up to ``SCHEMA_BACKOFF x schema_every_s``.
-        schema_jitter: each resend comes up to this fraction of its gap later, drawn at random:
-            the ranks of a job start together, and their resends should not reach the aggregator
-            as one wave (16,384 schemas at once).
+        schema_jitter: each resend comes up to this fraction of its gap later, drawn at random
+            (:data:`SCHEMA_JITTER`): the ranks of a job start together, and their resends should
+            not reach the aggregator as one wave (16,384 schemas at once).
         coalesce_s: seconds the records of unprobed steps gather before going out as one message
             (0: at the sender's next turn).
         watch: ``report -> bool``, called on the sender thread for every step report built, in
@@ -123,7 +127,7 @@ class Sender:
         send_hwm: int = 256,
         heartbeat_s: float = 1.0,
         schema_every_s: float = 10.0,
-        schema_jitter: float = 0.25,
+        schema_jitter: float = SCHEMA_JITTER,
         coalesce_s: float = 0.25,
         watch: Optional[Callable[[wire.Report], bool]] = None,
         errors: Callable[[], int] = lambda: 0,

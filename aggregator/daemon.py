@@ -117,6 +117,9 @@ class Intake:
         dropped: frames dropped for lack of room (the writer counts them as ``overload``).
         shed: probe reports held as their step's record alone (:func:`gradwatch.wire.shed`); the
             writer counts them as received reports, and in ``probes_shed``.
+        shed_jobs: the jobs whose probe reports were shed since the writer last asked
+            (:meth:`take_shed`), bounded as ``dropped_jobs`` is; not marked overloaded (their
+            records came).
         dropped_jobs: the jobs whose frames were dropped since the writer last asked
             (:meth:`take_dropped`), as ``((job id, key), CURVE user id or None)``: the identity
             their headers claim and the key their sender authenticated with. At most
@@ -133,6 +136,7 @@ class Intake:
         self.dropped = 0
         self.shed = 0
         self.dropped_jobs: set = set()
+        self.shed_jobs: set = set()
         self.ready = threading.Event()
         self._queues: dict = {}  # job -> deque of (frame, user id), oldest first
         self._bytes: collections.Counter = collections.Counter()  # job -> bytes held
@@ -195,7 +199,9 @@ class Intake:
                 full = self.frames + 1 > self.max_frames or self.bytes + n > self.max_bytes
         if q is None:
             q = self._queues[job] = collections.deque()
-        self.shed += shed
+        if shed:
+            self.shed += 1
+            self._note(self.shed_jobs, job)
         q.append(item)
         self.frames += 1
         self.bytes += n
@@ -208,17 +214,28 @@ class Intake:
 
     def _drop(self, job) -> None:
         self.dropped += 1
+        self._note(self.dropped_jobs, job)
+
+    @staticmethod
+    def _note(jobs: set, job) -> None:
         user, ident = job
         # peers choose the identities frames claim: bounded in entries and in the size of each
-        if (ident is not None and len(self.dropped_jobs) < MAX_DROPPED_JOBS
+        if (ident is not None and len(jobs) < MAX_DROPPED_JOBS
                 and len(ident[0]) <= _MAX_JOB_ID and len(ident[1]) <= _MAX_JOB_KEY):
-            self.dropped_jobs.add((ident, user))
+            jobs.add((ident, user))
 
     def take_dropped(self) -> set:
         """Writer thread: the ``((job id, key), CURVE user id or None)`` of the frames dropped since
         the last call (:attr:`dropped_jobs`)."""
         with self._lock:
             out, self.dropped_jobs = self.dropped_jobs, set()
+        return out
+
+    def take_shed(self) -> set:
+        """Writer thread: :meth:`take_dropped` for the jobs whose probe reports were shed
+        (:attr:`shed_jobs`)."""
+        with self._lock:
+            out, self.shed_jobs = self.shed_jobs, set()
         return out
 
     def _forget(self, job, n: int) -> None:
@@ -521,7 +538,9 @@ class Aggregator:
                     self._guarded(self.state.advance, "reconcile a round")
                     gate.ran(t0, time.perf_counter())
                 dropped = intake.dropped  # read once: the intake thread may add more meanwhile
-                self.state.probes_shed = intake.shed
+                if intake.shed != self.state.probes_shed:
+                    self.state.probes_shed = intake.shed
+                    self._warn_small_intake(intake.take_shed())
                 if dropped != self._overload_counted:
                     self.state.reject("overload", dropped - self._overload_counted)
                     drops = intake.take_dropped()
@@ -567,8 +586,9 @@ class Aggregator:
                 log.exception("gradwatch aggregator: failed to %s: %r", what, e)
 
     def _warn_small_intake(self, drops) -> None:
-        """Log once per job whose frames were dropped when the intake settings cannot hold one
-        probed step of it (:meth:`Intake.short_for`), naming the settings and the values that would."""
+        """Log once per job whose frames were dropped or probe reports shed when the intake
+        settings cannot hold one probed step of it (:meth:`Intake.short_for`), naming the settings
+        and the values that would."""
         for ident, _ in drops:
             job = self.state.jobs.get(self.state.labels.get(ident))
             if job is None or not job.admitted or job.job in self._intake_warned or not job.schemas:
@@ -582,7 +602,7 @@ class Aggregator:
             self._intake_warned.add(job.job)
             frames, nbytes = self.intake.share_for(job.world, biggest)
             log.warning(
-                "gradwatch aggregator: job %s (%d ranks) loses frames to overload: a probed step of it (%d reports "
+                "gradwatch aggregator: job %s (%d ranks) loses frames or probe arrays to overload: a probed step of it (%d reports "
                 "of ~%d kB) and the steps that come while it is handled need ~%d frames and ~%d MB of the intake, "
                 "more than one job's share (half of --max-intake-frames %d and --max-intake-bytes %d once it is "
                 "half full); to hold it set --max-intake-frames %d --max-intake-bytes %d",

@@ -701,6 +701,7 @@ class State:
         ranks silent for longer than the TTL."""
         now = self.clock()
         for job in list(self.jobs.values()):
+            job._columns = None  # the ranks as they are now: the checks' ticks and the TTL scan read them
             if job.table is not None:
                 self._released(job, job.table.tick(now))
             for rnd in sorted(job.rounds.values(), key=lambda x: x.step):
@@ -710,12 +711,12 @@ class State:
                 self._dispatch("on_tick", job, now)
                 self.version += 1  # checks may have raised or resolved findings
             if now - self._ttl_scan >= min(1.0, self.rank_ttl_s / 10):  # a second late in 600 s is no matter
-                for rank, r in list(job.ranks.items()):
-                    if now - r.last_seen > self.rank_ttl_s:
-                        job.forgotten.update(rank_counters(r))
-                        del job.ranks[rank]
-                        job._order = None
-                        self.version += 1
+                order = job.in_order()
+                for r in [order[i] for i in np.flatnonzero(now - job.columns().last_seen > self.rank_ttl_s).tolist()]:
+                    job.forgotten.update(rank_counters(r))
+                    del job.ranks[r.rank]
+                    job._order = job._columns = None
+                    self.version += 1
             if len(job.schemas) > len(job.ranks):  # keep the schemas a rank or a pending round uses
                 used = {r.schema for r in job.ranks.values()}
                 used.update(rep.schema for rnd in job.rounds.values() for rep in rnd.reports.values())

@@ -64,6 +64,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from gradwatch import wire  # noqa: E402
+from gradwatch.agent.transport import SCHEMA_BACKOFF, SCHEMA_JITTER  # noqa: E402  (no torch)
 
 SUBS = ("ln_1", "attn.qkv", "attn.proj", "ln_2", "mlp.fc", "mlp.proj")
 
@@ -203,12 +204,12 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
             if wait > 0:
                 time.sleep(wait)
         now = time.time()
-        for job, r in mine:  # as the agent does: at start, then after 10 s, 20 s, ... (at most 32x), each up to 25 % late
+        for job, r in mine:  # as the agent does: at start, then after 10 s, 20 s, ... (at most 32x), each up to SCHEMA_JITTER (100 %) of its gap late
             k = (job.name, r)
             if now >= next_schema[k]:
                 send(job, r, schema_frame(job, r, seq[k]), "schema")
-                next_schema[k] = now + schema_gap[k] * (1 + 0.25 * rng.random())
-                schema_gap[k] = min(2 * schema_gap[k], 32 * args.schema_every_s)
+                next_schema[k] = now + schema_gap[k] * (1 + SCHEMA_JITTER * rng.random())
+                schema_gap[k] = min(2 * schema_gap[k], SCHEMA_BACKOFF * args.schema_every_s)
         if args.heartbeat_s > 0 and now >= next_beat:  # only ranks that sent nothing for heartbeat_s
             for job, r in mine:
                 if now - sent_at[(job.name, r)] >= args.heartbeat_s:
