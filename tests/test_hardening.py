@@ -831,3 +831,38 @@ def test_the_jobs_whose_frames_were_dropped_stay_bounded_under_a_flood_of_forged
     assert intake.dropped_jobs == set()  # room again, but nobody's identity
     intake.put([(f, "KEY-A") for f, _ in _frames("late", 200)])
     assert intake.take_dropped() == {(("late", ""), "KEY-A")}  # tracked again once taken
+
+
+def test_the_daemon_process_takes_its_gc_thresholds_and_thread_switch_interval():
+    """serve_forever makes the process the daemon's: the garbage collector's thresholds
+    (GC_THRESHOLDS) and the interpreter's switch interval (SWITCH_INTERVAL_S: at CPython's 5 ms a
+    busy writer starved the intake thread of the interpreter lock). In a process of its own: the
+    settings are process-wide."""
+    import ast
+    import subprocess
+    import sys
+
+    code = """
+import gc, sys, threading
+from gradwatch.aggregator.config import load
+from gradwatch.aggregator.daemon import Aggregator
+agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0))
+seen = []
+def look():
+    while agg._intake_thread is None:
+        threading.Event().wait(0.01)
+    seen.append((sys.getswitchinterval(), gc.get_threshold()))
+    agg._stop.set()
+threading.Thread(target=look, daemon=True).start()
+before = (sys.getswitchinterval(), gc.get_threshold())
+agg.serve_forever()
+print(repr((before, seen[0])))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    before, during = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    from gradwatch.aggregator.daemon import GC_THRESHOLDS, SWITCH_INTERVAL_S
+
+    assert before == (0.005, (700, 10, 10))  # CPython's own
+    assert during == (pytest.approx(SWITCH_INTERVAL_S), GC_THRESHOLDS)
+
