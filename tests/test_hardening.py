@@ -22,7 +22,7 @@ from gradwatch import wire
 from gradwatch.agent.config import AgentConfig, job_key
 from gradwatch.aggregator.checks import Thresholds
 from gradwatch.aggregator.config import load
-from gradwatch.aggregator.daemon import MAX_DROPPED_JOBS, Aggregator, Intake
+from gradwatch.aggregator.daemon import BULK_SHARE, MAX_DROPPED_JOBS, Aggregator, Intake
 from gradwatch.aggregator.state import SERIES_PER_LAYER, SERIES_PER_MODULE, State
 
 from .conftest import samples, wait_for
@@ -670,8 +670,10 @@ def test_probe_reports_past_their_share_of_the_intake_keep_their_record_and_noth
     assert [(m.header.rank, m.step) for m in got] == [(r, 10) for r in range(world)] + [(r, 11) for r in range(world)]
     full = [m for m in got if m.probe]
     assert len(full) + intake.shed == world and [m.header.rank for m in full] == list(range(len(full)))
-    assert sum(len(f) for f, _ in frames[: len(full)]) <= 0.75 * 400_000 / 2  # the arrays' share
-    for m, (f, _) in zip(got[len(full):world], frames[2 * len(full):2 * world:2]):
+    reports = frames[0::2]
+    assert sum(len(f) for f, _ in reports[: len(full)]) <= BULK_SHARE * 400_000 / 2  # the arrays' share
+    assert sum(len(f) for f, _ in reports[: len(full) + 1]) > BULK_SHARE * 400_000 / 2  # and no more
+    for m, (f, _) in zip(got[len(full):world], reports[len(full):]):
         want = wire.decode(f)
         assert m.act is None and m.header == want.header and m.step_time == want.step_time
 
