@@ -692,11 +692,12 @@ def test_an_aggregator_without_room_for_a_probed_steps_arrays_shows_every_ranks_
                max_intake_bytes=1 << 20, max_message_bytes=1 << 20, rcv_hwm=100_000, round_grace_s=1.0)
     agg = Aggregator(cfg)
     ctx = zmq.Context()
-    stalled, go = threading.Event(), threading.Event()
+    stalled, blocked, go = threading.Event(), threading.Event(), threading.Event()
     real_handle = agg.handle
 
     def handle(frame, key=None):
         if stalled.is_set():
+            blocked.set()
             go.wait(60)
         real_handle(frame, key)
 
@@ -717,6 +718,7 @@ def test_an_aggregator_without_room_for_a_probed_steps_arrays_shows_every_ranks_
         assert dropped == 0
         stalled.set()
         ranks[0].heartbeat()  # the writer blocks on it
+        assert blocked.wait(20), "the writer never took the heartbeat"
         for a in ranks:
             a.report(1, probe=True)  # 64 x 18 kB: past the intake's 1 MB
         wait_for(lambda: agg.intake.frames + agg.intake.dropped - dropped >= world, what="the burst in the intake")
