@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import itertools
 import math
 import operator
 from dataclasses import dataclass, replace
@@ -561,26 +560,21 @@ def snapshot(state, wall_now: float) -> Snapshot:
     exports per-rank series only for the ranks a finding names) gets :class:`RankView` objects
     only for those ranks, and columns for its job-level series: 16,384 views took ~40 ms of the
     writer per snapshot, which made snapshots, and so the metrics' freshness, 4x rarer."""
-    from .state import COUNTER_FIELDS, JOB_TOTALS, counters_of  # state imports this module
+    from .state import COUNTER_FIELDS, JOB_TOTALS, counters_of, read_columns  # state imports this module
     mono_now = state.clock()
     limit = state.rank_view_max
     huge = {j.job for j in state.jobs.values() if limit is not None and max(j.world, len(j.ranks)) > limit}
-    checks = None
-    if state.runner is not None:
-        checks = state.runner.view(state.runner.named_ranks(huge) if huge else None)
+    named = state.runner.named_ranks(huge) if state.runner is not None else dict.fromkeys(huge, set())
+    checks = state.runner.view(named or None) if state.runner is not None else None
     jobs = []
     for job in state.jobs.values():
         order = job.in_order()
         totals = collections.Counter(getattr(job, "forgotten", ()))
         if job.job in huge:
-            named = {f.rank for f in (checks.active if checks else ()) if f.job == job.job and isinstance(f.rank, int)}
-            ranks = tuple(_rank_view(job.ranks[k], wall_now, mono_now) for k in sorted(named) if k in job.ranks)
+            ranks = tuple(_rank_view(job.ranks[k], wall_now, mono_now) for k in sorted(named[job.job]) if k in job.ranks)
             n = len(order)
-            # every rank's fields in one pass (16,384 ranks spread over a large heap: a pass per
-            # field cost ~10 ms each beside the writer's other work), as float64
-            fields = ("step", "last_seen", *COUNTER_FIELDS)
-            values = itertools.chain.from_iterable(map(operator.attrgetter(*fields), order))
-            col = dict(zip(fields, np.fromiter(values, np.float64, n * len(fields)).reshape(n, len(fields)).T))
+            fields = ("step", "last_seen", *COUNTER_FIELDS)  # every rank's, in one pass, as float64
+            col = dict(zip(fields, read_columns(order, fields)))
             columns = {"step": col["step"], "last_seen": wall_now - (mono_now - col["last_seen"])}
             totals.update(counters_of(col))
             jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete,
@@ -600,7 +594,7 @@ def snapshot(state, wall_now: float) -> Snapshot:
         state.decode_seconds,
         state.decode_count,
         getattr(state, "jobs_evicted", 0),
-        getattr(state, "probes_shed", 0),
+        state.probes_shed,
     )
 
 
