@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -218,7 +219,8 @@ def _run(rank: int, world: int, port: int, args) -> None:
     torch.save({n: _local(p).detach().clone() for n, p in m.named_parameters()}, os.path.join(args.out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
-    print(f"{DONE} {rank}", flush=True)
+    sys.stdout.write(f"{DONE} {rank}\n")  # one write: the ranks share the pipe
+    sys.stdout.flush()
 
 
 #: printed by each rank once its results are saved and its process group is gone (test_sharded.run_job)

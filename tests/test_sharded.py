@@ -9,6 +9,7 @@ no finding, and that training is bit-identical with and without the agent."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,8 @@ def run_job(mode: str, out: Path, ranks: int, steps: int, every: int, endpoint: 
     # torch 2.13's gloo teardown now and then aborts a process after it finished ("terminate called
     # without an active exception", also without the agent): a rank that saved its results and
     # destroyed its process group has done all the test looks at
-    finished = {int(line.rsplit(" ", 1)[1]) for line in run.stdout.splitlines() if line.startswith(J.DONE)}
+    # (the ranks share one pipe: read every mark wherever it lands, not line by line)
+    finished = {int(k) for k in re.findall(re.escape(J.DONE) + r" (\d+)", run.stdout)}
     assert run.returncode == 0 or (finished == set(range(ranks)) and "terminate called" in run.stderr), \
         run.stdout[-3000:] + run.stderr[-3000:]
     return {r: torch.load(out / f"rank{r}.pt") for r in range(ranks)}
