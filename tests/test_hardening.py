@@ -837,10 +837,45 @@ def test_the_jobs_whose_frames_were_dropped_stay_bounded_under_a_flood_of_forged
     assert intake.take_dropped() == {(("late", ""), "KEY-A")}  # tracked again once taken
 
 
-def test_the_daemon_process_takes_its_gc_thresholds_and_thread_switch_interval():
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "glibc-default"])
+def test_the_daemon_reuses_freed_memory_without_faulting_it_in_again(keep):
+    """keep_freed_memory (MALLOC_OPTIONS): a large array freed and allocated again, as every large
+    round's arrays are, comes back from the process's heap without page faults; by glibc's default
+    it is mapped afresh and faulted in again (2 MiB pages at best: 32 faults for 64 MiB). In a
+    process of its own, on a thread started after the options, as the daemon's writer is."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, threading
+import numpy as np
+from gradwatch.aggregator.daemon import keep_freed_memory
+kept = keep_freed_memory() if {keep} else None
+faults = []
+def round_():
+    np.ones(64 << 17)  # 64 MiB, twice glibc's largest threshold for a mapping of its own
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    np.ones(64 << 17)
+    faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+t = threading.Thread(target=round_)
+t.start(); t.join()
+print(kept, faults[0])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    kept, faults = out.stdout.split()
+    if keep:
+        assert kept == "True"  # glibc took every option
+        assert int(faults) <= 2
+    else:
+        assert int(faults) >= 16
+
+
+def test_the_daemon_process_takes_its_gc_thresholds_switch_interval_and_malloc_options():
     """serve_forever makes the process the daemon's: the garbage collector's thresholds
-    (GC_THRESHOLDS) and the interpreter's switch interval (SWITCH_INTERVAL_S: at CPython's 5 ms a
-    busy writer starved the intake thread of the interpreter lock). In a process of its own: the
+    (GC_THRESHOLDS), the interpreter's switch interval (SWITCH_INTERVAL_S: at CPython's 5 ms a
+    busy writer starved the intake thread of the interpreter lock) and the C allocator's options
+    (MALLOC_OPTIONS). In a process of its own: the
     settings are process-wide."""
     import ast
     import subprocess
@@ -850,7 +885,11 @@ def test_the_daemon_process_takes_its_gc_thresholds_and_thread_switch_interval()
 import gc, sys, threading
 from gradwatch.aggregator.config import load
 from gradwatch.aggregator.daemon import Aggregator
+from gradwatch.aggregator import daemon
 agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0))
+kept = []
+keep = daemon.keep_freed_memory
+daemon.keep_freed_memory = lambda: kept.append(keep()) or kept[-1]
 seen = []
 def look():
     while agg._intake_thread is None:
@@ -860,13 +899,14 @@ def look():
 threading.Thread(target=look, daemon=True).start()
 before = (sys.getswitchinterval(), gc.get_threshold())
 agg.serve_forever()
-print(repr((before, seen[0])))
+print(repr((before, seen[0], kept)))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    before, during = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    before, during, kept = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     from gradwatch.aggregator.daemon import GC_THRESHOLDS, SWITCH_INTERVAL_S
 
     assert before == (0.005, (700, 10, 10))  # CPython's own
     assert during == (pytest.approx(SWITCH_INTERVAL_S), GC_THRESHOLDS)
+    assert kept == [True]  # MALLOC_OPTIONS applied, once
 
