@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import operator
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Optional
 
@@ -287,10 +286,13 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
     """:func:`reconcile` as a generator: it yields (None) between its phases (stacking, merging,
     aggregating, and with ``group_depth`` merging for export; ~0.1-0.25 s each at 16,384 ranks)
     and returns the :class:`RoundResult`, so that
-    the writer can handle frames in between. Its first slice only takes the layout (from
-    ``schemas``, which may change after it); ``reports`` must not change until it is done."""
+    the writer can handle frames in between. Its first slice takes the reports and the layout
+    (from ``schemas``): both may change after it. It lets the reports go once their arrays are
+    stacked, before the merges and aggregations allocate theirs (at 16,384 ranks ~160 MB that a
+    long-lived caller would hold until the round is done)."""
     ranks = tuple(sorted(reports))
     reps = [reports[r] for r in ranks]
+    del reports  # from here the reports live in ``reps`` alone, until they are stacked
     digests = [x.schema for x in reps]
     order = tuple(dict.fromkeys(digests))
     lay = layouts.get(order, schemas) if layouts is not None else Layout.of(schemas[h] for h in order)
@@ -318,6 +320,23 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
     else:
         act, act_grad, act_count, param, present, fp_grad, fp_weight, fp_grad_seen, fp_weight_seen = _scatter(
             lay, reps, which)
+    grad_norm = np.array([x.grad_norm for x in reps], np.float64)
+    sq = [k for k, x in enumerate(reps) if x.grad_sq is not None]
+    if sq:
+        norms = global_norms({k: (lay.schemas[which[k]].mesh, reps[k].grad_sq) for k in sq
+                              if lay.schemas[which[k]].mesh is not None})
+        grad_norm[sq] = [norms.get(k, math.nan) for k in sq]
+    per_rank = dict(
+        local_grad_norm=np.array([x.local_grad_norm for x in reps], np.float64),
+        compute_time=np.array([x.compute_time for x in reps], np.float64),
+        batch=np.array([x.batch for x in reps], np.int64),
+        micro=np.array([x.micro for x in reps], np.int64),
+        burst=any(x.burst for x in reps),
+        agent_cost=np.array([x.agent_cost for x in reps], np.float64),
+        probe_interval=np.array([x.probe_interval for x in reps], np.int64),
+        over_budget=np.array([x.over_budget for x in reps], bool),
+    )
+    del reps  # stacked: their memory is the merges' and aggregations' from here
     yield
     own_param = param
     if lay.sharded:
@@ -325,12 +344,6 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
         sch = [lay.schemas[i] for i in which.tolist()]
         param = combine_groups([x.mesh for x in sch], [x.shard for x in sch], [lay.param_cols[i] for i in which.tolist()],
                          param)
-    grad_norm = np.array([x.grad_norm for x in reps], np.float64)
-    sq = [k for k, x in enumerate(reps) if x.grad_sq is not None]
-    if sq:
-        norms = global_norms({k: (lay.schemas[which[k]].mesh, reps[k].grad_sq) for k in sq
-                              if lay.schemas[which[k]].mesh is not None})
-        grad_norm[sq] = [norms.get(k, math.nan) for k in sq]
     # parameters merge into their module as layers merge into a group; summed in parameter order
     module = statistics.merge("param", param, present, lay.module_plan, in_order=True)
     yield
@@ -344,14 +357,7 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
         params=lay.params, fp_grad=fp_grad, fp_weight=fp_weight,
         fp_grad_seen=fp_grad_seen, fp_weight_seen=fp_weight_seen,
         grad_norm=grad_norm, holders=_per_rank(lay.holders, which, R), part=lay.parts[which], own_param=own_param,
-        local_grad_norm=np.array([x.local_grad_norm for x in reps], np.float64),
-        compute_time=np.array([x.compute_time for x in reps], np.float64),
-        batch=np.array([x.batch for x in reps], np.int64),
-        micro=np.array([x.micro for x in reps], np.int64),
-        burst=any(x.burst for x in reps), act_count=act_count,
-        agent_cost=np.array([x.agent_cost for x in reps], np.float64),
-        probe_interval=np.array([x.probe_interval for x in reps], np.int64),
-        over_budget=np.array([x.over_budget for x in reps], bool),
+        act_count=act_count, **per_rank,
     )
     if group_depth > 0:
         yield
@@ -560,7 +566,7 @@ def snapshot(state, wall_now: float) -> Snapshot:
     exports per-rank series only for the ranks a finding names) gets :class:`RankView` objects
     only for those ranks, and columns for its job-level series: 16,384 views took ~40 ms of the
     writer per snapshot, which made snapshots, and so the metrics' freshness, 4x rarer."""
-    from .state import COUNTER_FIELDS, JOB_TOTALS, counters_of, read_columns  # state imports this module
+    from .state import COUNTER_FIELDS, counters_of, read_columns  # state imports this module
     mono_now = state.clock()
     limit = state.rank_view_max
     huge = {j.job for j in state.jobs.values() if limit is not None and max(j.world, len(j.ranks)) > limit}
@@ -569,23 +575,22 @@ def snapshot(state, wall_now: float) -> Snapshot:
     jobs = []
     for job in state.jobs.values():
         order = job.in_order()
-        totals = collections.Counter(getattr(job, "forgotten", ()))
-        if job.job in huge:
+        big = job.job in huge
+        # every rank's fields in one pass, as float64: the counters' totals, and a huge job's columns
+        fields = ("step", "last_seen", *COUNTER_FIELDS) if big else COUNTER_FIELDS
+        col = dict(zip(fields, read_columns(order, fields)))
+        totals = collections.Counter(job.forgotten)
+        totals.update(counters_of(col))
+        totals = tuple(sorted(totals.items()))
+        if big:
             ranks = tuple(_rank_view(job.ranks[k], wall_now, mono_now) for k in sorted(named[job.job]) if k in job.ranks)
-            n = len(order)
-            fields = ("step", "last_seen", *COUNTER_FIELDS)  # every rank's, in one pass, as float64
-            col = dict(zip(fields, read_columns(order, fields)))
             columns = {"step": col["step"], "last_seen": wall_now - (mono_now - col["last_seen"])}
-            totals.update(counters_of(col))
             jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete,
-                                job.restarts, job.series_dropped, tuple(sorted(totals.items())), reporting=n,
-                                rank_columns=columns))
+                                job.restarts, job.series_dropped, totals, reporting=len(order), rank_columns=columns))
             continue
         ranks = tuple(_rank_view(r, wall_now, mono_now) for r in order)
-        for k in JOB_TOTALS:  # RankView fields of the same names
-            totals[k] += sum(map(operator.attrgetter(k), ranks))
         jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete,
-                            job.restarts, job.series_dropped, tuple(sorted(totals.items()))))
+                            job.restarts, job.series_dropped, totals))
     return Snapshot(
         tuple(jobs),
         checks,

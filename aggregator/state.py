@@ -849,13 +849,11 @@ class State:
             self.runner.dispatch("on_round", job, result)
 
 
-#: the rank counters its job totals (``gradwatch_job_*_total``), named as :class:`.reconcile.RankView` fields
-#: the counters a job totals over its ranks (RankView fields of the same names), each the sum of
-#: these RankState fields: steps, non-finite steps, reports its agent dropped (over all its
-#: boots), messages lost
+#: the counters a job totals over its ranks (``gradwatch_job_*_total``, named as the
+#: :class:`.reconcile.RankView` fields that show them per rank), each the sum of these RankState
+#: fields: steps, non-finite steps, reports its agent dropped (over all its boots), messages lost
 COUNTERS = {"steps": ("steps",), "nonfinite_steps": ("nonfinite_steps",), "agent_drops": ("drops_base", "agent_drops"),
             "lost": ("lost",)}
-JOB_TOTALS = tuple(COUNTERS)
 
 
 def rank_counters(r: RankState) -> dict[str, int]:
