@@ -286,13 +286,10 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
     """:func:`reconcile` as a generator: it yields (None) between its phases (stacking, merging,
     aggregating, and with ``group_depth`` merging for export; ~0.1-0.25 s each at 16,384 ranks)
     and returns the :class:`RoundResult`, so that
-    the writer can handle frames in between. Its first slice takes the reports and the layout
-    (from ``schemas``): both may change after it. It lets the reports go once their arrays are
-    stacked, before the merges and aggregations allocate theirs (at 16,384 ranks ~160 MB that a
-    long-lived caller would hold until the round is done)."""
+    the writer can handle frames in between. Its first slice only takes the layout (from
+    ``schemas``, which may change after it); ``reports`` must not change until it is done."""
     ranks = tuple(sorted(reports))
     reps = [reports[r] for r in ranks]
-    del reports  # from here the reports live in ``reps`` alone, until they are stacked
     digests = [x.schema for x in reps]
     order = tuple(dict.fromkeys(digests))
     lay = layouts.get(order, schemas) if layouts is not None else Layout.of(schemas[h] for h in order)
@@ -320,23 +317,6 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
     else:
         act, act_grad, act_count, param, present, fp_grad, fp_weight, fp_grad_seen, fp_weight_seen = _scatter(
             lay, reps, which)
-    grad_norm = np.array([x.grad_norm for x in reps], np.float64)
-    sq = [k for k, x in enumerate(reps) if x.grad_sq is not None]
-    if sq:
-        norms = global_norms({k: (lay.schemas[which[k]].mesh, reps[k].grad_sq) for k in sq
-                              if lay.schemas[which[k]].mesh is not None})
-        grad_norm[sq] = [norms.get(k, math.nan) for k in sq]
-    per_rank = dict(
-        local_grad_norm=np.array([x.local_grad_norm for x in reps], np.float64),
-        compute_time=np.array([x.compute_time for x in reps], np.float64),
-        batch=np.array([x.batch for x in reps], np.int64),
-        micro=np.array([x.micro for x in reps], np.int64),
-        burst=any(x.burst for x in reps),
-        agent_cost=np.array([x.agent_cost for x in reps], np.float64),
-        probe_interval=np.array([x.probe_interval for x in reps], np.int64),
-        over_budget=np.array([x.over_budget for x in reps], bool),
-    )
-    del reps  # stacked: their memory is the merges' and aggregations' from here
     yield
     own_param = param
     if lay.sharded:
@@ -344,6 +324,12 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
         sch = [lay.schemas[i] for i in which.tolist()]
         param = combine_groups([x.mesh for x in sch], [x.shard for x in sch], [lay.param_cols[i] for i in which.tolist()],
                          param)
+    grad_norm = np.array([x.grad_norm for x in reps], np.float64)
+    sq = [k for k, x in enumerate(reps) if x.grad_sq is not None]
+    if sq:
+        norms = global_norms({k: (lay.schemas[which[k]].mesh, reps[k].grad_sq) for k in sq
+                              if lay.schemas[which[k]].mesh is not None})
+        grad_norm[sq] = [norms.get(k, math.nan) for k in sq]
     # parameters merge into their module as layers merge into a group; summed in parameter order
     module = statistics.merge("param", param, present, lay.module_plan, in_order=True)
     yield
@@ -357,7 +343,14 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
         params=lay.params, fp_grad=fp_grad, fp_weight=fp_weight,
         fp_grad_seen=fp_grad_seen, fp_weight_seen=fp_weight_seen,
         grad_norm=grad_norm, holders=_per_rank(lay.holders, which, R), part=lay.parts[which], own_param=own_param,
-        act_count=act_count, **per_rank,
+        local_grad_norm=np.array([x.local_grad_norm for x in reps], np.float64),
+        compute_time=np.array([x.compute_time for x in reps], np.float64),
+        batch=np.array([x.batch for x in reps], np.int64),
+        micro=np.array([x.micro for x in reps], np.int64),
+        burst=any(x.burst for x in reps), act_count=act_count,
+        agent_cost=np.array([x.agent_cost for x in reps], np.float64),
+        probe_interval=np.array([x.probe_interval for x in reps], np.int64),
+        over_budget=np.array([x.over_budget for x in reps], bool),
     )
     if group_depth > 0:
         yield

@@ -94,41 +94,6 @@ def test_a_jobs_rounds_share_one_layout_and_equal_rounds_worked_out_afresh():
     assert (cache.hits, cache.misses) == (5, 1)
 
 
-@pytest.mark.parametrize("dense", [True, False], ids=["stacked", "scattered"])
-def test_a_round_in_slices_lets_its_reports_go_once_they_are_stacked(dense):
-    """reconcile_in_slices holds the reports only until their arrays are stacked: the merges and
-    aggregations that follow reuse their memory (~160 MB at 16,384 ranks), and the caller need
-    not keep them after the first slice. Its result equals the round reconciled at once."""
-    import gc
-    import weakref
-
-    from gradwatch.aggregator.reconcile import reconcile_in_slices
-
-    rng = np.random.default_rng(5)
-    s = _schema(0, 4, MODULES)
-    b = s if dense else _schema(1, 4, MODULES[:4] + MODULES[5:], bias=False)
-    schemas = {s.hash: s, b.hash: b}
-    reports = {r: _report(rng, r, s if r % 2 == 0 else b) for r in range(4)}
-    expected = reconcile(4, schemas, 10, dict(reports), True)
-    alive = [weakref.ref(x.act) for x in reports.values()]
-    work = reconcile_in_slices(4, schemas, 10, reports, True, LayoutCache(), 1)
-    next(work)  # the first slice takes the reports and the layout
-    del reports
-    slices = 0
-    try:
-        while any(ref() is not None for ref in alive):
-            next(work)
-            gc.collect()
-            slices += 1
-        while True:
-            next(work)
-    except StopIteration as done:
-        result = done.value
-    assert all(ref() is None for ref in alive)
-    assert slices <= (2 if dense else 1)  # gone with the stacking, before the merges
-    _same_round(dataclasses.replace(result, grouped=None), expected)
-
-
 def test_a_rank_changing_its_schema_gets_a_new_layout_and_back_the_old_one():
     rng = np.random.default_rng(1)
     a, b = _schema(0, 3, MODULES), _schema(1, 3, MODULES[:4] + MODULES[5:], bias=False)
