@@ -18,7 +18,7 @@ def test_every_message_is_counted_and_the_healthy_job_stays_healthy(tmp_path, mo
     argv = ["--ranks", "64", "--layers", "20", "--every", "5", "--senders", "2", "--junk", "3",
             "--poll-s", "0.2", "--log", str(tmp_path / "aggregator.log")]
     # max: as fast as the senders go (reports queue up); paced: 64 ranks at 10 steps/s
-    argv += ["--reports", str(64 * 40)] if mode == "max" else ["--steps-per-s", "10", "--duration", "3"]
+    argv += ["--reports", str(64 * 40)] if mode == "max" else ["--steps-per-s", "10", "--duration", "3", "--warmup-s", "1"]
     res = main(argv)
     sent = res["sent"]
     assert sent["records"] >= 64 * 30 and sent["steps"] > 0 and sent["schema"] >= 64 and sent["junk"] > 0
@@ -32,3 +32,5 @@ def test_every_message_is_counted_and_the_healthy_job_stays_healthy(tmp_path, mo
     assert res["ranks_visible"] == {"load0": 64}
     assert res["last_step_visible"] == {"load0": res["last_step_sent"]["load0"]}
     assert res["freshness_n"] > 0 and res["scrape_samples"] > 64 * 6
+    if mode == "paced":  # 3 s of steps: the later two seconds' also make the after-warm-up figure
+        assert 0 < res["freshness_warm_n"] < res["freshness_n"], res
