@@ -164,7 +164,7 @@ def run(cfg: DemoConfig) -> int:
     if agg is not None:
         time.sleep(cfg.linger_s)
         agg.publish()
-        _summary(per_rank, agg.snapshot, cfg.job)
+        _summary(per_rank, agg.snapshot, cfg.job, cfg.events_path)
         agg.stop()
     else:
         for r in per_rank:
@@ -172,7 +172,7 @@ def run(cfg: DemoConfig) -> int:
     return 0
 
 
-def _summary(per_rank, snap, job: str) -> None:
+def _summary(per_rank, snap, job: str, events_path: str = "") -> None:
     jv = next((j for j in snap.jobs if j.job == job), None)
     seen = {r.rank: r for r in jv.ranks} if jv else {}
     print("\nper rank                steps  probes  drops  lost  final loss")
@@ -183,7 +183,7 @@ def _summary(per_rank, snap, job: str) -> None:
             f"{a.lost if a else '-':>4}  {r['loss']:.3f}   (aggregator saw {a.steps if a else 0} steps, {a.probes if a else 0} probes)"
         )
     events = [e for e in (snap.checks.events if snap.checks else ()) if e.job == job and e.event == "raised"]
-    keep = "; --events-path keeps them in a file" if events else ""
+    keep = f"; they are in {events_path}" if events_path else "; --events-path keeps them in a file"
     print(f"\nfindings raised: {len(events)}" + (f" (the demo's aggregator stops with it{keep})" if events else ""))
     for e in events:
         print(f"  [{e.severity}] {e.check} at step {e.step}: {e.summary}")
