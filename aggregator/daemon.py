@@ -380,6 +380,8 @@ class Aggregator:
         self._internal_warned = False
         self._intake_warned: set[str] = set()  # jobs told their probed steps overflow the intake
         self._refused_warned = False
+        self._announced: set[str] = set()  # admitted jobs whose arrival was logged (at most max_jobs)
+        self._signal = ""  # the signal that stopped serve_forever
 
     @property
     def snapshot(self) -> Snapshot:
@@ -501,11 +503,12 @@ class Aggregator:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.start()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: self._stop.set())
+            signal.signal(sig, self._on_signal)
         try:
             while not self._stop.wait(0.5):
                 pass
         finally:
+            log.info("gradwatch aggregator: stopping%s", f" on {self._signal}" if self._signal else "")
             self.stop()
 
     # --- the single writer ----------------------------------------------------------------------
@@ -532,8 +535,24 @@ class Aggregator:
         st.decode_seconds += time.perf_counter() - t0
         st.decode_count += 1
 
+    def _on_signal(self, signum, _frame) -> None:
+        self._signal = signal.Signals(signum).name
+        self._stop.set()
+
     def publish(self) -> None:
         self._snapshot = snapshot(self.state, time.time())
+        self._announce()
+
+    def _announce(self) -> None:
+        """Log a job once when it is admitted (a schema and a step using it: not a pending id a
+        stray or forged frame made) and once when it is gone (its ranks silent past rank_ttl_s, or
+        evicted); at most ``max_jobs`` are admitted, so these lines are bounded whatever peers send."""
+        admitted = {label: job.world for label, job in self.state.jobs.items() if job.admitted}
+        for label in sorted(admitted.keys() - self._announced):
+            log.info("gradwatch aggregator: job %r reporting, world %d", label, admitted[label])
+        for label in sorted(self._announced - admitted.keys()):
+            log.info("gradwatch aggregator: job %r gone", label)
+        self._announced = set(admitted)
 
     def _receive(self) -> None:
         """Intake thread: the only user of the PULL socket; moves frames into :attr:`intake`."""

@@ -493,6 +493,46 @@ def test_a_round_closes_once_every_missing_rank_went_past_its_step():
     assert not job.rounds and job.rounds_complete == 1 and job.rounds_incomplete == 2
 
 
+def test_the_daemon_logs_a_job_once_when_admitted_and_once_when_gone(caplog):
+    """On-call sees a job arrive and leave in the aggregator's log: one line when it is admitted
+    (a schema and a step using it), none for a pending id a stray frame made, one when its ranks
+    went silent past rank_ttl_s."""
+    import logging
+
+    from gradwatch.aggregator.config import load
+    from gradwatch.aggregator.daemon import Aggregator
+
+    now = [100.0]
+    agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, rank_ttl_s=30),
+                     clock=lambda: now[0])
+    out = _Kept()
+    ranks = [FakeRank(out, "train\nfake line", r, 2) for r in range(2)]
+    caplog.set_level(logging.INFO, logger="gradwatch.aggregator")
+    FakeRank(out, "stray", 0, 2).heartbeat()  # a pending job: never admitted, never logged
+    for r in ranks:
+        r.schema()
+        r.report(0)
+    for f in out.frames:
+        agg.handle(f)
+    agg.publish()
+    agg.publish()  # once
+    def lines():
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("gradwatch aggregator: job")]
+
+    assert lines() == ["gradwatch aggregator: job 'train\\nfake line' reporting, world 2"]  # a peer's text, quoted
+    now[0] += 31
+    agg.state.tick()
+    agg.publish()
+    assert lines()[1:] == ["gradwatch aggregator: job 'train\\nfake line' gone"]
+
+
+def test_the_daemon_says_which_signal_stopped_it(tmp_path):
+    agg = start_aggregator(tmp_path)
+    agg.stop()  # SIGTERM, as systemd and Kubernetes stop it
+    assert agg.proc.returncode == 0
+    assert "gradwatch aggregator: stopping on SIGTERM" in agg.log.read_text()
+
+
 # --- (e) C38: start-up errors name the setting ----------------------------------------------------
 
 
