@@ -24,6 +24,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
 
     dist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, ...
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
