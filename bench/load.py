@@ -17,9 +17,9 @@ Measured:
   first and last scrape while senders ran;
 * **freshness**: per step, from the moment the last sender finished sending that step (wall clock,
   one machine) to the first scrape whose ``gradwatch_rank_step`` of every rank of the job has
-  reached it (resolution: ``--poll-s`` plus one scrape); its p99 also over the steps sent after
-  the first ``--warmup-s`` (the job's start puts every schema, the first probed step and the
-  aggregator's first memory growth together);
+  reached it (resolution: ``--poll-s`` plus one scrape); its p99 also over the steps sent
+  ``--warmup-s`` or more after the job's first (the job's start puts every schema, the first
+  probed step and the aggregator's first memory growth together);
 * **scrape**: wall time, bytes and samples of each ``/metrics`` response;
 * **RSS** of the aggregator over time (``VmRSS``);
 * **accounting**: messages sent per kind against received per kind plus rejected by reason once
@@ -410,24 +410,13 @@ def _drive(args, proc, endpoint: str, base: str) -> dict:
     last = scrape(base + "/metrics")
     findings = json.loads(urllib.request.urlopen(base + "/api/findings?active=1", timeout=30).read())["findings"]
 
-    # freshness: per job and step, last sender's finish -> first scrape showing it on every rank
     done: dict = defaultdict(dict)
     for r in results:
         for j, steps in r["done"].items():
             for s, t in steps.items():
                 done[j][int(s)] = max(done[j].get(int(s), 0.0), t)
-    fresh, fresh_by_step, warm = [], [], []
-    for j, steps in done.items():
-        seen = [(s.t, s.min_step.get(j, -1)) for s in scrapes if s.ranks.get(j, 0) == args.ranks]
-        k = 0
-        for step in sorted(steps):
-            while k < len(seen) and seen[k][1] < step:
-                k += 1
-            if k < len(seen):
-                fresh.append(max(0.0, seen[k][0] - steps[step]))
-                fresh_by_step.append((j, step, round(fresh[-1], 3)))
-                if steps[step] - t0 >= args.warmup_s:
-                    warm.append(fresh[-1])
+    fresh_by_step, warm = freshness(done, scrapes, args.ranks, args.warmup_s)
+    fresh = [f for _, _, f in fresh_by_step]
     # the job's newest complete step: senders stop on their own (--duration), the slowest decides
     last_step = {j: min(r["last_step"][j] for r in results) for j in done}
     rec = {k: v for k, v in last.received.items()}
@@ -450,10 +439,9 @@ def _drive(args, proc, endpoint: str, base: str) -> dict:
         absorbed_msgs_per_s=msgs, absorbed_reports_per_s=reps,
         offered_reports_per_s=sent.get("records", 0) / max(1e-9, t_end - t0),
         freshness_p50_s=pct(fresh, 50), freshness_p99_s=pct(fresh, 99), freshness_n=len(fresh),
-        # the same over the steps sent after the first --warmup-s (the job's start: every schema,
-        # the first probed step and the aggregator's memory growing at once)
         freshness_warm_p99_s=pct(warm, 99), freshness_warm_n=len(warm), warmup_s=args.warmup_s,
-        freshness_by_step=fresh_by_step,  # (job, step, seconds): which steps wait (e.g. after a probed one)
+        # (job, step, seconds): which steps wait (e.g. after a probed one)
+        freshness_by_step=[(j, step, round(f, 3)) for j, step, f in fresh_by_step],
         last_step_sent=last_step, last_step_visible=last.min_step, ranks_visible=last.ranks,
         scrape_p50_s=pct([s.seconds for s in scrapes], 50), scrape_max_s=max(s.seconds for s in scrapes),
         scrape_bytes=sizes[-1], scrape_samples=last.samples,
@@ -462,6 +450,36 @@ def _drive(args, proc, endpoint: str, base: str) -> dict:
         findings=[f"{f['check']}: {f['summary']}" for f in findings],
         sender_cpu_s=[round(r["cpu_s"], 2) for r in results], load_avg=os.getloadavg(),
     )
+
+
+def freshness(done: dict, scrapes: list, ranks: int, warmup_s: float) -> tuple[list, list]:
+    """Per job and step, the seconds from the last sender's finish of the step to the first scrape
+    showing it on every rank.
+
+    Args:
+        done: ``{job: {step: wall time its last sender finished sending it}}``.
+        scrapes: :class:`Scrape` in time order.
+        ranks: ranks per job (a scrape counts once it shows every one).
+        warmup_s: seconds from the job's first step on that :data:`warm` leaves out.
+
+    Returns:
+        ``[(job, step, seconds)]`` for each step a scrape showed, and the seconds of those sent
+        ``warmup_s`` or more after the job's first step was (its start brings every schema, the
+        first probed step and the aggregator's first memory growth at once).
+    """
+    by_step, warm = [], []
+    for j, steps in done.items():
+        seen = [(s.t, s.min_step.get(j, -1)) for s in scrapes if s.ranks.get(j, 0) == ranks]
+        start, k = min(steps.values()), 0
+        for step in sorted(steps):
+            while k < len(seen) and seen[k][1] < step:
+                k += 1
+            if k < len(seen):
+                f = max(0.0, seen[k][0] - steps[step])
+                by_step.append((j, step, f))
+                if steps[step] - start >= warmup_s:
+                    warm.append(f)
+    return by_step, warm
 
 
 def run_inprocess(args) -> dict:
@@ -623,7 +641,7 @@ def parse(argv=None):
     p.add_argument("--layer-depth", type=int, default=0, help="the aggregator's --layer-depth")
     p.add_argument("--rank-series-max", type=int, default=0, help="the aggregator's --rank-series-max (0: its default)")
     p.add_argument("--poll-s", type=float, default=0.5, help="seconds between scrapes of /metrics")
-    p.add_argument("--warmup-s", type=float, default=10.0, help="freshness is also given over the steps sent after this many seconds")
+    p.add_argument("--warmup-s", type=float, default=10.0, help="freshness is also given over the steps sent this many seconds after the job's first")
     p.add_argument("--drain-s", type=float, default=120.0, help="longest wait for the aggregator to count every message")
     p.add_argument("--agg-arg", action="append", default=[], help="extra aggregator flag (repeat; --agg-arg=--x=1)")
     p.add_argument("--log", default="", help="aggregator log file")
