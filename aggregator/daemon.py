@@ -104,13 +104,14 @@ def keep_freed_memory() -> bool:
     """Apply :data:`MALLOC_OPTIONS` to this process's C allocator (glibc's ``mallopt``); call it
     before the process starts threads (a thread that has allocated keeps its arena). Process-wide,
     so the daemon's alone (:meth:`Aggregator.serve_forever`). Returns False where the C library
-    has no ``mallopt`` (musl, macOS) or refused an option: the daemon works as before there."""
+    has no ``mallopt`` (musl, macOS) or refused an option: the daemon works as before there. (An
+    allocator preloaded in glibc's place, jemalloc or tcmalloc, ignores the options it took.)"""
     import ctypes
     import ctypes.util
 
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or None).mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no C library to load, or one without mallopt
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return all([mallopt(param, value) == 1 for param, value in MALLOC_OPTIONS])
@@ -498,12 +499,12 @@ class Aggregator:
         :data:`SWITCH_INTERVAL_S`, and C allocator options, :data:`MALLOC_OPTIONS`, become the
         daemon's)."""
         if not keep_freed_memory():
-            log.info("gradwatch aggregator: the C library takes no mallopt options; freed memory goes back to the kernel")
+            log.info("gradwatch aggregator: the C library took not every mallopt option; freed memory may go back to the kernel")
         gc.set_threshold(*GC_THRESHOLDS)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        self.start()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM):  # before start: /healthz answers from there on
             signal.signal(sig, self._on_signal)
+        self.start()
         try:
             while not self._stop.wait(0.5):
                 pass
@@ -545,8 +546,9 @@ class Aggregator:
 
     def _announce(self) -> None:
         """Log a job once when it is admitted (a schema and a step using it: not a pending id a
-        stray or forged frame made) and once when it is gone (its ranks silent past rank_ttl_s, or
-        evicted); at most ``max_jobs`` are admitted, so these lines are bounded whatever peers send."""
+        stray or forged frame made) and once when it is gone (every rank silent past rank_ttl_s).
+        At most ``max_jobs`` are admitted at once, and a job's slot frees only after rank_ttl_s
+        of silence: at most 2 x max_jobs lines per rank_ttl_s, whatever peers send."""
         admitted = {label: job.world for label, job in self.state.jobs.items() if job.admitted}
         for label in sorted(admitted.keys() - self._announced):
             log.info("gradwatch aggregator: job %r reporting, world %d", label, admitted[label])

@@ -5,8 +5,9 @@ Run it beside an aggregator (``gradwatch aggregator`` listens on tcp://127.0.0.1
 
     GRADWATCH_JOB=example torchrun --nproc-per-node 2 examples/train.py --steps 200
 
-``GRADWATCH_JOB`` names the job on the dashboards: a single-node torchrun without ``--rdzv-id``
-gives every launch a fresh random run id, which would otherwise be the job id. Every other
+``GRADWATCH_JOB`` names the job on the dashboards: a single-node torchrun without
+``--master-port`` or ``--rdzv-endpoint`` gives every launch a fresh random run id (whatever
+``--rdzv-id`` says), which would otherwise be the job id. Every other
 setting comes from ``GRADWATCH_<NAME>`` too (``GRADWATCH_ENDPOINT=tcp://host:5555``).
 """
 

@@ -837,6 +837,20 @@ def test_the_jobs_whose_frames_were_dropped_stay_bounded_under_a_flood_of_forged
     assert intake.take_dropped() == {(("late", ""), "KEY-A")}  # tracked again once taken
 
 
+GLIBC = pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's mallopt and RUSAGE_THREAD")
+
+
+def test_keep_freed_memory_is_a_no_op_where_the_c_library_has_no_mallopt(monkeypatch):
+    """musl, macOS: no mallopt to call; the daemon says so and runs with the allocator as it is."""
+    import ctypes
+
+    from gradwatch.aggregator.daemon import keep_freed_memory
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: object())  # a C library without mallopt
+    assert keep_freed_memory() is False
+
+
+@GLIBC
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "glibc-default"])
 def test_the_daemon_reuses_freed_memory_without_faulting_it_in_again(keep):
     """keep_freed_memory (MALLOC_OPTIONS): a large array freed and allocated again, as every large
@@ -871,6 +885,7 @@ print(kept, faults[0])
         assert int(faults) >= 16
 
 
+@GLIBC
 def test_the_daemon_process_takes_its_gc_thresholds_switch_interval_and_malloc_options():
     """serve_forever makes the process the daemon's: the garbage collector's thresholds
     (GC_THRESHOLDS), the interpreter's switch interval (SWITCH_INTERVAL_S: at CPython's 5 ms a

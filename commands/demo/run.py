@@ -163,9 +163,8 @@ def run(cfg: DemoConfig) -> int:
     print(f"\ntrained {cfg.steps} steps on {cfg.ranks} ranks in {wall:.1f} s")
     if agg is not None:
         time.sleep(cfg.linger_s)
-        agg.publish()
+        agg.stop()  # its writer publishes once more as it stops: the summary reads that snapshot
         _summary(per_rank, agg.snapshot, cfg.job, cfg.events_path)
-        agg.stop()
     else:
         for r in per_rank:
             print(f"rank {r['rank']}: steps {r['steps']}, probes sent {r['probes']}, drops {r['drops']}, final loss {r['loss']:.3f}")
