@@ -87,7 +87,8 @@ SWITCH_INTERVAL_S = 0.0005
 #: glibc maps each one over 32 MB afresh and unmaps it when freed, so every round faulted all of it
 #: in again (~30,000 page faults, ~1/6 of a round's time; on a VM that reports free pages to its
 #: host, each fault costs a host round trip: a round's faults took most of it). Freed memory is
-#: kept for the next round: RSS stays at its peak (flat after warm-up) instead of breathing.
+#: kept for the next round: RSS stays at the peak the largest round so far needed, instead of
+#: breathing.
 MALLOC_OPTIONS = (
     (-8, 1),  # M_ARENA_MAX: one arena, else a thread's own arena maps its large blocks anyway
     (-4, 0),  # M_MMAP_MAX: no allocation gets its own mapping (returned to the kernel when freed)
