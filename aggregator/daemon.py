@@ -115,7 +115,7 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError, TypeError):  # no C library to load, or one without mallopt
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return all([mallopt(param, value) == 1 for param, value in MALLOC_OPTIONS])
+    return all([mallopt(param, value) == 1 for param, value in MALLOC_OPTIONS])  # a list: every option is tried
 
 
 class _HTTPServer(ThreadingMixIn, WSGIServer):
