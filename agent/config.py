@@ -41,7 +41,7 @@ class AgentConfig(BaseSettings):
     queue_size: int = Field(64, ge=1, le=100_000, description="Reports waiting to be sent; when full the oldest is dropped and counted.")
     send_hwm: int = Field(256, ge=1, description="ZeroMQ send high-water mark, messages.")
     heartbeat_s: float = Field(1.0, gt=0, le=3600, description="Seconds without any message after which the sender thread sends a heartbeat (steps and reports already say the rank is alive).")
-    schema_every_s: float = Field(10.0, gt=0, le=86400, description="Seconds until the first schema resend after a (re)connect or a change, doubling after each resend up to 32 times this; heartbeats carry the schema's hash in between.")
+    schema_every_s: float = Field(10.0, gt=0, le=86400, description="Seconds until the first schema resend after a (re)connect or a change, doubling after each resend up to 32 times this; heartbeats carry the schema's hash in between. In a job of more than 1,024 ranks each rank waits world/1,024 times as long: the aggregator keeps a job's schemas by hash, so the job's resends need not grow with its size.")
     coalesce_s: float = Field(0.25, ge=0, le=10, description="Seconds the records of unprobed steps gather before they go out as one message (sooner before a probe, at a non-finite or spiking gradient norm, or when full); 0 sends them at the sender's next turn.")
     burst: int = Field(5, ge=0, le=1000, description="Steps probed in depth, regardless of cadence, after the sentinel sees a non-finite or spiking gradient norm.")
     spike_factor: float = Field(10.0, gt=1, description="A gradient norm above this multiple of the recent median is a spike that starts a burst.")

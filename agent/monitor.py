@@ -106,7 +106,7 @@ class Monitor:
         self.sender = Sender(
             cfg.endpoint, header=self._header, schema=self._schema_msg, heartbeat=self._heartbeat_msg,
             queue_size=cfg.queue_size, send_hwm=cfg.send_hwm, heartbeat_s=cfg.heartbeat_s,
-            schema_every_s=cfg.schema_every_s, coalesce_s=cfg.coalesce_s, watch=self._watch,
+            schema_every_s=cfg.schema_every_s, world=self.world_size, coalesce_s=cfg.coalesce_s, watch=self._watch,
             errors=lambda: self.failures.errors, keys=cfg.curve_keys(),
         )
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and cfg.local_norms:

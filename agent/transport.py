@@ -28,8 +28,9 @@ never touches the socket, never waits and never sees an exception from here. The
   most one per ``heartbeat_s``), after a (re)connection, and always when stopping (the goodbye);
 * sends the full schema on demand (it changed), whenever the connection (re)establishes (socket
   monitor ``EVENT_CONNECTED``), so a late or restarted aggregator learns it (case C24), and again
-  after ``schema_every_s``, the gap doubling after each resend up to ``32 x schema_every_s``;
-  the heartbeats carry its hash in between;
+  after ``schema_every_s``, the gap doubling after each resend up to ``32 x schema_every_s``
+  (both scaled up past :data:`SCHEMA_RANKS` ranks, :func:`schema_every`); the heartbeats carry
+  its hash in between;
 * survives any failure of one message: it is dropped and counted in ``errors`` (case C32).
 """
 
@@ -59,11 +60,26 @@ Ready = Optional[Callable[[], bool]]
 BATCH_BYTES = 1 << 20
 #: the schema resend gap doubles up to this multiple of ``schema_every_s``
 SCHEMA_BACKOFF = 32
+#: job size up to which every rank resends its schema on the schedule ``schema_every_s`` sets; in a
+#: larger job each rank resends proportionally more rarely (:func:`schema_every`), so the job's
+#: periodic resends stay at about this many per ``schema_every_s``. The aggregator keeps a job's
+#: schemas by hash, so one rank's resend serves every rank of its stage. A 16,384-rank job's first
+#: resends (~10 kB each at 100 layers, 170 MB in all within 10 s) put its freshness past 2 s at the
+#: steps they came with.
+SCHEMA_RANKS = 1024
 #: each periodic schema resend comes up to this fraction of its gap late, drawn at random: a large
 #: job's ranks start together, and at 0.25 a 16,384-rank job's first resends (~10 kB each at 100
 #: layers) reached the aggregator within 2.5 s, a burst that crowded out the steps' records there
 SCHEMA_JITTER = 1.0
 _ROW_BYTES = 8 * len(wire.STEP_COLUMNS)
+
+
+def schema_every(schema_every_s: float, world: int) -> float:
+    """Seconds from a (re)connect or a schema change to a rank's first periodic schema resend, in
+    a job of ``world`` ranks: ``schema_every_s``, times ``world / SCHEMA_RANKS`` past
+    :data:`SCHEMA_RANKS` ranks (a job's resends, summed over its ranks, do not grow with its size).
+    The gap then doubles after each resend, up to ``SCHEMA_BACKOFF`` times this."""
+    return schema_every_s * max(1.0, world / SCHEMA_RANKS)
 
 
 def nonfinite(r: wire.Report) -> bool:
@@ -100,8 +116,10 @@ class Sender:
         queue_size: most pending reports; the oldest is dropped beyond it.
         send_hwm: ZeroMQ send high-water mark, messages.
         heartbeat_s: seconds without a message before a heartbeat goes out.
-        schema_every_s: seconds from a (re)connect or a schema change to the first resend; the gap
-            doubles after each resend, up to ``SCHEMA_BACKOFF x schema_every_s``.
+        schema_every_s: seconds from a (re)connect or a schema change to the first resend, in a
+            job of up to :data:`SCHEMA_RANKS` ranks (:func:`schema_every` scales it with
+            ``world``); the gap doubles after each resend, up to ``SCHEMA_BACKOFF`` times that.
+        world: the job's ranks (:func:`schema_every`).
         schema_jitter: each resend comes up to this fraction of its gap later, drawn at random
             (:data:`SCHEMA_JITTER`): the ranks of a job start together, and their resends should
             not reach the aggregator as one wave (16,384 schemas at once).
@@ -127,6 +145,7 @@ class Sender:
         send_hwm: int = 256,
         heartbeat_s: float = 1.0,
         schema_every_s: float = 10.0,
+        world: int = 1,
         schema_jitter: float = SCHEMA_JITTER,
         coalesce_s: float = 0.25,
         watch: Optional[Callable[[wire.Report], bool]] = None,
@@ -148,8 +167,8 @@ class Sender:
         self._schema_due = True
         self._clock = clock
         self._heartbeat_s = heartbeat_s
-        self._schema_every_s = schema_every_s
-        self._schema_gap = schema_every_s  # until the next periodic resend; doubles after each
+        self._schema_every_s = schema_every(schema_every_s, world)
+        self._schema_gap = self._schema_every_s  # until the next periodic resend; doubles after each
         self._schema_jitter = schema_jitter
         self._rng = random.Random()  # the jitter: every agent its own
         self.coalesce_s = coalesce_s

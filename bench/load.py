@@ -2,7 +2,8 @@
 
 Sender processes (``multiprocessing``) play many simulated ranks of one or more healthy jobs: each
 builds real wire frames with :func:`gradwatch.wire.encode` as the agent sends them (a schema per
-rank at start, resent after ``--schema-every-s`` and then at doubling intervals up to 32 times
+rank at start, resent after ``--schema-every-s``, times world / 1,024 past 1,024 ranks
+(:func:`gradwatch.agent.transport.schema_every`), and then at doubling intervals up to 32 times
 that; the records of ``--coalesce`` consecutive unprobed steps per rank in one ``steps`` message, a
 probe report every ``--every``-th step, after the pending records; a heartbeat per rank every
 ``--heartbeat-s`` unless the rank sent something within it) and pushes them over ZeroMQ to a real
@@ -66,7 +67,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from gradwatch import wire  # noqa: E402
-from gradwatch.agent.transport import SCHEMA_BACKOFF, SCHEMA_JITTER  # noqa: E402  (no torch)
+from gradwatch.agent.transport import SCHEMA_BACKOFF, SCHEMA_JITTER, schema_every  # noqa: E402  (no torch)
 
 SUBS = ("ln_1", "attn.qkv", "attn.proj", "ln_2", "mlp.fc", "mlp.proj")
 
@@ -197,7 +198,8 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
     next_beat = time.time()
     rng = np.random.default_rng(idx)
     next_schema = {(job.name, r): next_beat for job, r in mine}  # each rank's own schedule, as agents keep it
-    schema_gap = {k: args.schema_every_s for k in next_schema}
+    first_gap = {job.name: schema_every(args.schema_every_s, job.world) for job, _ in mine}  # as the agent scales it
+    schema_gap = {k: first_gap[k[0]] for k in next_schema}
     step = 0
     step_s = 1.0 / args.steps_per_s if args.steps_per_s > 0 else 0.1
     while (n_steps is None or step < n_steps) and time.time() < deadline:
@@ -206,12 +208,12 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
             if wait > 0:
                 time.sleep(wait)
         now = time.time()
-        for job, r in mine:  # as the agent does: at start, then after 10 s, 20 s, ... (at most 32x), each up to SCHEMA_JITTER (100 %) of its gap late
+        for job, r in mine:  # as the agent does: at start, then after 10 s, 20 s, ... (at most 32x; longer past 1,024 ranks), each up to SCHEMA_JITTER (100 %) of its gap late
             k = (job.name, r)
             if now >= next_schema[k]:
                 send(job, r, schema_frame(job, r, seq[k]), "schema")
                 next_schema[k] = now + schema_gap[k] * (1 + SCHEMA_JITTER * rng.random())
-                schema_gap[k] = min(2 * schema_gap[k], SCHEMA_BACKOFF * args.schema_every_s)
+                schema_gap[k] = min(2 * schema_gap[k], SCHEMA_BACKOFF * first_gap[job.name])
         if args.heartbeat_s > 0 and now >= next_beat:  # only ranks that sent nothing for heartbeat_s
             for job, r in mine:
                 if now - sent_at[(job.name, r)] >= args.heartbeat_s:

@@ -19,7 +19,7 @@ import torch.nn as nn
 import zmq
 
 from gradwatch import agent, wire
-from gradwatch.agent.transport import BATCH_BYTES, SCHEMA_BACKOFF, SCHEMA_JITTER, Sender
+from gradwatch.agent.transport import BATCH_BYTES, SCHEMA_BACKOFF, SCHEMA_JITTER, SCHEMA_RANKS, Sender, schema_every
 
 from .conftest import records
 
@@ -370,6 +370,57 @@ def test_schema_resends_back_off_from_schema_every_s_to_32_times_it_and_restart_
     diffs = np.diff(sent_at[-len(gaps) - 3:-2])
     assert diffs.tolist() == pytest.approx(gaps)
     collector.wait(lambda: len(collector.of(wire.Schema)) >= len(sent_at), what="every schema sent")
+
+
+def test_a_large_jobs_ranks_resend_their_schema_proportionally_more_rarely():
+    """Up to SCHEMA_RANKS ranks every rank keeps schema_every_s; past it the gap grows with the
+    world, so a job's periodic resends (ranks / gap) stop growing with its size."""
+    assert SCHEMA_RANKS == 1024
+    assert [schema_every(10.0, w) for w in (1, 8, 1024)] == [10.0, 10.0, 10.0]
+    assert [schema_every(10.0, w) for w in (2048, 16_384, 65_536)] == [20.0, 160.0, 640.0]
+    rates = [w / schema_every(10.0, w) for w in (1024, 4096, 16_384, 65_536)]
+    assert rates == pytest.approx([102.4] * 4)
+
+
+def test_attach_gives_the_sender_its_world_for_the_resend_schedule(collector):
+    """attach passes the job's world size on: a rank of a 4,096-rank job resends its schema first
+    after 4 x schema_every_s."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = agent.attach(model, opt, endpoint=collector.endpoint, rank=3, world_size=4096, schema_every_s=10.0)
+    try:
+        assert monitor.sender._schema_every_s == 40.0
+    finally:
+        monitor.close()
+
+
+def test_schema_resends_of_a_4096_rank_job_start_at_4_times_schema_every_s(collector):
+    """Fake clock, schema_every_s 10, world 4,096: the first resend comes 40 s after the schema
+    sent on connect, then 80 s, ... up to 32 x 40 s; a change still goes out at once."""
+    clock = Clock()
+    sent_at = []
+
+    def schema(h):
+        sent_at.append(clock.t)
+        return wire.Schema(h, "host", 0, 0, (("w", (2,), "float32"),), ())
+
+    s = sender(collector, clock, schema=schema, schema_every_s=10.0, world=4096, schema_jitter=0.0,
+               heartbeat_s=1e9).start()
+    try:
+        connected(s, collector, clock)
+        start = len(sent_at)
+        assert start >= 1
+        for k, gap in enumerate((40.0, 80.0, 160.0)):
+            move_to(s, clock, sent_at[-1] + gap - 0.5)
+            assert len(sent_at) == start + k, f"a resend before its {gap} s"
+            move_to(s, clock, sent_at[-1] + gap)
+            assert len(sent_at) == start + k + 1, f"no resend after {gap} s"
+        turn(s, clock, 1.0)
+        s.request_schema()
+        turn(s, clock)
+        assert len(sent_at) == start + 4 and sent_at[-1] == clock.t, "a changed schema waits"
+    finally:
+        s.close()
 
 
 def test_schema_resends_come_up_to_schema_jitter_of_each_gap_late_at_random(collector):
