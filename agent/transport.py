@@ -28,9 +28,9 @@ never touches the socket, never waits and never sees an exception from here. The
   most one per ``heartbeat_s``), after a (re)connection, and always when stopping (the goodbye);
 * sends the full schema on demand (it changed), whenever the connection (re)establishes (socket
   monitor ``EVENT_CONNECTED``), so a late or restarted aggregator learns it (case C24), and again
-  after ``schema_every_s``, the gap doubling after each resend up to ``32 x schema_every_s``
-  (both scaled up past :data:`SCHEMA_RANKS` ranks, :func:`schema_every`); the heartbeats carry
-  its hash in between;
+  after ``schema_every_s``, the gap doubling after each resend up to ``32 x schema_every_s``, each
+  resend up to its gap late at random (spread further past :data:`SCHEMA_RANKS` ranks,
+  :func:`schema_spread`); the heartbeats carry its hash in between;
 * survives any failure of one message: it is dropped and counted in ``errors`` (case C32).
 """
 
@@ -60,12 +60,15 @@ Ready = Optional[Callable[[], bool]]
 BATCH_BYTES = 1 << 20
 #: the schema resend gap doubles up to this multiple of ``schema_every_s``
 SCHEMA_BACKOFF = 32
-#: job size up to which every rank resends its schema on the schedule ``schema_every_s`` sets; in a
-#: larger job each rank resends proportionally more rarely (:func:`schema_every`), so the job's
-#: periodic resends stay at about this many per ``schema_every_s``. The aggregator keeps a job's
-#: schemas by hash, so one rank's resend serves every rank of its stage. A 16,384-rank job's first
-#: resends (~10 kB each at 100 layers, 170 MB in all within 10 s) put its freshness past 2 s at the
-#: steps they came with.
+#: job size up to which a rank's periodic schema resends come up to :data:`SCHEMA_JITTER` of their
+#: gap late; in a larger job up to ``world / SCHEMA_RANKS`` times that (:func:`schema_spread`), so
+#: the job's resends, spread over a window as many times as long, stay at about this many per gap
+#: whatever its size, and the first of them still come after the gap. A 16,384-rank job's first
+#: resends (~10 kB each at 100 layers, 170 MB within 10 s) put its freshness past 2 s at those
+#: steps. The aggregator keeps a job's schemas by hash: where ranks share one (data-parallel
+#: replicas, a pipeline stage without a device mesh) the earliest resend of any serves them all; a
+#: rank with a device mesh has a schema of its own (its coordinates are in it) and, if the
+#: aggregator lost it, waits for its own resend (at 16,384 ranks up to 170 s, not 20 s).
 SCHEMA_RANKS = 1024
 #: each periodic schema resend comes up to this fraction of its gap late, drawn at random: a large
 #: job's ranks start together, and at 0.25 a 16,384-rank job's first resends (~10 kB each at 100
@@ -74,12 +77,14 @@ SCHEMA_JITTER = 1.0
 _ROW_BYTES = 8 * len(wire.STEP_COLUMNS)
 
 
-def schema_every(schema_every_s: float, world: int) -> float:
-    """Seconds from a (re)connect or a schema change to a rank's first periodic schema resend, in
-    a job of ``world`` ranks: ``schema_every_s``, times ``world / SCHEMA_RANKS`` past
-    :data:`SCHEMA_RANKS` ranks (a job's resends, summed over its ranks, do not grow with its size).
-    The gap then doubles after each resend, up to ``SCHEMA_BACKOFF`` times this."""
-    return schema_every_s * max(1.0, world / SCHEMA_RANKS)
+def schema_spread(world: int) -> float:
+    """How many times further a rank of a ``world``-rank job spreads its periodic schema resends
+    than a small job's rank (:data:`SCHEMA_RANKS`): 1 up to that many ranks, ``world /
+    SCHEMA_RANKS`` past it. A resend after a gap ``g`` comes ``jitter x min(g x spread, top) x
+    U(0, 1)`` late (``top``: ``SCHEMA_BACKOFF x schema_every_s``, the longest gap), so a job's first
+    resends, ``g = schema_every_s``, come at about ``SCHEMA_RANKS / (g x jitter)`` a second (~100 at
+    the defaults) whatever its size, and no resend comes more than ``top`` late."""
+    return max(1.0, world / SCHEMA_RANKS)
 
 
 def nonfinite(r: wire.Report) -> bool:
@@ -116,13 +121,15 @@ class Sender:
         queue_size: most pending reports; the oldest is dropped beyond it.
         send_hwm: ZeroMQ send high-water mark, messages.
         heartbeat_s: seconds without a message before a heartbeat goes out.
-        schema_every_s: seconds from a (re)connect or a schema change to the first resend, in a
-            job of up to :data:`SCHEMA_RANKS` ranks (:func:`schema_every` scales it with
-            ``world``); the gap doubles after each resend, up to ``SCHEMA_BACKOFF`` times that.
-        world: the job's ranks (:func:`schema_every`).
+        schema_every_s: seconds from a (re)connect or a schema change to the first resend; the gap
+            doubles after each resend, up to ``SCHEMA_BACKOFF x schema_every_s``.
+        world: the job's ranks: past :data:`SCHEMA_RANKS` the jitter is stretched
+            (:func:`schema_spread`).
         schema_jitter: each resend comes up to this fraction of its gap later, drawn at random
-            (:data:`SCHEMA_JITTER`): the ranks of a job start together, and their resends should
-            not reach the aggregator as one wave (16,384 schemas at once).
+            (:data:`SCHEMA_JITTER`; >= 0, else ValueError), in a large job this fraction of
+            ``min(gap x schema_spread(world), SCHEMA_BACKOFF x schema_every_s)``: the ranks of a
+            job start together, and their resends should not reach the aggregator as one wave
+            (16,384 schemas at once).
         coalesce_s: seconds the records of unprobed steps gather before going out as one message
             (0: at the sender's next turn).
         watch: ``report -> bool``, called on the sender thread for every step report built, in
@@ -167,9 +174,12 @@ class Sender:
         self._schema_due = True
         self._clock = clock
         self._heartbeat_s = heartbeat_s
-        self._schema_every_s = schema_every(schema_every_s, world)
-        self._schema_gap = self._schema_every_s  # until the next periodic resend; doubles after each
+        self._schema_every_s = schema_every_s
+        self._schema_gap = schema_every_s  # until the next periodic resend; doubles after each
+        if schema_jitter < 0:
+            raise ValueError(f"schema_jitter must be >= 0, got {schema_jitter}")
         self._schema_jitter = schema_jitter
+        self._schema_spread = schema_spread(world)
         self._rng = random.Random()  # the jitter: every agent its own
         self.coalesce_s = coalesce_s
         # the batch: built unprobed reports waiting to go out as one steps message
@@ -364,15 +374,18 @@ class Sender:
         on_demand = self._schema_due
         if not on_demand and now < self._next_schema:
             return None
+        self._schema_due = False  # before building: a change requested meanwhile makes it due again
         ok = self._hand(self._build(self._schema))
+        if not ok and on_demand:
+            self._schema_due = True  # refused, or no schema yet (no probe ran): still due
         if ok is False:
             return False
+        top = SCHEMA_BACKOFF * self._schema_every_s
         if ok:
-            self._schema_due = False
-            top = SCHEMA_BACKOFF * self._schema_every_s
             self._schema_gap = self._schema_every_s if on_demand else min(2 * self._schema_gap, top)
-        # sent, or no schema yet (no probe ran): request_schema() makes it due again
-        self._next_schema = now + self._schema_gap * (1 + self._schema_jitter * self._rng.random())
+        # up to the jitter late, stretched in a large job, but never more than the top gap late
+        late = self._schema_jitter * min(self._schema_gap * self._schema_spread, top) * self._rng.random()
+        self._next_schema = now + self._schema_gap + late
         return ok
 
     def _flush(self) -> Optional[bool]:

@@ -444,7 +444,7 @@ class State:
             # a job without a slot holds few ranks (state and series); the others are heard
             # again, each within a heartbeat, once it has one. Their schemas are kept (content-
             # addressed, at most 2 x max_pending_ranks in all): a large job sends every schema
-            # before its first report, and a rank resends its own only every schema_every_s
+            # before its first report, and resends it only every schema_every_s or more
             if isinstance(msg, wire.Schema) and (msg.hash in job.schemas or len(job.schemas) < 2 * self.max_pending_ranks):
                 if msg.hash not in job.schemas:
                     job.schemas[msg.hash] = self._short_names(msg)

@@ -2,9 +2,9 @@
 
 Sender processes (``multiprocessing``) play many simulated ranks of one or more healthy jobs: each
 builds real wire frames with :func:`gradwatch.wire.encode` as the agent sends them (a schema per
-rank at start, resent after ``--schema-every-s``, times world / 1,024 past 1,024 ranks
-(:func:`gradwatch.agent.transport.schema_every`), and then at doubling intervals up to 32 times
-that; the records of ``--coalesce`` consecutive unprobed steps per rank in one ``steps`` message, a
+rank at start, resent after ``--schema-every-s`` and then at doubling intervals up to 32 times
+that, each up to its gap late at random, up to world / 1,024 times it past 1,024 ranks
+(:func:`gradwatch.agent.transport.schema_spread`); the records of ``--coalesce`` consecutive unprobed steps per rank in one ``steps`` message, a
 probe report every ``--every``-th step, after the pending records; a heartbeat per rank every
 ``--heartbeat-s`` unless the rank sent something within it) and pushes them over ZeroMQ to a real
 aggregator process (``python -m gradwatch.aggregator``). The main process scrapes ``/metrics``
@@ -51,6 +51,7 @@ import math
 import multiprocessing as mp
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -67,7 +68,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from gradwatch import wire  # noqa: E402
-from gradwatch.agent.transport import SCHEMA_BACKOFF, SCHEMA_JITTER, schema_every  # noqa: E402  (no torch)
+from gradwatch.agent.transport import SCHEMA_BACKOFF, SCHEMA_JITTER, schema_spread  # noqa: E402  (no torch)
 
 SUBS = ("ln_1", "attn.qkv", "attn.proj", "ln_2", "mlp.fc", "mlp.proj")
 
@@ -155,9 +156,25 @@ class SenderResult:
     cpu_s: float = 0.0
 
 
+def die_with_parent() -> None:
+    """Have the kernel send this process SIGKILL when its parent dies (Linux ``prctl``; nothing
+    elsewhere): a bench killed mid-run must not leave its aggregator and senders loading the
+    machine (a sender blocked at the high-water mark of a dead aggregator waits forever)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request: nobody would send it
+        os._exit(1)
+
+
 def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
     """Send the ranks ``i`` with ``i % senders == idx`` (over all jobs), step-major."""
     import zmq
+
+    die_with_parent()
 
     jobs = [Job(f"load{j}", args.ranks, args.layers) for j in range(args.jobs)]
     mine = [(job, r) for job in jobs for r in range(job.world)
@@ -198,8 +215,9 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
     next_beat = time.time()
     rng = np.random.default_rng(idx)
     next_schema = {(job.name, r): next_beat for job, r in mine}  # each rank's own schedule, as agents keep it
-    first_gap = {job.name: schema_every(args.schema_every_s, job.world) for job, _ in mine}  # as the agent scales it
-    schema_gap = {k: first_gap[k[0]] for k in next_schema}
+    schema_gap = {k: args.schema_every_s for k in next_schema}
+    spread = {job.name: schema_spread(job.world) for job, _ in mine}
+    top = SCHEMA_BACKOFF * args.schema_every_s
     step = 0
     step_s = 1.0 / args.steps_per_s if args.steps_per_s > 0 else 0.1
     while (n_steps is None or step < n_steps) and time.time() < deadline:
@@ -208,12 +226,13 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
             if wait > 0:
                 time.sleep(wait)
         now = time.time()
-        for job, r in mine:  # as the agent does: at start, then after 10 s, 20 s, ... (at most 32x; longer past 1,024 ranks), each up to SCHEMA_JITTER (100 %) of its gap late
+        for job, r in mine:  # as the agent does: at start, then after 10 s, 20 s, ... (at most 32x), each up to SCHEMA_JITTER (100 %) of its gap late, x world / 1,024 past 1,024 ranks (at most the top gap)
             k = (job.name, r)
             if now >= next_schema[k]:
                 send(job, r, schema_frame(job, r, seq[k]), "schema")
-                next_schema[k] = now + schema_gap[k] * (1 + SCHEMA_JITTER * rng.random())
-                schema_gap[k] = min(2 * schema_gap[k], SCHEMA_BACKOFF * first_gap[job.name])
+                late = SCHEMA_JITTER * min(schema_gap[k] * spread[job.name], top) * rng.random()  # as Sender._send_schema
+                next_schema[k] = now + schema_gap[k] + late
+                schema_gap[k] = min(2 * schema_gap[k], top)
         if args.heartbeat_s > 0 and now >= next_beat:  # only ranks that sent nothing for heartbeat_s
             for job, r in mine:
                 if now - sent_at[(job.name, r)] >= args.heartbeat_s:
@@ -335,7 +354,8 @@ def start_aggregator(args, logf):
     cmd = [sys.executable, "-m", "gradwatch.aggregator", "--listen", f"tcp://127.0.0.1:{zport}",
            "--metrics-host", "127.0.0.1", "--metrics-port", str(mport), "--layer-depth", str(args.layer_depth),
            *(["--rank-series-max", str(args.rank_series_max)] if args.rank_series_max else []), *args.agg_arg]
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=die_with_parent)
     base = f"http://127.0.0.1:{mport}"
     for _ in range(400):
         if proc.poll() is not None:

@@ -19,7 +19,7 @@ import torch.nn as nn
 import zmq
 
 from gradwatch import agent, wire
-from gradwatch.agent.transport import BATCH_BYTES, SCHEMA_BACKOFF, SCHEMA_JITTER, SCHEMA_RANKS, Sender, schema_every
+from gradwatch.agent.transport import BATCH_BYTES, SCHEMA_BACKOFF, SCHEMA_JITTER, SCHEMA_RANKS, Sender, schema_spread
 
 from .conftest import records
 
@@ -372,31 +372,45 @@ def test_schema_resends_back_off_from_schema_every_s_to_32_times_it_and_restart_
     collector.wait(lambda: len(collector.of(wire.Schema)) >= len(sent_at), what="every schema sent")
 
 
-def test_a_large_jobs_ranks_resend_their_schema_proportionally_more_rarely():
-    """Up to SCHEMA_RANKS ranks every rank keeps schema_every_s; past it the gap grows with the
-    world, so a job's periodic resends (ranks / gap) stop growing with its size."""
-    assert SCHEMA_RANKS == 1024
-    assert [schema_every(10.0, w) for w in (1, 8, 1024)] == [10.0, 10.0, 10.0]
-    assert [schema_every(10.0, w) for w in (2048, 16_384, 65_536)] == [20.0, 160.0, 640.0]
-    rates = [w / schema_every(10.0, w) for w in (1024, 4096, 16_384, 65_536)]
-    assert rates == pytest.approx([102.4] * 4)
-
-
-def test_attach_gives_the_sender_its_world_for_the_resend_schedule(collector):
-    """attach passes the job's world size on: a rank of a 4,096-rank job resends its schema first
-    after 4 x schema_every_s."""
+def test_attach_gives_the_sender_its_world_for_the_resend_spread(collector):
+    """attach passes the job's world size on: a rank of a 4,096-rank job spreads its resends 4
+    times as wide."""
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = agent.attach(model, opt, endpoint=collector.endpoint, rank=3, world_size=4096, schema_every_s=10.0)
     try:
-        assert monitor.sender._schema_every_s == 40.0
+        assert monitor.sender._schema_spread == 4.0 and monitor.sender._schema_jitter == SCHEMA_JITTER
     finally:
         monitor.close()
 
 
-def test_schema_resends_of_a_4096_rank_job_start_at_4_times_schema_every_s(collector):
-    """Fake clock, schema_every_s 10, world 4,096: the first resend comes 40 s after the schema
-    sent on connect, then 80 s, ... up to 32 x 40 s; a change still goes out at once."""
+def test_schema_spread_is_1_up_to_schema_ranks_then_world_over_it():
+    assert [schema_spread(w) for w in (1, 8, SCHEMA_RANKS)] == [1.0, 1.0, 1.0]
+    assert [schema_spread(w) for w in (2 * SCHEMA_RANKS, 16 * SCHEMA_RANKS)] == [2.0, 16.0]
+
+
+class _Draws:
+    """A random source that always draws ``u``: 1.0 puts each resend as late as it may come, 0.0
+    as early."""
+
+    def __init__(self, u: float):
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+@pytest.mark.parametrize("world, u, gaps", [
+    # a small job: the gap and up to the gap late, the gap doubling to 320 s
+    (8, 1.0, (20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 640.0)),
+    # 16,384 ranks (spread 16): up to min(gap x 16, 320 s) late, never more than 320 s late
+    (16_384, 1.0, (170.0, 340.0, 360.0, 400.0, 480.0, 640.0, 640.0)),
+    # the earliest draws: the stretch never brings a resend sooner than its gap
+    (16_384, 0.0, (10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 320.0)),
+])
+def test_schema_resends_come_gap_plus_jitter_x_min_gap_x_spread_top_apart(collector, world, u, gaps):
+    """Fake clock, schema_every_s 10, jitter 1, every draw ``u``: the resends come exactly
+    ``gaps`` apart, never sooner; a change still goes out at once and starts the gaps over."""
     clock = Clock()
     sent_at = []
 
@@ -404,23 +418,61 @@ def test_schema_resends_of_a_4096_rank_job_start_at_4_times_schema_every_s(colle
         sent_at.append(clock.t)
         return wire.Schema(h, "host", 0, 0, (("w", (2,), "float32"),), ())
 
-    s = sender(collector, clock, schema=schema, schema_every_s=10.0, world=4096, schema_jitter=0.0,
-               heartbeat_s=1e9).start()
+    s = sender(collector, clock, schema=schema, schema_every_s=10.0, world=world, schema_jitter=1.0,
+               heartbeat_s=1e9)
+    s._rng = _Draws(u)
+    s.start()
     try:
         connected(s, collector, clock)
         start = len(sent_at)
         assert start >= 1
-        for k, gap in enumerate((40.0, 80.0, 160.0)):
+        for k, gap in enumerate(gaps):
             move_to(s, clock, sent_at[-1] + gap - 0.5)
             assert len(sent_at) == start + k, f"a resend before its {gap} s"
             move_to(s, clock, sent_at[-1] + gap)
             assert len(sent_at) == start + k + 1, f"no resend after {gap} s"
+        done = len(sent_at)
         turn(s, clock, 1.0)
         s.request_schema()
         turn(s, clock)
-        assert len(sent_at) == start + 4 and sent_at[-1] == clock.t, "a changed schema waits"
+        assert len(sent_at) == done + 1 and sent_at[-1] == clock.t, "a changed schema waits"
+        move_to(s, clock, sent_at[-1] + gaps[0] - 0.5)
+        assert len(sent_at) == done + 1, "a resend before the first gap after the change"
+        move_to(s, clock, sent_at[-1] + gaps[0])
+        assert len(sent_at) == done + 2, "the gaps did not start over after the change"
     finally:
         s.close()
+
+
+def test_a_schema_change_requested_while_the_schema_is_built_is_not_lost(collector):
+    """request_schema() from the training thread while the sender builds the schema: the new
+    schema goes out at the next turn, not at the next timed resend."""
+    clock = Clock()
+    built = []
+    s = None
+
+    def schema(h):
+        built.append(clock.t)
+        if len(built) == 2:  # the first send on demand after connect: a change comes meanwhile
+            s.request_schema()
+        return wire.Schema(h, "host", 0, 0, (("w", (2,), "float32"),), ())
+
+    s = sender(collector, clock, schema=schema, schema_every_s=10.0, heartbeat_s=1e9)
+    s.start()
+    try:
+        connected(s, collector, clock)
+        assert len(built) == 1
+        s.request_schema()
+        turn(s, clock)
+        turn(s, clock)
+        assert len(built) == 3 and built[2] == built[1] == clock.t, built
+    finally:
+        s.close()
+
+
+def test_a_negative_schema_jitter_is_refused(collector):
+    with pytest.raises(ValueError, match="schema_jitter"):
+        sender(collector, schema_jitter=-0.5)
 
 
 def test_schema_resends_come_up_to_schema_jitter_of_each_gap_late_at_random(collector):

@@ -6,6 +6,12 @@ step. No timing is asserted (the figures are bench/README.md's)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from bench.load import main
@@ -49,3 +55,54 @@ def test_freshness_per_step_and_after_the_warm_up():
     by_step, warm = freshness(done, scrapes, ranks=4, warmup_s=2.0)
     assert [(j, s, round(f, 6)) for j, s, f in by_step] == [("j", 0, 0.5), ("j", 1, 0.7), ("j", 2, 1.9), ("j", 3, 0.9)]
     assert [round(f, 6) for f in warm] == [1.9, 0.9]  # steps 2 and 3: sent 2 s and more after step 0
+
+
+def _children(pid: int) -> set[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.add(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_bench_takes_its_aggregator_and_senders_with_it(tmp_path):
+    """SIGKILL of bench/load.py mid-run: its aggregator process and its sender processes die with
+    it (a sender blocked on a dead aggregator would otherwise wait forever, loading the machine
+    for the next run)."""
+    root = Path(__file__).resolve().parents[1]
+    bench = subprocess.Popen([sys.executable, str(root / "bench" / "load.py"), "--ranks", "64", "--layers", "4",
+                              "--senders", "2", "--steps-per-s", "5", "--duration", "120",
+                              "--log", str(tmp_path / "aggregator.log")],
+                             cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        kids: set[int] = set()
+        while len(kids) < 3:  # the aggregator and two senders (and the spawn resource tracker)
+            assert bench.poll() is None, "the bench exited early"
+            assert time.monotonic() < deadline, f"no aggregator and senders started: {kids}"
+            time.sleep(0.2)
+            kids = {k for k in _children(bench.pid) if b"resource_tracker" not in Path(f"/proc/{k}/cmdline").read_bytes()}
+        assert len(kids) >= 3, kids
+    finally:
+        bench.kill()
+        bench.wait()
+    deadline = time.monotonic() + 20
+    while any(_alive(k) for k in kids):
+        assert time.monotonic() < deadline, f"outlived the bench: {[k for k in kids if _alive(k)]}"
+        time.sleep(0.1)
