@@ -493,6 +493,58 @@ def test_a_round_closes_once_every_missing_rank_went_past_its_step():
     assert not job.rounds and job.rounds_complete == 1 and job.rounds_incomplete == 2
 
 
+def test_mesh_ranks_schemas_stay_their_own_but_share_their_lists_and_the_pool_follows_them():
+    """Ranks with a device mesh send schemas that differ only in their coordinates (each its own
+    hash): the state keeps every one, their params, slots and shard lists one copy each (a
+    16,384-rank mesh job's schemas held 1.8 GB before); a rank forgotten takes its lists out of
+    the job's pool when its schema goes."""
+    from gradwatch.aggregator.state import SHARED_PARTS, State
+
+    now = [100.0]
+    st = State(clock=lambda: now[0], rank_ttl_s=30)
+    out = _Kept()
+    other = PARAMS[:-1] + (("fc2.bias", (5,), "float32"),)  # rank 3: another layout (another stage)
+    ranks = [FakeRank(out, "mesh", r, 4, params=other if r == 3 else PARAMS) for r in range(4)]
+    shard = {id(r): tuple(((1,), 4) for _ in r.params) for r in ranks}
+    for r in ranks:
+        mesh = wire.Mesh(("dp", "tp"), (2, 2), (r.rank // 2, r.rank % 2))
+        msg = wire.Schema(r.header(), "node-0", r.rank, 5, r.params, SLOTS, mesh=mesh, shard=shard[id(r)])
+        r.schema_hash = msg.hash
+        r.send(msg)
+        r.report(0)
+    for f in out.frames:  # decoded from bytes: equal lists, distinct objects, as from the wire
+        st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
+    out.frames.clear()
+    job = st.jobs["mesh"]
+    assert st.rejected == {} and job.admitted
+    held = [job.schemas[r.schema_hash] for r in ranks]
+    assert len({s.hash for s in held}) == 4  # each rank's schema is its own
+    assert [s.mesh.coord for s in held] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for f in SHARED_PARTS:
+        assert getattr(held[0], f) is getattr(held[1], f) is getattr(held[2], f), f
+    assert held[3].params == other and held[3].params is not held[0].params
+    assert held[3].slots is held[0].slots  # equal lists are shared whichever schema they come in
+    assert other in job.parts and PARAMS in job.parts
+    now[0] += 20  # ranks 0-2 speak; rank 3 stays silent, 35 s by the second scan (rank_ttl_s 30)
+    for r in ranks[:3]:
+        r.heartbeat(0)
+    for f in out.frames:
+        st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
+    out.frames.clear()
+    st.tick()  # the TTL scan
+    assert sorted(job.ranks) == [0, 1, 2, 3] and other in job.parts
+    now[0] += 15
+    for r in ranks[:3]:
+        r.heartbeat(0)
+    for f in out.frames:
+        st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
+    st.tick()
+    assert sorted(job.ranks) == [0, 1, 2] and ranks[3].schema_hash not in job.schemas
+    assert other not in job.parts and PARAMS in job.parts  # the pool holds what the kept schemas hold
+    assert all(v is getattr(job.schemas[ranks[0].schema_hash], f)
+               for f in SHARED_PARTS for v in [job.parts[getattr(held[0], f)]])
+
+
 def test_the_daemon_logs_a_job_once_when_admitted_and_once_when_gone(caplog):
     """On-call sees a job arrive and leave in the aggregator's log: one line when it is admitted
     (a schema and a step using it), none for a pending id a stray frame made, one when its ranks
