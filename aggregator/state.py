@@ -72,14 +72,19 @@ from .steps import StepTable
 SHARED_PARTS = ("params", "slots", "shard")
 
 
-def _parts(schemas) -> dict[tuple, tuple]:
-    """``{value: value}`` of the :data:`SHARED_PARTS` of ``schemas`` (a job's pool, rebuilt from the
-    schemas it keeps, so it holds no more than they do)."""
-    pool: dict[tuple, tuple] = {}
-    for s in schemas:
-        for f in SHARED_PARTS:
-            pool.setdefault(getattr(s, f), getattr(s, f))
-    return pool
+def _part_key(field_name: str, value: tuple) -> tuple[str, bytes]:
+    """A pool key for a schema's list: its msgpack bytes (bytes hash with Python's randomised
+    SipHash; a tuple of ints hashes predictably, so a peer could send many colliding ``shard``
+    lists and make every lookup compare them all)."""
+    return field_name, msgspec.msgpack.encode(value)
+
+
+def _parts(schemas) -> dict[tuple[str, bytes], tuple]:
+    """A job's pool (:attr:`JobState.parts`) holding the :data:`SHARED_PARTS` of ``schemas``, no
+    more: rebuilt from the schemas a job keeps. Their lists are one object per value already, so
+    only the distinct objects are encoded."""
+    distinct = {id(getattr(s, f)): (f, getattr(s, f)) for s in schemas for f in SHARED_PARTS}
+    return {_part_key(f, v): v for f, v in distinct.values()}
 
 
 def _per(kind: str) -> int:
@@ -184,8 +189,8 @@ class JobState:
     job: str
     world: int
     schemas: dict[str, wire.Schema] = field(default_factory=dict)
-    #: the schemas' lists by value, one copy each (:data:`SHARED_PARTS`, :meth:`State._keep_schema`)
-    parts: dict[tuple, tuple] = field(default_factory=dict)
+    #: the schemas' lists, one object per value (:data:`SHARED_PARTS`, :meth:`State._keep_schema`)
+    parts: dict[tuple[str, bytes], tuple] = field(default_factory=dict)
     ranks: dict[int, RankState] = field(default_factory=dict)
     rounds: dict[int, Round] = field(default_factory=dict)
     last_round: Optional[RoundResult] = None
@@ -580,7 +585,7 @@ class State:
         """Hold ``msg`` (names cut, :meth:`_short_names`) as the job's schema of its hash, its lists
         (:data:`SHARED_PARTS`) the same objects as any of the job's schemas with equal ones."""
         s = self._short_names(msg)
-        shared = {f: job.parts.setdefault(getattr(s, f), getattr(s, f)) for f in SHARED_PARTS}
+        shared = {f: job.parts.setdefault(_part_key(f, getattr(s, f)), getattr(s, f)) for f in SHARED_PARTS}
         if any(v is not getattr(s, f) for f, v in shared.items()):
             s = msgspec.structs.replace(s, **shared)
         job.schemas[msg.hash] = s

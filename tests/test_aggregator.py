@@ -500,6 +500,10 @@ def test_mesh_ranks_schemas_stay_their_own_but_share_their_lists_and_the_pool_fo
     the job's pool when its schema goes."""
     from gradwatch.aggregator.state import SHARED_PARTS, State
 
+    def pool_is_the_kept_schemas_lists(job) -> bool:
+        return sorted(map(id, job.parts.values())) == sorted(
+            {id(getattr(s, f)) for s in job.schemas.values() for f in SHARED_PARTS})
+
     now = [100.0]
     st = State(clock=lambda: now[0], rank_ttl_s=30)
     out = _Kept()
@@ -518,13 +522,14 @@ def test_mesh_ranks_schemas_stay_their_own_but_share_their_lists_and_the_pool_fo
     job = st.jobs["mesh"]
     assert st.rejected == {} and job.admitted
     held = [job.schemas[r.schema_hash] for r in ranks]
-    assert len({s.hash for s in held}) == 4  # each rank's schema is its own
+    assert len({s.hash for s in held}) == 4  # each rank's schema is its own, under its own hash
+    assert [s.hash for s in held] == [r.schema_hash for r in ranks]
     assert [s.mesh.coord for s in held] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for f in SHARED_PARTS:
         assert getattr(held[0], f) is getattr(held[1], f) is getattr(held[2], f), f
-    assert held[3].params == other and held[3].params is not held[0].params
+    assert held[3].params == other
     assert held[3].slots is held[0].slots  # equal lists are shared whichever schema they come in
-    assert other in job.parts and PARAMS in job.parts
+    assert len(job.parts) == 4 and pool_is_the_kept_schemas_lists(job)  # PARAMS, other, SLOTS, the shard
     now[0] += 20  # ranks 0-2 speak; rank 3 stays silent, 35 s by the second scan (rank_ttl_s 30)
     for r in ranks[:3]:
         r.heartbeat(0)
@@ -532,7 +537,7 @@ def test_mesh_ranks_schemas_stay_their_own_but_share_their_lists_and_the_pool_fo
         st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
     out.frames.clear()
     st.tick()  # the TTL scan
-    assert sorted(job.ranks) == [0, 1, 2, 3] and other in job.parts
+    assert sorted(job.ranks) == [0, 1, 2, 3] and len(job.parts) == 4
     now[0] += 15
     for r in ranks[:3]:
         r.heartbeat(0)
@@ -540,9 +545,8 @@ def test_mesh_ranks_schemas_stay_their_own_but_share_their_lists_and_the_pool_fo
         st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
     st.tick()
     assert sorted(job.ranks) == [0, 1, 2] and ranks[3].schema_hash not in job.schemas
-    assert other not in job.parts and PARAMS in job.parts  # the pool holds what the kept schemas hold
-    assert all(v is getattr(job.schemas[ranks[0].schema_hash], f)
-               for f in SHARED_PARTS for v in [job.parts[getattr(held[0], f)]])
+    assert len(job.parts) == 3 and pool_is_the_kept_schemas_lists(job)  # rank 3's params went with it
+    assert all(v != other for v in job.parts.values())
 
 
 def test_the_daemon_logs_a_job_once_when_admitted_and_once_when_gone(caplog):
