@@ -46,6 +46,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -156,25 +157,27 @@ class SenderResult:
     cpu_s: float = 0.0
 
 
-def die_with_parent() -> None:
-    """Have the kernel send this process SIGKILL when its parent dies (Linux ``prctl``; nothing
-    elsewhere): a bench killed mid-run must not leave its aggregator and senders loading the
-    machine (a sender blocked at the high-water mark of a dead aggregator waits forever)."""
+def die_with_parent(parent: int) -> None:
+    """Have the kernel send this process SIGKILL when its parent (pid ``parent``) dies (Linux
+    ``prctl``; nothing elsewhere): a bench killed mid-run must not leave its aggregator and senders
+    loading the machine (a sender blocked at the high-water mark of a dead aggregator waits
+    forever)."""
     import ctypes
 
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the parent died before the request: nobody would send it
+    if os.getppid() != parent:  # it died before the request: nobody would send the signal
         os._exit(1)
 
 
-def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
-    """Send the ranks ``i`` with ``i % senders == idx`` (over all jobs), step-major."""
+def sender_main(idx: int, args, endpoint: str, t0: float, out, parent: int) -> None:
+    """Send the ranks ``i`` with ``i % senders == idx`` (over all jobs), step-major; ``parent``:
+    the bench's pid (:func:`die_with_parent`)."""
     import zmq
 
-    die_with_parent()
+    die_with_parent(parent)
 
     jobs = [Job(f"load{j}", args.ranks, args.layers) for j in range(args.jobs)]
     mine = [(job, r) for job in jobs for r in range(job.world)
@@ -216,7 +219,7 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
     rng = np.random.default_rng(idx)
     next_schema = {(job.name, r): next_beat for job, r in mine}  # each rank's own schedule, as agents keep it
     schema_gap = {k: args.schema_every_s for k in next_schema}
-    spread = {job.name: schema_spread(job.world) for job, _ in mine}
+    spread = schema_spread(args.ranks)  # every job's world
     top = SCHEMA_BACKOFF * args.schema_every_s
     step = 0
     step_s = 1.0 / args.steps_per_s if args.steps_per_s > 0 else 0.1
@@ -230,7 +233,7 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out) -> None:
             k = (job.name, r)
             if now >= next_schema[k]:
                 send(job, r, schema_frame(job, r, seq[k]), "schema")
-                late = SCHEMA_JITTER * min(schema_gap[k] * spread[job.name], top) * rng.random()  # as Sender._send_schema
+                late = SCHEMA_JITTER * min(schema_gap[k] * spread, top) * rng.random()  # as Sender._send_schema
                 next_schema[k] = now + schema_gap[k] + late
                 schema_gap[k] = min(2 * schema_gap[k], top)
         if args.heartbeat_s > 0 and now >= next_beat:  # only ranks that sent nothing for heartbeat_s
@@ -355,7 +358,7 @@ def start_aggregator(args, logf):
            "--metrics-host", "127.0.0.1", "--metrics-port", str(mport), "--layer-depth", str(args.layer_depth),
            *(["--rank-series-max", str(args.rank_series_max)] if args.rank_series_max else []), *args.agg_arg]
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            preexec_fn=die_with_parent)
+                            preexec_fn=functools.partial(die_with_parent, os.getpid()))
     base = f"http://127.0.0.1:{mport}"
     for _ in range(400):
         if proc.poll() is not None:
@@ -390,7 +393,7 @@ def _drive(args, proc, endpoint: str, base: str) -> dict:
     ctx = mp.get_context("spawn")  # no zmq context or aggregator state inherited
     out = ctx.Queue()
     t0 = time.time() + 1.0 + 0.2 * args.senders  # spawned senders import gradwatch first
-    senders = [ctx.Process(target=sender_main, args=(i, args, endpoint, t0, out), daemon=True)
+    senders = [ctx.Process(target=sender_main, args=(i, args, endpoint, t0, out, os.getpid()), daemon=True)
                for i in range(args.senders)]
     for p in senders:
         p.start()

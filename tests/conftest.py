@@ -37,6 +37,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def children(pid: int) -> dict[int, bytes]:
+    """``{pid: command line}`` of the live child processes of process ``pid`` (Linux ``/proc``); a
+    child that exits while they are read is left out."""
+    kids: dict[int, bytes] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                ids = [int(k) for k in f.read().split()]
+        except FileNotFoundError:
+            continue
+        for k in ids:
+            try:
+                with open(f"/proc/{k}/cmdline", "rb") as f:
+                    kids[k] = f.read()
+            except FileNotFoundError:
+                pass
+    return kids
+
+
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"):
     """Poll ``predicate`` until it returns a truthy value; return that value or fail the test."""
     deadline = time.monotonic() + timeout

@@ -26,7 +26,7 @@ from gradwatch.aggregator.checks import Outcome, Runner, Thresholds
 from gradwatch.aggregator.checks.outlier_rank import robust_z
 from gradwatch.aggregator.state import State
 
-from .conftest import run_demo, samples, start_aggregator, wait_for
+from .conftest import children, run_demo, samples, start_aggregator, wait_for
 
 RANK_HEALTH = {"outlier_rank", "straggler", "rank_silent", "training_stalled", "step_skew"}
 
@@ -957,21 +957,16 @@ def test_training_stalled_real_run_names_the_hung_rank_within_3_s_at_default_set
 
 def _rank_processes(pid: int) -> list[int]:
     """The demo's rank processes (spawned children running spawn_main), in start order = rank order."""
-    kids = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            kids += [int(k) for k in f.read().split()]
     ranks = []
-    for k in kids:
+    for k, cmd in children(pid).items():
+        if b"spawn_main" not in cmd:
+            continue
         try:
-            with open(f"/proc/{k}/cmdline", "rb") as f:
-                cmd = f.read()
             with open(f"/proc/{k}/stat") as f:
                 start = int(f.read().rsplit(")", 1)[1].split()[19])
         except FileNotFoundError:
             continue
-        if b"spawn_main" in cmd:
-            ranks.append((start, k))
+        ranks.append((start, k))
     return [k for _, k in sorted(ranks)]
 
 

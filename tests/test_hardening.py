@@ -9,6 +9,7 @@ job key its ranks share (``agent.config.job_key``) nor their boot ids.
 from __future__ import annotations
 
 import hashlib
+import platform
 import secrets
 import time
 
@@ -837,7 +838,7 @@ def test_the_jobs_whose_frames_were_dropped_stay_bounded_under_a_flood_of_forged
     assert intake.take_dropped() == {(("late", ""), "KEY-A")}  # tracked again once taken
 
 
-GLIBC = pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's mallopt and RUSAGE_THREAD")
+GLIBC = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt and RUSAGE_THREAD")
 
 
 def test_keep_freed_memory_is_a_no_op_where_the_c_library_has_no_mallopt(monkeypatch):
@@ -891,7 +892,6 @@ def test_the_daemon_process_takes_its_gc_thresholds_switch_interval_and_malloc_o
     busy writer starved the intake thread of the interpreter lock) and, on glibc, the C
     allocator's options (MALLOC_OPTIONS). In a process of its own: the settings are process-wide."""
     import ast
-    import platform
     import subprocess
     import sys
 

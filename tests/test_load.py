@@ -6,7 +6,6 @@ step. No timing is asserted (the figures are bench/README.md's)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from bench.load import main
+
+from .conftest import children
 
 pytestmark = pytest.mark.ddp
 
@@ -57,21 +58,6 @@ def test_freshness_per_step_and_after_the_warm_up():
     assert [round(f, 6) for f in warm] == [1.9, 0.9]  # steps 2 and 3: sent 2 s and more after step 0
 
 
-def _children(pid: int) -> set[int]:
-    """Processes whose parent is ``pid`` (from /proc)."""
-    out = set()
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                out.add(int(d))
-    return out
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -97,8 +83,7 @@ def test_a_killed_bench_takes_its_aggregator_and_senders_with_it(tmp_path):
             assert bench.poll() is None, "the bench exited early"
             assert time.monotonic() < deadline, f"no aggregator and senders started: {kids}"
             time.sleep(0.2)
-            kids = {k for k in _children(bench.pid) if b"resource_tracker" not in Path(f"/proc/{k}/cmdline").read_bytes()}
-        assert len(kids) >= 3, kids
+            kids = {k for k, cmd in children(bench.pid).items() if b"resource_tracker" not in cmd}
     finally:
         bench.kill()
         bench.wait()
