@@ -122,6 +122,13 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
 
 def _spawned(rank, cfg, master_port, endpoint, results):
     train_rank(rank, cfg, master_port, endpoint, results)
+    # done: results sent (a SimpleQueue writes at once), process group destroyed, agent closed.
+    # torch 2.13's gloo teardown at interpreter exit now and then aborts the process ("terminate
+    # called without an active exception", also without the agent), which failed a finished demo:
+    # leave without it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(cfg: DemoConfig) -> int:
