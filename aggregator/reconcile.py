@@ -194,6 +194,7 @@ class Layout:
         holders: int64 [n_schemas, n_params], :func:`.shards.holders` per schema (numbered as
             over the ranks: in first use order).
         parts: int64 [n_schemas], :func:`.shards.parts` per schema.
+        kinds: int64 [n_schemas]: schemas of one number hold the same lists (the same columns).
     """
 
     schemas: tuple
@@ -208,33 +209,44 @@ class Layout:
     module_plan: statistics.MergePlan
     holders: np.ndarray
     parts: np.ndarray
+    kinds: np.ndarray
 
     @staticmethod
     def of(schemas) -> "Layout":
-        """The layout of ``schemas`` (:class:`~gradwatch.wire.Schema`, first use order)."""
+        """The layout of ``schemas`` (:class:`~gradwatch.wire.Schema`, first use order). Schemas
+        holding the same lists (a job keeps one object per value, ``state.SHARED_PARTS``: a sharded
+        job's ranks differ in mesh coordinates only) share their columns, worked out once."""
         schemas = tuple(schemas)
-        slot_names = [[m + o for m, o, _, _ in s.slots] for s in schemas]
+        kinds: dict[tuple[int, int], int] = {}
+        kind = [kinds.setdefault((id(s.slots), id(s.params)), len(kinds)) for s in schemas]
+        firsts = []  # the first schema of each kind
+        for k, s in zip(kind, schemas):
+            if k == len(firsts):
+                firsts.append(s)
+        slot_names = [[m + o for m, o, _, _ in s.slots] for s in firsts]
         layers = _union(slot_names)
         lidx = {n: i for i, n in enumerate(layers)}
-        params, pcols = _param_columns({k: s for k, s in enumerate(schemas)})
+        params, pcols = _param_columns({k: s for k, s in enumerate(firsts)})
         types: dict[str, str] = {}
-        for s in schemas:
+        for s in firsts:
             for m, o, typ, _ in s.slots:
                 types.setdefault(m + o, typ)
-        modules = _union([[owner(p[0]) for p in s.params] for s in schemas])
+        modules = _union([[owner(p[0]) for p in s.params] for s in firsts])
         owners: dict[str, list[int]] = {m: [] for m in modules}
         for i, p in enumerate(params):
             owners[owner(p)].append(i)
-        slot_cols = tuple(np.array([lidx[n] for n in names], np.int64) for names in slot_names)
-        param_cols = tuple(pcols[k] for k in range(len(schemas)))
-        dense = (len(schemas) == 1 and np.array_equal(slot_cols[0], np.arange(len(layers)))
-                 and np.array_equal(param_cols[0], np.arange(len(params))))
+        kind_cols = [np.array([lidx[n] for n in names], np.int64) for names in slot_names]
+        slot_cols = tuple(kind_cols[c] for c in kind)
+        param_cols = tuple(pcols[c] for c in kind)
+        dense = (len(firsts) == 1 and np.array_equal(kind_cols[0], np.arange(len(layers)))
+                 and np.array_equal(pcols[0], np.arange(len(params))))
         return Layout(
             schemas, layers, modules, params, tuple(types.get(n, "") for n in layers), slot_cols, param_cols, dense,
             sharded=any(s.mesh is not None and s.shard for s in schemas),
             module_plan=statistics.merge_plan([np.array(v, np.int64) for v in owners.values()]),
             holders=holders([s.mesh for s in schemas], [s.shard for s in schemas], list(param_cols), len(params)),
             parts=parts(list(schemas)),
+            kinds=np.asarray(kind, np.int64),
         )
 
 
@@ -385,8 +397,9 @@ def _per_rank(rows: np.ndarray, which: np.ndarray, R: int) -> np.ndarray:
 
 
 def _scatter(lay: Layout, reps: list, which: np.ndarray) -> tuple:
-    """The round's per-rank arrays when ranks differ in schema (or some array is missing): each
-    schema's ranks at once, their rows put in their columns; NaN (or 0, False) elsewhere."""
+    """The round's per-rank arrays when ranks differ in columns (or some array is missing): the
+    ranks of each set of columns (:attr:`Layout.kinds`) at once, their rows put in their columns;
+    NaN (or 0, False) elsewhere."""
     R, L, P = len(reps), len(lay.layers), len(lay.params)
     act = np.full((R, L, len(wire.ACT_FIELDS)), np.nan)
     act_grad = np.full((R, L, len(wire.ACT_GRAD_FIELDS)), np.nan)
@@ -397,10 +410,10 @@ def _scatter(lay: Layout, reps: list, which: np.ndarray) -> tuple:
     fp_weight = np.zeros((R, P), np.uint64)
     fp_grad_seen = np.zeros((R, P), bool)
     fp_weight_seen = np.zeros((R, P), bool)
-    for i in range(len(lay.schemas)):
-        ks = np.flatnonzero(which == i).tolist()
-        if not ks:
-            continue
+    kind = lay.kinds[which]
+    for c in np.unique(kind).tolist():  # one pass per set of columns, however many schemas share it
+        ks = np.flatnonzero(kind == c).tolist()
+        i = which[ks[0]]
         cols, pcols = lay.slot_cols[i], lay.param_cols[i]
         reps_g = [reps[k] for k in ks]
         kk = np.array(ks, dtype=np.int64)[:, None]

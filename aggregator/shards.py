@@ -82,6 +82,99 @@ def _size(mesh: wire.Mesh, dims) -> int:
     return math.prod(mesh.sizes[k] for k in dims if k < len(mesh.sizes))
 
 
+#: cap of a group's size (``prod(sizes[dims])``): a peer's mesh may claim sizes whose product no
+#: int64 holds; no group of a job's ranks reaches it
+_NEED_MAX = 1 << 62
+
+
+class _Groups:
+    """Numbered groups of ranks' entries, worked out with numpy over ranks x parameters (a 16,384-rank
+    sharded job's round has ~3 million entries; keyed in Python they took seconds).
+
+    Entries (rank x parameter) of one column whose mesh shape (names, sizes), dims and coordinates
+    on the selected dims agree share a number in :attr:`group`, listed in rank order. Ranks
+    with the same mesh shape, ``shard`` object and columns make one block, whose coordinates are
+    numbered with one ``np.unique``: Python work per block and per distinct coordinates, not per entry.
+
+    Attributes:
+        rank: int64 [E] the entry's position in the per-rank lists.
+        col: int64 [E] its parameter column.
+        group: int64 [E] its group, 0 .. n - 1 (numbers without entries may be left unused).
+        need: int64 [n] per group, ``prod(sizes[dims])`` (capped at :data:`_NEED_MAX`).
+        n: the numbers' range.
+    """
+
+    def __init__(self, meshes: list, dims_of, on: bool, whole: bool = False):
+        """``dims_of(k)``: rank position k's ``(shard, columns)``: ``((dims, numel), ...)`` and int64
+        [len(shard)], or None to leave the rank out (as a rank without a mesh is). ``on``: group by
+        the coordinates *on* each parameter's dims and the stage dims (the ranks holding the same
+        bytes, :func:`holders`; parameters held whole left out unless the mesh has stages); else by
+        those *off* its dims (the shard group, :func:`_off`; parameters held whole left out unless
+        ``whole``)."""
+        blocks: dict[tuple, list[int]] = {}
+        info: dict[tuple, tuple] = {}
+        for k, mesh in enumerate(meshes):
+            if mesh is None:
+                continue
+            got = dims_of(k)
+            if got is None:
+                continue
+            shard, cols = got
+            if not shard:
+                continue
+            key = (mesh.names, mesh.sizes, id(shard), cols.tobytes())
+            members = blocks.get(key)
+            if members is None:
+                members = blocks[key] = []
+                info[key] = (mesh, shard, cols)
+            members.append(k)
+        ids: dict[tuple, int] = {}  # (names, sizes, dims, selected coordinates) -> number
+        needs: list[int] = []
+        rank, col, gid = [], [], []
+        for key, members in blocks.items():
+            mesh, shard, cols = info[key]
+            nd = len(mesh.names)
+            staged = wire.stage_dims(mesh)
+            K = np.asarray(members, np.int64)
+            C = np.array([meshes[k].coord for k in members], np.int64).reshape(len(members), nd)
+            by_dims: dict[tuple, list[int]] = {}
+            for i, (dims, _) in enumerate(shard):
+                if dims or (staged if on else whole):
+                    by_dims.setdefault(tuple(dims), []).append(i)
+            for dims, where in by_dims.items():
+                sel = sorted(set(dims) | set(staged)) if on else [d for d in range(nd) if d not in dims]
+                sel = [d for d in sel if d < nd]
+                rows, inv = np.unique(C[:, sel], axis=0, return_inverse=True)
+                need = min(math.prod(mesh.sizes[d] for d in dims if d < nd), _NEED_MAX)
+                number = np.empty(len(rows), np.int64)
+                for u, row in enumerate(rows.tolist()):
+                    g = ids.setdefault((mesh.names, mesh.sizes, dims, tuple(row)), len(ids))
+                    if g == len(needs):
+                        needs.append(need)
+                    number[u] = g
+                c = cols[np.asarray(where, np.int64)]
+                rank.append(np.repeat(K, len(c)))
+                col.append(np.tile(c, len(K)))
+                gid.append(np.repeat(number[inv.reshape(-1)], len(c)))
+        if not rank:
+            self.rank = self.col = self.group = np.zeros(0, np.int64)
+            self.need, self.n = np.zeros(0, np.int64), 0
+            return
+        rank, col, gid = np.concatenate(rank), np.concatenate(col), np.concatenate(gid)
+        if len(blocks) > 1:  # members in rank order, as one block lists them: sums in a fixed order
+            order = np.argsort(rank, kind="stable")
+            rank, col, gid = rank[order], col[order], gid[order]
+        # a group is one set of coordinates *and* one column
+        width = int(col.max()) + 1
+        group = gid * width + col
+        need = np.repeat(np.asarray(needs, np.int64), width)
+        if len(need) > 4 * len(group):  # sparse: number the groups densely (a sort)
+            uniq, group = np.unique(group, return_inverse=True)
+            need = need[uniq]
+        self.rank, self.col, self.group = rank, col, group.reshape(-1)
+        self.need, self.n = need, len(need)
+
+
 def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float]:
     """Global gradient norm of every rank whose shard groups all reported.
 
@@ -95,41 +188,46 @@ def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float
         dims, :func:`gradwatch.wire.stage_dims`) that sum is the rank's *stage total*; the rank's
         global norm is then sqrt of the stage totals of the ranks sharing its coordinates on every
         other dim, one per stage, once all stages' totals are complete. NaN and Inf propagate.
+        Float64 sums, in ``entries``' order of ranks and each rank's order of classes.
     """
-    acc: dict[tuple, list] = {}
-    for mesh, sq in entries.values():
-        for dims, v in sq:
-            a = acc.setdefault((dims, _off(mesh, dims)), [0.0, 0])
-            a[0] += v
-            a[1] += 1
-    totals = {}
-    for r, (mesh, sq) in entries.items():
-        total, ok = 0.0, True
-        for dims, _ in sq:
-            s, n = acc[(dims, _off(mesh, dims))]
-            if n < _size(mesh, dims):
-                ok = False
-                break
-            total += s
-        if ok:
-            totals[r] = total
+    ranks = list(entries)
+    meshes = [m for m, _ in entries.values()]
+    # a rank's classes are its pseudo-parameters: column c its c-th class, grouped as shards are
+    kinds: dict[tuple, tuple] = {}
+    per_rank, values, starts = [], [], []
+    for _, sq in entries.values():
+        dims = tuple(d for d, _ in sq)
+        kind = kinds.get(dims)
+        if kind is None:
+            kind = kinds[dims] = (tuple((d, 0) for d in dims), np.arange(len(dims), dtype=np.int64))
+        per_rank.append(kind)
+        starts.append(len(values))
+        values.extend(v for _, v in sq)
+    g = _Groups(meshes, per_rank.__getitem__, on=False, whole=True)
+    R = len(ranks)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = np.asarray(values, np.float64)[np.asarray(starts, np.int64)[g.rank] + g.col]
+        share = np.bincount(g.group, v, minlength=g.n)[g.group]
+        total = np.bincount(g.rank, share, minlength=R)
+    short = np.bincount(g.rank, np.bincount(g.group, minlength=g.n)[g.group] < g.need[g.group], minlength=R)
+    totals = {ranks[k]: float(total[k]) for k in np.flatnonzero(short == 0).tolist()}
     # pipeline stages: each stage's total once (from the rank of the same pipeline replica)
     stages: dict[tuple, dict[tuple, float]] = {}
-    for r, total in totals.items():
+    for r, t in totals.items():
         mesh, st = entries[r][0], wire.stage_dims(entries[r][0])
         if st:
             stage = tuple(mesh.coord[k] for k in st)
-            stages.setdefault(_off(mesh, st), {})[stage] = total
+            stages.setdefault(_off(mesh, st), {})[stage] = t
     out = {}
-    for r, total in totals.items():
+    for r, t in totals.items():
         mesh = entries[r][0]
         st = wire.stage_dims(mesh)
         if st:
             per = stages[_off(mesh, st)]
             if len(per) < _size(mesh, st):
                 continue  # a stage has not reported yet
-            total = sum(per[s] for s in sorted(per))
-        out[r] = math.sqrt(total) if total >= 0 else math.nan
+            t = sum(per[s] for s in sorted(per))
+        out[r] = math.sqrt(t) if t >= 0 else math.nan
     return out
 
 
@@ -147,14 +245,8 @@ def holders(meshes: list, shards: list, pcols: list, n_params: int) -> np.ndarra
         dims (0 for a parameter every rank holds whole, and everywhere without a mesh).
     """
     out = np.zeros((len(meshes), n_params), np.int64)
-    ids: dict[tuple, int] = {(): 0}
-    for k, (mesh, shard) in enumerate(zip(meshes, shards)):
-        if mesh is None or not shard:
-            continue
-        staged = bool(wire.stage_dims(mesh))
-        for j, (dims, _) in zip(pcols[k], shard):
-            if dims or staged:
-                out[k, j] = ids.setdefault((int(j), _on(mesh, dims)), len(ids))
+    g = _Groups(meshes, lambda k: (shards[k], pcols[k]), on=True)
+    out[g.rank, g.col] = g.group + 1
     return out
 
 
@@ -179,31 +271,21 @@ def combine_params(meshes: list, shards: list, pcols: list, param: np.ndarray) -
 
 def combine_groups(meshes: list, shards: list, pcols: list, param: np.ndarray) -> np.ndarray:
     """:func:`combine_params`' ``param`` alone (its ``holders`` depend only on the schemas:
-    :class:`~.reconcile.Layout` keeps them)."""
-    R = param.shape[0]
-    out = param.copy()
-    groups: dict[tuple, list[int]] = {}
-    need: dict[tuple, int] = {}
-    for k in range(R):
-        mesh, shard = meshes[k], shards[k]
-        if mesh is None or not shard:
-            continue
-        for j, (dims, _) in zip(pcols[k], shard):
-            if dims:
-                key = (int(j), dims, _off(mesh, dims))
-                groups.setdefault(key, []).append(k)
-                need[key] = _size(mesh, dims)
-    with np.errstate(invalid="ignore"):
-        for key, members in groups.items():
-            j = key[0]
-            key_rows = param[members, j]
-            if len(members) < need[key]:
-                out[members, j] = np.nan
-                continue
-            norms = np.sqrt(np.sum(key_rows[:, :2] ** 2, axis=0))
-            out[members, j, 0] = norms[0]
-            out[members, j, 1] = norms[1]
-            out[members, j, 2] = key_rows[:, 2].sum()
+    :class:`~.reconcile.Layout` keeps them). Each group's squares are summed in rank order, float64."""
+    out = np.array(param, np.float64)  # a copy, C-contiguous: its rows are viewed flat below
+    g = _Groups(meshes, lambda k: (shards[k], pcols[k]), on=False)
+    if not g.n:
+        return out
+    flat = out.reshape(-1, out.shape[2])
+    at = g.rank * out.shape[1] + g.col  # each entry's row in ``flat``
+    rows = flat[at]  # [E, 3]
+    res = np.empty((g.n, 3))
+    with np.errstate(invalid="ignore", over="ignore"):
+        res[:, 0] = np.sqrt(np.bincount(g.group, rows[:, 0] ** 2, minlength=g.n))
+        res[:, 1] = np.sqrt(np.bincount(g.group, rows[:, 1] ** 2, minlength=g.n))
+    res[:, 2] = np.bincount(g.group, rows[:, 2], minlength=g.n)
+    res[np.bincount(g.group, minlength=g.n) < g.need] = np.nan  # incomplete groups
+    flat[at] = res[g.group]
     return out
 
 

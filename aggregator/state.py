@@ -728,8 +728,8 @@ class State:
             return
         for v in views:
             if v.grad_sq:
-                g = global_norms({k: (mesh_of(job, k), sq) for k, sq in v.grad_sq.items()
-                                  if mesh_of(job, k) is not None})
+                meshes = {k: mesh_of(job, k) for k in v.grad_sq}
+                g = global_norms({k: (meshes[k], sq) for k, sq in v.grad_sq.items() if meshes[k] is not None})
                 for i, k in enumerate(v.ranks.tolist()):
                     if k in v.grad_sq:
                         v.grad_norm[i] = g.get(k, math.nan)

@@ -60,6 +60,7 @@ import time
 import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 import msgpack
 import numpy as np
@@ -91,6 +92,9 @@ class Job:
     name: str
     world: int
     layers: int
+    #: tensor-parallel degree: > 0 makes the ranks a ("dp", "tp") device mesh with every parameter
+    #: sharded along "tp", as FSDP2 or tensor parallelism reports it (each rank its own schema)
+    tp: int = 0
 
     def __post_init__(self):
         mods = model_layers(self.layers)
@@ -98,6 +102,11 @@ class Job:
                                                       (f"{m}.bias", (64,), "float32")))
         self.slots = tuple((m, "", "Linear", "float32") for m in mods)
         self.hash = wire.schema_hash(self.params, self.slots)
+        if self.tp:
+            if self.world % self.tp:
+                raise ValueError(f"--tp {self.tp} does not divide {self.world} ranks")
+            self.shard = tuple(((1,), math.prod(p[1]) // self.tp) for p in self.params)
+            self.hashes = [wire.schema_hash(self.params, self.slots, self.mesh(r), self.shard) for r in range(self.world)]
         n_s, n_p = len(self.slots), len(self.params)
         # healthy, identical on every rank (all-reduced gradients, replicas in sync): no check fires
         act = np.tile(np.array([0.0, 1.0, -3.0, 3.0, 0.1, 0.0], np.float32), (n_s, 1))
@@ -107,12 +116,24 @@ class Job:
         self.fp = np.arange(1, n_p + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
 
 
+    def mesh(self, rank: int) -> Optional[wire.Mesh]:
+        return wire.Mesh(("dp", "tp"), (self.world // self.tp, self.tp), (rank // self.tp, rank % self.tp)) if self.tp else None
+
+    def schema_of(self, rank: int) -> str:
+        return self.hashes[rank] if self.tp else self.hash
+
+    def grad_sq(self, g: float) -> Optional[tuple]:
+        """A rank's sum of squares of its tp shard when the global norm is ``g`` (None without a mesh)."""
+        return (((1,), g * g / self.tp),) if self.tp else None
+
+
 def _header(job: Job, rank: int, seq: int) -> wire.Header:
     return wire.Header(job.name, rank, job.world, f"b{rank:x}", seq, time.time(), key=f"k-{job.name}")
 
 
 def schema_frame(job: Job, rank: int, seq: int) -> bytes:
-    return wire.encode(wire.Schema(_header(job, rank, seq), "host", rank % 8, 0, job.params, job.slots))
+    mesh = dict(mesh=job.mesh(rank), shard=job.shard) if job.tp else {}
+    return wire.encode(wire.Schema(_header(job, rank, seq), "host", rank % 8, 0, job.params, job.slots, **mesh))
 
 
 def report_frame(job: Job, rank: int, seq: int, step: int, probe: bool, step_s: float) -> bytes:
@@ -120,7 +141,7 @@ def report_frame(job: Job, rank: int, seq: int, step: int, probe: bool, step_s: 
     extra = dict(act=job.act, act_grad=job.act_grad, param=job.param, act_count=job.act_count,
                  fp_grad=job.fp + np.uint64(step), fp_weight=job.fp + np.uint64(2 * step)) if probe else {}
     return wire.encode(wire.Report(
-        _header(job, rank, seq), job.hash, step, step_s, g, 0, micro=1, probe=probe,
+        _header(job, rank, seq), job.schema_of(rank), step, step_s, g, 0, micro=1, probe=probe, grad_sq=job.grad_sq(g),
         local_grad_norm=g * math.sqrt(job.world) * (1 + 0.01 * ((rank * 7919) % 11 - 5) / 5),
         compute_time=0.05, loss=2.0, batch=8, probe_interval=0, **extra,
     ))
@@ -135,8 +156,9 @@ def steps_frame(job: Job, rank: int, seq: int, steps: list[int], step_s: float) 
     s = np.asarray(steps, np.int64)
     n = len(s)
     g = 1.0 + 0.01 * np.sin(s)  # the same global norm on every rank, no spike
+    sq = dict(grad_sq_dims=((1,),), grad_sq=(g * g / job.tp)[:, None]) if job.tp else {}
     return wire.encode(wire.Steps.columns(
-        _header(job, rank, seq), job.hash, step=s, step_time=np.full(n, step_s), grad_norm=g,
+        _header(job, rank, seq), job.schema_of(rank), **sq, step=s, step_time=np.full(n, step_s), grad_norm=g,
         grad_nonfinite=np.zeros(n), local_grad_norm=g * math.sqrt(job.world) * (1 + 0.01 * ((rank * 7919) % 11 - 5) / 5),
         compute_time=np.full(n, 0.05), loss=np.full(n, 2.0), loss_scale=np.full(n, math.nan), skipped=np.zeros(n),
     ))
@@ -179,7 +201,7 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out, parent: int) -> N
 
     die_with_parent(parent)
 
-    jobs = [Job(f"load{j}", args.ranks, args.layers) for j in range(args.jobs)]
+    jobs = [Job(f"load{j}", args.ranks, args.layers, args.tp) for j in range(args.jobs)]
     mine = [(job, r) for job in jobs for r in range(job.world)
             if (jobs.index(job) * job.world + r) % args.senders == idx]
     ctx = zmq.Context()
@@ -516,7 +538,7 @@ def run_inprocess(args) -> dict:
     now = [0.0]
     extra = dict(rank_series_max=args.rank_series_max) if args.rank_series_max else {}
     agg = Aggregator(load(listen="tcp://127.0.0.1:0", layer_depth=args.layer_depth, **extra), clock=lambda: now[0])
-    jobs = [Job(f"load{j}", args.ranks, args.layers) for j in range(args.jobs)]
+    jobs = [Job(f"load{j}", args.ranks, args.layers, args.tp) for j in range(args.jobs)]
     n_steps = math.ceil((args.reports or 10_000) / (args.ranks * args.jobs))
     frames, kinds = [], Counter()
     seq: Counter = Counter()
@@ -656,6 +678,7 @@ def parse(argv=None):
     p.add_argument("--every", type=int, default=10, help="probe every N-th step (0: never)")
     p.add_argument("--steps-per-s", type=float, default=0.0, help="paced steps per second per rank; 0: as fast as possible")
     p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--tp", type=int, default=0, help="> 0: the ranks form a (dp, tp) mesh, every parameter sharded along tp (each rank its own schema)")
     p.add_argument("--senders", type=int, default=1, help="sender processes")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of sending (unless --reports)")
     p.add_argument("--reports", type=int, default=0, help="send this many reports in all instead of --duration")

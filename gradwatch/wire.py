@@ -131,6 +131,7 @@ agent may add optional ones). This module imports neither torch nor prometheus.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -239,9 +240,12 @@ STAGE_DIM_NAMES = ("pp", "pipeline")
 
 def stage_dims(mesh: Mesh | None) -> tuple[int, ...]:
     """Indices of ``mesh``'s pipeline-stage dimensions (see the module docstring); () without a mesh."""
-    if mesh is None:
-        return ()
-    return tuple(k for k, n in enumerate(mesh.names)
+    return () if mesh is None else _stage_dims(mesh.names)
+
+
+@functools.lru_cache(maxsize=256)  # asked per rank per step at scale; names are few (peers': bounded)
+def _stage_dims(names: tuple[str, ...]) -> tuple[int, ...]:
+    return tuple(k for k, n in enumerate(names)
                  if n in STAGE_DIM_NAMES or n.startswith(tuple(f"{x}_" for x in STAGE_DIM_NAMES)))
 
 

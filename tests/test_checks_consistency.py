@@ -65,6 +65,35 @@ def test_replica_drift_reads_weight_fingerprints():
     assert (f.check, f.rank, f.details["params"]) == ("replica_drift", 2, ["p0"])
 
 
+def _minority_per_set(fp, seen, holders, rtol):
+    """The vote held set by set: each holders number over the whole matrix (the definition)."""
+    out, tied = {}, set()
+    for h in np.unique(holders):
+        bad, t = minority(fp, seen & (holders == h), rtol=rtol)
+        for k, ps in bad.items():
+            out.setdefault(k, []).extend(ps)
+        tied.update(t)
+    return {k: sorted(v) for k, v in out.items()}, sorted(tied)
+
+
+@pytest.mark.parametrize("rtol", [None, 1e-3])
+def test_minority_within_holders_matches_the_vote_set_by_set(rtol):
+    rng = np.random.default_rng(11)
+    found = 0
+    for _ in range(60):
+        R, P = int(rng.integers(2, 12)), int(rng.integers(1, 6))
+        holders = rng.integers(0, 4, (R, P)) * (rng.random((R, P)) < 0.8)
+        if rtol is None:
+            fp = rng.integers(0, 3, (R, P)).astype(np.uint64)
+        else:
+            fp = rng.choice([1.0, 1.0 + 1e-5, 2.0, np.nan], (R, P))
+        seen = rng.random((R, P)) < 0.9
+        got = minority(fp, seen, holders, rtol=rtol)
+        assert got == _minority_per_set(fp, seen, holders, rtol)
+        found += len(got[0]) + len(got[1])
+    assert found > 50  # the draws do split
+
+
 def test_minority_with_a_tolerance_groups_close_values():
     v = np.array([[1.0, 2.0], [1.0 + 1e-7, 2.0], [1.0, 2.002], [1.1, 2.0]])
     bad, tied = minority(v, np.ones(v.shape, bool), rtol=1e-5)

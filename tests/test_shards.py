@@ -154,3 +154,150 @@ def test_pipeline_stage_of_two_ranks_has_no_outlier_data():
     assert [g.tolist() for g in peer_groups(R)] == [[0, 1], [2, 3]]
     R.part = None
     assert [g.tolist() for g in peer_groups(R)] == [[0, 1, 2, 3]]
+
+
+# --- the vectorised grouping against the plain per-entry definition ---------------------------------
+
+
+def _ref_off(mesh, dims):
+    return (mesh.names, mesh.sizes, tuple(c for k, c in enumerate(mesh.coord) if k not in dims))
+
+
+def _ref_on(mesh, dims):
+    stage = tuple(mesh.coord[k] for k in wire.stage_dims(mesh))
+    return (mesh.names, mesh.sizes, tuple(dims), tuple(mesh.coord[k] for k in dims), stage)
+
+
+def _ref_combine(meshes, shards, pcols, param):
+    """The module docstring's definition, one entry at a time (float64, members in rank order)."""
+    out = param.copy()
+    groups, need = {}, {}
+    for k, (mesh, shard) in enumerate(zip(meshes, shards)):
+        if mesh is None:
+            continue
+        for j, (dims, _) in zip(pcols[k], shard):
+            if dims:
+                key = (int(j), tuple(dims), _ref_off(mesh, dims))
+                groups.setdefault(key, []).append(k)
+                need[key] = math.prod(mesh.sizes[d] for d in dims)
+    for key, members in groups.items():
+        j = key[0]
+        if len(members) < need[key]:
+            out[members, j] = np.nan
+            continue
+        for f in (0, 1):
+            acc = 0.0
+            for k in members:
+                acc += float(param[k, j, f]) ** 2
+            out[members, j, f] = math.sqrt(acc) if acc == acc else math.nan
+        out[members, j, 2] = sum(float(param[k, j, 2]) for k in members)
+    return out
+
+
+def _ref_holders(meshes, shards, pcols, n):
+    """Ranks holding the same bytes, by the definition: a partition of each column, as sets."""
+    sets = {}
+    for k, (mesh, shard) in enumerate(zip(meshes, shards)):
+        if mesh is None:
+            continue
+        staged = bool(wire.stage_dims(mesh))
+        for j, (dims, _) in zip(pcols[k], shard):
+            if dims or staged:
+                sets.setdefault((int(j), _ref_on(mesh, dims)), set()).add(k)
+    return sorted((j, frozenset(m)) for (j, _), m in sets.items())
+
+
+def _ref_global(entries):
+    acc = {}
+    for mesh, sq in entries.values():
+        for dims, v in sq:
+            a = acc.setdefault((tuple(dims), _ref_off(mesh, dims)), [0.0, 0])
+            a[0] += v
+            a[1] += 1
+    totals = {}
+    for r, (mesh, sq) in entries.items():
+        total = 0.0
+        for dims, _ in sq:
+            s, n = acc[(tuple(dims), _ref_off(mesh, dims))]
+            if n < math.prod(mesh.sizes[d] for d in dims):
+                break
+            total += s
+        else:
+            totals[r] = total
+    out = {}
+    for r, t in totals.items():
+        mesh = entries[r][0]
+        st = wire.stage_dims(mesh)
+        if st:
+            per = {tuple(entries[q][0].coord[k] for k in st): totals[q] for q in totals
+                   if _ref_off(entries[q][0], st) == _ref_off(mesh, st)}
+            if len(per) < math.prod(mesh.sizes[k] for k in st):
+                continue
+            t = sum(per[s] for s in sorted(per))
+        out[r] = math.sqrt(t) if t >= 0 else math.nan
+    return out
+
+
+def _random_job(rng, staged: bool):
+    """A (pp,) dp x tp mesh job's ranks, some missing, two shard objects per stage (blocks), values
+    with NaN and Inf now and then."""
+    from gradwatch.aggregator.shards import combine_groups, holders  # noqa: F401 (imported by the test)
+
+    names = ("pp", "dp", "tp") if staged else ("rep", "dp", "tp")
+    sizes = (2, 3, 2)
+    kinds = [(), (1,), (2,), (1, 2)]
+    stage_shards = []
+    for _ in range(sizes[0]):
+        n = int(rng.integers(2, 6))
+        shard = tuple((kinds[int(rng.integers(0, 4))], 7) for _ in range(n))
+        stage_shards.append((shard, np.sort(rng.choice(12, n, replace=False)).astype(np.int64)))
+    meshes, shards, pcols = [], [], []
+    missing = 0.15 * int(rng.integers(0, 2))  # every rank in half of the draws
+    for c in np.ndindex(*sizes):
+        if rng.random() < missing:
+            continue  # a rank that did not report
+        if rng.random() < 0.05:
+            meshes.append(None)
+            shards.append(())
+            pcols.append(np.arange(3, dtype=np.int64))
+            continue
+        shard, cols = stage_shards[c[0]]
+        meshes.append(wire.Mesh(names, sizes, tuple(int(x) for x in c)))
+        shards.append(tuple(shard) if rng.random() < 0.5 else shard)  # equal content, another object
+        pcols.append(cols)
+    param = rng.standard_normal((len(meshes), 12, 3))
+    param[..., 2] = rng.integers(0, 3, param.shape[:2])
+    param[rng.random(param.shape) < 0.03] = np.nan
+    param[rng.random(param.shape) < 0.01] = np.inf
+    return meshes, shards, pcols, param
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_vectorised_groups_match_the_definition(staged):
+    from gradwatch.aggregator.shards import combine_groups, holders
+
+    rng = np.random.default_rng(7 + staged)
+    combined = normed = 0
+    for _ in range(40):
+        meshes, shards, pcols, param = _random_job(rng, staged)
+        got = combine_groups(meshes, shards, pcols, param)
+        np.testing.assert_array_equal(got, _ref_combine(meshes, shards, pcols, param))  # bit for bit
+        combined += int((np.isfinite(got) & (got != param)).sum())
+        h = holders(meshes, shards, pcols, 12)
+        sets = {}
+        for k, j in zip(*np.nonzero(h)):
+            sets.setdefault((int(j), int(h[k, j])), set()).add(int(k))
+        assert sorted((j, frozenset(m)) for (j, _), m in sets.items()) == _ref_holders(meshes, shards, pcols, 12)
+        entries = {}
+        for k, m in enumerate(meshes):
+            if m is None:
+                continue
+            classes = sorted({d for d, _ in shards[k]})
+            entries[10 * k + 1] = (m, tuple((d, float(rng.random()) if rng.random() > 0.02 else math.nan)
+                                            for d in classes))
+        want = _ref_global(entries)
+        got = global_norms(entries)
+        assert got.keys() == want.keys()
+        assert all(got[r] == want[r] or (math.isnan(got[r]) and math.isnan(want[r])) for r in want)
+        normed += sum(math.isfinite(x) for x in want.values())
+    assert combined > 100 and normed > 50  # the draws make complete groups, not only NaN

@@ -50,14 +50,7 @@ def minority(fp: np.ndarray, seen: np.ndarray, holders: np.ndarray | None = None
         smallest value within ``rtol`` of it.
     """
     if holders is not None and holders.any():
-        out: dict[int, list[int]] = collections.defaultdict(list)
-        tied: list[int] = []
-        for h in np.unique(holders):
-            bad, t = minority(fp, seen & (holders == h), rtol=rtol)
-            for k, ps in bad.items():
-                out[k].extend(ps)
-            tied.extend(t)
-        return {k: sorted(v) for k, v in out.items()}, sorted(set(tied))
+        return _within_holders(fp, seen, holders, rtol)
     if rtol is None and seen.all():  # every rank has every value: the first rank's are the reference
         suspect = np.flatnonzero((fp != fp[:1]).any(axis=0))
     else:
@@ -77,3 +70,33 @@ def minority(fp: np.ndarray, seen: np.ndarray, holders: np.ndarray | None = None
         for r in rows[ids != top]:
             out[int(r)].append(int(p))
     return dict(out), tied
+
+
+def _within_holders(fp: np.ndarray, seen: np.ndarray, holders: np.ndarray,
+                    rtol: Optional[float]) -> tuple[dict[int, list[int]], list[int]]:
+    """:func:`minority` with ``holders``: each column's vote held among the ranks of one holders
+    number, every (number, column) set at once. Each seen entry is compared with its set's first
+    (in rank order); only sets where one differs are voted on one by one (usually none). A sharded
+    16,384-rank job has ~1,600 sets per column group: one full pass per set took seconds."""
+    P = fp.shape[1]
+    r_idx, p_idx = np.nonzero(seen)  # rank-major: a set's entries in rank order
+    if not len(r_idx):
+        return {}, []
+    _, first, inv = np.unique(holders[r_idx, p_idx] * P + p_idx, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    vals = fp[r_idx, p_idx]
+    ref = vals[first][inv]
+    differ = (vals != ref) if rtol is None else ~close(vals, ref, rtol)
+    out: dict[int, list[int]] = collections.defaultdict(list)
+    tied: set[int] = set()
+    for g in np.unique(inv[differ]).tolist():
+        members = np.flatnonzero(inv == g)
+        p = int(p_idx[members[0]])
+        ids = _clusters(vals[members], rtol)
+        (top, n), *rest = collections.Counter(ids.tolist()).most_common()
+        if rest and rest[0][1] == n:
+            tied.add(p)
+            continue
+        for r in r_idx[members[ids != top]].tolist():
+            out[r].append(p)
+    return {k: sorted(v) for k, v in out.items()}, sorted(tied)
