@@ -73,6 +73,7 @@ class Monitor:
         inner = unwrap(model)
         # DDP, FSDP1, FSDP2/HSDP, tensor and pipeline parallel: what this rank holds of each parameter
         self.layout = parallel.detect(inner, mesh)
+        self._coord = self.layout.mesh.coord if self.layout.mesh is not None else ()  # every header's
         self._params = self.layout.params
         self._param_meta = self.layout.meta
         self.failures = Failures(lambda: self.close("disabled"))  # every part's on_error
@@ -190,7 +191,7 @@ class Monitor:
     # --- wire messages (called from the sender thread) -----------------------------------------
 
     def _header(self, seq: int) -> wire.Header:
-        return wire.Header(self.job, self.rank, self.world_size, self.boot, seq, time.time(), self.job_key)
+        return wire.Header(self.job, self.rank, self.world_size, self.boot, seq, time.time(), self.job_key, self._coord)
 
     def _schema_msg(self, h: wire.Header) -> Optional[wire.Schema]:
         s = self._schema
@@ -285,9 +286,11 @@ class Monitor:
         if probe:
             if self._schema is None or len(rec.slots) != len(self._slots):
                 self._slots = tuple(rec.slots)
+                mesh = self.layout.mesh  # the schema has the mesh's shape; the rank's place is in its headers
                 self._schema = wire.Schema(self._header(0), self.host, self.local_rank, self.cfg.every or 0,
-                                           self._param_meta, self._slots, mesh=self.layout.mesh,
-                                           shard=self.layout.shard)
+                                           self._param_meta, self._slots,
+                                           mesh=None if mesh is None else wire.Mesh(mesh.names, mesh.sizes),
+                                           shard=self.layout.dims)
                 self.sender.request_schema()
             sections.update(measure.probe(self._params, rec, self.fingerprints))
             self.probes += 1

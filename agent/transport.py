@@ -65,10 +65,8 @@ SCHEMA_BACKOFF = 32
 #: the job's resends, spread over a window as many times as long, stay at about this many per gap
 #: whatever its size, and the first of them still come after the gap. A 16,384-rank job's first
 #: resends (~10 kB each at 100 layers, 170 MB within 10 s) put its freshness past 2 s at those
-#: steps. The aggregator keeps a job's schemas by hash: where ranks share one (data-parallel
-#: replicas, a pipeline stage without a device mesh) the earliest resend of any serves them all; a
-#: rank with a device mesh has a schema of its own (its coordinates are in it) and, if the
-#: aggregator lost it, waits for its own resend (at 16,384 ranks up to 170 s, not 20 s).
+#: steps. The aggregator keeps a job's schemas by hash, and the ranks of one pipeline stage share
+#: one (their mesh coordinates travel in their headers): the earliest resend of any serves them all.
 SCHEMA_RANKS = 1024
 #: each periodic schema resend comes up to this fraction of its gap late, drawn at random: a large
 #: job's ranks start together, and at 0.25 a 16,384-rank job's first resends (~10 kB each at 100

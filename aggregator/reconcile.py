@@ -214,7 +214,7 @@ class Layout:
     @staticmethod
     def of(schemas) -> "Layout":
         """The layout of ``schemas`` (:class:`~gradwatch.wire.Schema`, first use order). Schemas
-        holding the same lists (a job keeps one object per value, ``state.SHARED_PARTS``: a sharded
+        holding the same lists (the ranks of a mesh placed on one schema, ``state.State._place``: a sharded
         job's ranks differ in mesh coordinates only) share their columns, worked out once."""
         schemas = tuple(schemas)
         kinds: dict[tuple[int, int], int] = {}

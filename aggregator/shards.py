@@ -43,7 +43,19 @@ def _on(mesh: wire.Mesh, dims) -> tuple:
     return (mesh.names, mesh.sizes, tuple(mesh.coord[k] for k in dims if k < len(mesh.coord)), _stage(mesh))
 
 
-_PARTS: dict[str, tuple] = {}  # schema hash -> part: straggler asks per rank per step
+def place(digest: str, coord: tuple) -> str:
+    """The key the aggregator holds a rank's schema and records by: the schema's hash, and the
+    rank's coordinates on the schema's mesh when it has one (``"<hash>@3,1"``): ranks of one stage
+    share a schema (:mod:`gradwatch.wire`), each is placed on its mesh by its header."""
+    return f"{digest}@{','.join(map(str, coord))}" if coord else digest
+
+
+def unplace(key: str) -> str:
+    """The schema hash of a :func:`place` key."""
+    return key.partition("@")[0]
+
+
+_PARTS: dict[tuple, tuple] = {}  # (schema hash, stage) -> part: straggler asks per rank per step
 _NAMES: dict[tuple, int] = {}  # parameter names -> a small number (parts compare in O(1))
 _PARTS_MAX = 1 << 14
 
@@ -54,14 +66,15 @@ def part(schema: wire.Schema) -> tuple:
     (data-parallel peers: DDP, FSDP, HSDP replicas and shards, the ranks of one stage), so their
     own statistics and timings are comparable; ranks of different stages are not (a stage's norms
     and compute time are its own). ``(stage coordinates, number of the parameter names)``, cached
-    by the schema's hash (which covers both)."""
-    got = _PARTS.get(schema.hash)
+    by the schema's hash and the stage (a stage's ranks share both, whatever their other coordinates)."""
+    stage = _stage(schema.mesh)
+    got = _PARTS.get((unplace(schema.hash), stage))
     if got is None:
         if len(_PARTS) >= _PARTS_MAX or len(_NAMES) >= _PARTS_MAX:
             _PARTS.clear()
             _NAMES.clear()
         names = _NAMES.setdefault(tuple(p[0] for p in schema.params), len(_NAMES))
-        got = _PARTS[schema.hash] = (_stage(schema.mesh), names)
+        got = _PARTS[(unplace(schema.hash), stage)] = (stage, names)
     return got
 
 
@@ -105,8 +118,8 @@ class _Groups:
     """
 
     def __init__(self, meshes: list, dims_of, on: bool, whole: bool = False):
-        """``dims_of(k)``: rank position k's ``(shard, columns)``: ``((dims, numel), ...)`` and int64
-        [len(shard)], or None to leave the rank out (as a rank without a mesh is). ``on``: group by
+        """``dims_of(k)``: rank position k's ``(shard, columns)``: the mesh dims of each of its
+        parameters and their int64 [len(shard)] columns, or None to leave the rank out (as a rank without a mesh is). ``on``: group by
         the coordinates *on* each parameter's dims and the stage dims (the ranks holding the same
         bytes, :func:`holders`; parameters held whole left out unless the mesh has stages); else by
         those *off* its dims (the shard group, :func:`_off`; parameters held whole left out unless
@@ -138,7 +151,7 @@ class _Groups:
             K = np.asarray(members, np.int64)
             C = np.array([meshes[k].coord for k in members], np.int64).reshape(len(members), nd)
             by_dims: dict[tuple, list[int]] = {}
-            for i, (dims, _) in enumerate(shard):
+            for i, dims in enumerate(shard):
                 if dims or (staged if on else whole):
                     by_dims.setdefault(tuple(dims), []).append(i)
             for dims, where in by_dims.items():
@@ -199,7 +212,7 @@ def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float
         dims = tuple(d for d, _ in sq)
         kind = kinds.get(dims)
         if kind is None:
-            kind = kinds[dims] = (tuple((d, 0) for d in dims), np.arange(len(dims), dtype=np.int64))
+            kind = kinds[dims] = (dims, np.arange(len(dims), dtype=np.int64))
         per_rank.append(kind)
         starts.append(len(values))
         values.extend(v for _, v in sq)
@@ -236,7 +249,7 @@ def holders(meshes: list, shards: list, pcols: list, n_params: int) -> np.ndarra
 
     Args:
         meshes: per rank, its schema's mesh (None: every parameter whole).
-        shards: per rank, its schema's ``shard`` (``((dims, numel), ...)`` per schema parameter).
+        shards: per rank, its schema's ``shard`` (the mesh dims of each schema parameter).
         pcols: per rank, int64 [its schema's parameters]: their columns among ``n_params``.
 
     Returns:
@@ -255,7 +268,7 @@ def combine_params(meshes: list, shards: list, pcols: list, param: np.ndarray) -
 
     Args:
         meshes: per rank of the round, its schema's mesh (None: every parameter whole).
-        shards: per rank, its schema's ``shard`` (``((dims, numel), ...)`` per schema parameter).
+        shards: per rank, its schema's ``shard`` (the mesh dims of each schema parameter).
         pcols: per rank, int64 [its schema's parameters]: their columns in ``param``.
         param: float64 [R, P, 3] (wire ``PARAM_FIELDS``: grad norm, weight norm, grad non-finite
             count) of what each rank holds, NaN where not present.

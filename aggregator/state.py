@@ -42,6 +42,12 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   ``JobState.series_dropped``. The checks still see every layer.
 * **Memory per job.** Its open rounds hold at most ``max_pending_rounds`` rounds and
   ``max_pending_bytes`` of report arrays; beyond either the oldest closes incomplete.
+* **Places on a mesh.** The ranks of one pipeline stage share a schema whatever their other mesh
+  coordinates; each message's header says where its rank is (``wire.Header.coord``). A job keeps
+  each schema once, by hash, and each rank's place as a placed copy (its lists shared, a mesh with
+  the rank's coordinates) under :func:`.shards.place`'s key, which the rank's records are then
+  held by. A header whose coordinates are not a point of its schema's mesh is rejected
+  (``bad_coord``).
 """
 
 from __future__ import annotations
@@ -61,30 +67,9 @@ from gradwatch import wire
 from gradwatch.statistics import ARRAYS, STATISTICS
 
 from .reconcile import LayoutCache, RoundResult, group_layers, reconcile, reconcile_in_slices
-from .shards import global_norms, mesh_of
+from .shards import global_norms, mesh_of, place, unplace
 from .steps import COLUMNS as TABLE_COLUMNS
 from .steps import StepTable
-
-
-#: a schema's lists that ranks with a device mesh send alike (their coordinates make each rank's
-#: schema, and hash, its own): a job keeps one copy of each value (:attr:`JobState.parts`). A
-#: 16,384-rank mesh job's schemas held 1.8 GB (~110 kB each at 100 layers) before.
-SHARED_PARTS = ("params", "slots", "shard")
-
-
-def _part_key(field_name: str, value: tuple) -> tuple[str, bytes]:
-    """A pool key for a schema's list: its msgpack bytes (bytes hash with Python's randomised
-    SipHash; a tuple of ints hashes predictably, so a peer could send many colliding ``shard``
-    lists and make every lookup compare them all)."""
-    return field_name, msgspec.msgpack.encode(value)
-
-
-def _parts(schemas) -> dict[tuple[str, bytes], tuple]:
-    """A job's pool (:attr:`JobState.parts`) holding the :data:`SHARED_PARTS` of ``schemas``, no
-    more: rebuilt from the schemas a job keeps. Their lists are one object per value already, so
-    only the distinct objects are encoded."""
-    distinct = {id(getattr(s, f)): (f, getattr(s, f)) for s in schemas for f in SHARED_PARTS}
-    return {_part_key(f, v): v for f, v in distinct.values()}
 
 
 def _per(kind: str) -> int:
@@ -189,8 +174,6 @@ class JobState:
     job: str
     world: int
     schemas: dict[str, wire.Schema] = field(default_factory=dict)
-    #: the schemas' lists, one object per value (:data:`SHARED_PARTS`, :meth:`State._keep_schema`)
-    parts: dict[tuple[str, bytes], tuple] = field(default_factory=dict)
     ranks: dict[int, RankState] = field(default_factory=dict)
     rounds: dict[int, Round] = field(default_factory=dict)
     last_round: Optional[RoundResult] = None
@@ -476,6 +459,16 @@ class State:
                 return
             self.reject("pending_ranks")
             return
+        digest = msg.hash if isinstance(msg, wire.Schema) else msg.schema
+        if isinstance(msg, wire.Schema) and msg.hash not in job.schemas:
+            self._keep_schema(job, msg)
+            self.version += 1
+        key = self._place(job, digest, h.coord) if digest in job.schemas else None
+        if key is None and digest in job.schemas:
+            self.reject("bad_coord")  # coordinates its schema's mesh does not have
+            return
+        if records and key is not None and key != digest:
+            msg = msgspec.structs.replace(msg, schema=key)  # a rank of a mesh: its records by its place
         job.touched = now
         if r is None:
             r = job.ranks[h.rank] = RankState(h.rank)
@@ -502,9 +495,7 @@ class State:
 
         if isinstance(msg, wire.Schema):
             self.received["schema"] += 1
-            if msg.hash not in job.schemas:
-                self._keep_schema(job, msg)
-            r.schema, r.host, r.local_rank = msg.hash, msg.host[: self.max_label_len], msg.local_rank
+            r.schema, r.host, r.local_rank = key, msg.host[: self.max_label_len], msg.local_rank
         elif isinstance(msg, wire.Heartbeat):
             self.received["heartbeat"] += 1
             r.agent_drops, r.agent_errors = msg.drops, msg.errors
@@ -514,13 +505,13 @@ class State:
             r.runnable = (msg.run_s - r.run_s) / dt if dt > 0 else math.nan  # NaN when either is unknown
             r.run_s, r.beat_time = msg.run_s, h.time
             r.close_reason = msg.reason if msg.closing else ""
-            if msg.schema and msg.schema in job.schemas:
-                r.schema = msg.schema  # the heartbeat names it: its full schema may have come from another rank
+            if key is not None:
+                r.schema = key  # the heartbeat names it: its full schema may have come from another rank
             self._dispatch("on_heartbeat", job, r, msg)
         else:
             self.received["report" if isinstance(msg, wire.Report) else "steps"] += 1
-            if msg.schema in job.schemas and r.schema != msg.schema:
-                r.schema = msg.schema  # its schema came while the job had no room for the rank, or from a peer
+            if key is not None and r.schema != key:
+                r.schema = key  # its schema came while the job had no room for the rank, or from a peer
             self._records(job, r, msg, now)
 
     def _new_job(self, h: wire.Header, now: float) -> JobState:
@@ -582,13 +573,27 @@ class State:
         return max(r.step, job.max_step) + max(self.max_step_jump, per_s * since)
 
     def _keep_schema(self, job: JobState, msg: wire.Schema) -> None:
-        """Hold ``msg`` (names cut, :meth:`_short_names`) as the job's schema of its hash, its lists
-        (:data:`SHARED_PARTS`) the same objects as any of the job's schemas with equal ones."""
-        s = self._short_names(msg)
-        shared = {f: job.parts.setdefault(_part_key(f, getattr(s, f)), getattr(s, f)) for f in SHARED_PARTS}
-        if any(v is not getattr(s, f) for f, v in shared.items()):
-            s = msgspec.structs.replace(s, **shared)
-        job.schemas[msg.hash] = s
+        """Hold ``msg`` (names cut, :meth:`_short_names`) as the job's schema of its hash."""
+        job.schemas[msg.hash] = self._short_names(msg)
+
+    @staticmethod
+    def _place(job: JobState, digest: str, coord: tuple) -> Optional[str]:
+        """The key rank records under schema ``digest`` are held by, for a rank at ``coord``
+        (:func:`.shards.place`), its placed schema made when first asked (the schema's lists, a mesh
+        with the coordinates); ``digest`` itself without a mesh. None when ``coord`` is not a point
+        of the schema's mesh (a header whose coordinates its schema cannot hold), or the job does
+        not hold the schema."""
+        s = job.schemas.get(digest)
+        if s is None:
+            return None
+        if s.mesh is None:
+            return None if coord else digest
+        if not s.mesh.fits(coord):
+            return None
+        key = place(digest, coord)
+        if key not in job.schemas:
+            job.schemas[key] = msgspec.structs.replace(s, mesh=wire.Mesh(s.mesh.names, s.mesh.sizes, coord), hash=key)
+        return key
 
     def _short_names(self, s: wire.Schema) -> wire.Schema:
         """``s`` with label values over ``max_label_len`` characters cut (a layer's module path
@@ -629,7 +634,6 @@ class State:
             job.job, h.world, restarts=job.restarts + 1, retired=frozenset(retired), retired_at=now,
             name=job.name, key=job.key, admitted=job.admitted, touched=job.touched, peer_key=job.peer_key,
             schemas=job.schemas,  # content-addressed: the new incarnation's ranks resend the same
-            parts=job.parts,
         )
         self.jobs[job.job] = new
         if self.runner is not None:
@@ -752,18 +756,21 @@ class State:
             if self.runner is not None:
                 self._dispatch("on_tick", job, now)
                 self.version += 1  # checks may have raised or resolved findings
-            if now - self._ttl_scan >= min(1.0, self.rank_ttl_s / 10):  # a second late in 600 s is no matter
+            scan = now - self._ttl_scan >= min(1.0, self.rank_ttl_s / 10)  # a second late in 600 s is no matter
+            if scan:
                 order = job.in_order()
                 for r in [order[i] for i in np.flatnonzero(now - job.columns().last_seen > self.rank_ttl_s).tolist()]:
                     job.forgotten.update(rank_counters(r))
                     del job.ranks[r.rank]
                     job._order = job._columns = None
                     self.version += 1
-            if len(job.schemas) > len(job.ranks):  # keep the schemas a rank or a pending round uses
+            # keep the schemas a rank or a pending round uses, looked over at the scan's pace (a mesh
+            # job holds more schemas than ranks: each rank's placed one besides the stage's own)
+            if scan and len(job.schemas) > len(job.ranks):
                 used = {r.schema for r in job.ranks.values()}
                 used.update(rep.schema for rnd in job.rounds.values() for rep in rnd.reports.values())
+                used.update([unplace(k) for k in used])  # a placed schema's own, which resends name
                 job.schemas = {k: v for k, v in job.schemas.items() if k in used}
-                job.parts = _parts(job.schemas.values())  # the lists the kept schemas hold, no more
             if not job.ranks:
                 self._drop(job)
         if now - self._ttl_scan >= min(1.0, self.rank_ttl_s / 10):

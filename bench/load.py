@@ -93,7 +93,8 @@ class Job:
     world: int
     layers: int
     #: tensor-parallel degree: > 0 makes the ranks a ("dp", "tp") device mesh with every parameter
-    #: sharded along "tp", as FSDP2 or tensor parallelism reports it (each rank its own schema)
+    #: sharded along "tp", as FSDP2 or tensor parallelism reports it (one schema, each rank's place
+    #: in its headers)
     tp: int = 0
 
     def __post_init__(self):
@@ -101,12 +102,12 @@ class Job:
         self.params = tuple(p for m in mods for p in ((f"{m}.weight", (64, 64), "float32"),
                                                       (f"{m}.bias", (64,), "float32")))
         self.slots = tuple((m, "", "Linear", "float32") for m in mods)
-        self.hash = wire.schema_hash(self.params, self.slots)
+        self.mesh, self.shard = None, ()
         if self.tp:
             if self.world % self.tp:
                 raise ValueError(f"--tp {self.tp} does not divide {self.world} ranks")
-            self.shard = tuple(((1,), math.prod(p[1]) // self.tp) for p in self.params)
-            self.hashes = [wire.schema_hash(self.params, self.slots, self.mesh(r), self.shard) for r in range(self.world)]
+            self.mesh, self.shard = wire.Mesh(("dp", "tp"), (self.world // self.tp, self.tp)), tuple((1,) for _ in self.params)
+        self.hash = wire.schema_hash(self.params, self.slots, self.mesh, self.shard)
         n_s, n_p = len(self.slots), len(self.params)
         # healthy, identical on every rank (all-reduced gradients, replicas in sync): no check fires
         act = np.tile(np.array([0.0, 1.0, -3.0, 3.0, 0.1, 0.0], np.float32), (n_s, 1))
@@ -116,11 +117,9 @@ class Job:
         self.fp = np.arange(1, n_p + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
 
 
-    def mesh(self, rank: int) -> Optional[wire.Mesh]:
-        return wire.Mesh(("dp", "tp"), (self.world // self.tp, self.tp), (rank // self.tp, rank % self.tp)) if self.tp else None
-
-    def schema_of(self, rank: int) -> str:
-        return self.hashes[rank] if self.tp else self.hash
+    def coord(self, rank: int) -> tuple:
+        """A rank's place on the mesh (its headers carry it); () without one."""
+        return (rank // self.tp, rank % self.tp) if self.tp else ()
 
     def grad_sq(self, g: float) -> Optional[tuple]:
         """A rank's sum of squares of its tp shard when the global norm is ``g`` (None without a mesh)."""
@@ -128,12 +127,12 @@ class Job:
 
 
 def _header(job: Job, rank: int, seq: int) -> wire.Header:
-    return wire.Header(job.name, rank, job.world, f"b{rank:x}", seq, time.time(), key=f"k-{job.name}")
+    return wire.Header(job.name, rank, job.world, f"b{rank:x}", seq, time.time(), key=f"k-{job.name}", coord=job.coord(rank))
 
 
 def schema_frame(job: Job, rank: int, seq: int) -> bytes:
-    mesh = dict(mesh=job.mesh(rank), shard=job.shard) if job.tp else {}
-    return wire.encode(wire.Schema(_header(job, rank, seq), "host", rank % 8, 0, job.params, job.slots, **mesh))
+    return wire.encode(wire.Schema(_header(job, rank, seq), "host", rank % 8, 0, job.params, job.slots,
+                                   mesh=job.mesh, shard=job.shard))
 
 
 def report_frame(job: Job, rank: int, seq: int, step: int, probe: bool, step_s: float) -> bytes:
@@ -141,7 +140,7 @@ def report_frame(job: Job, rank: int, seq: int, step: int, probe: bool, step_s: 
     extra = dict(act=job.act, act_grad=job.act_grad, param=job.param, act_count=job.act_count,
                  fp_grad=job.fp + np.uint64(step), fp_weight=job.fp + np.uint64(2 * step)) if probe else {}
     return wire.encode(wire.Report(
-        _header(job, rank, seq), job.schema_of(rank), step, step_s, g, 0, micro=1, probe=probe, grad_sq=job.grad_sq(g),
+        _header(job, rank, seq), job.hash, step, step_s, g, 0, micro=1, probe=probe, grad_sq=job.grad_sq(g),
         local_grad_norm=g * math.sqrt(job.world) * (1 + 0.01 * ((rank * 7919) % 11 - 5) / 5),
         compute_time=0.05, loss=2.0, batch=8, probe_interval=0, **extra,
     ))
@@ -158,7 +157,7 @@ def steps_frame(job: Job, rank: int, seq: int, steps: list[int], step_s: float) 
     g = 1.0 + 0.01 * np.sin(s)  # the same global norm on every rank, no spike
     sq = dict(grad_sq_dims=((1,),), grad_sq=(g * g / job.tp)[:, None]) if job.tp else {}
     return wire.encode(wire.Steps.columns(
-        _header(job, rank, seq), job.schema_of(rank), **sq, step=s, step_time=np.full(n, step_s), grad_norm=g,
+        _header(job, rank, seq), job.hash, **sq, step=s, step_time=np.full(n, step_s), grad_norm=g,
         grad_nonfinite=np.zeros(n), local_grad_norm=g * math.sqrt(job.world) * (1 + 0.01 * ((rank * 7919) % 11 - 5) / 5),
         compute_time=np.full(n, 0.05), loss=np.full(n, 2.0), loss_scale=np.full(n, math.nan), skipped=np.zeros(n),
     ))

@@ -1,6 +1,6 @@
 """The wire format between agents and the aggregator: the one module that builds or parses bytes.
 
-Protocol version 2. Every message is one ZeroMQ frame holding one msgpack map (msgpack spec:
+Protocol version 3. Every message is one ZeroMQ frame holding one msgpack map (msgpack spec:
 https://github.com/msgpack/msgpack/blob/master/spec.md). The message types below are msgspec
 ``Struct``\\ s (https://jcristharif.com/msgspec/): their annotations are the format, msgspec checks
 every field's type and bounds while decoding, in C, and the frames are plain msgpack (frames made
@@ -17,6 +17,8 @@ with msgpack-python decode here and the reverse; tests/test_wire.py). Keys of ev
         time   float  sender's wall clock, seconds since the epoch (finite)
         key    str    at most 64 chars: what the job's ranks share, hashed (see
                       ``agent.config.job_key``), so two jobs under one id stay two jobs ("" if absent)
+        coord  [int]  the rank's coordinates on its schema's device mesh (``mesh`` below), one per
+                      mesh dimension; [] (or absent) without a mesh
 
 ``schema`` adds ``hash`` (16 hex chars), ``host``, ``local_rank``, ``every`` (fixed probe cadence,
 steps; 0 when the agent's budget picks it), ``params`` (``[name, shape, dtype]`` in
@@ -91,13 +93,15 @@ count >= 1.
 
 Parallel layouts (FSDP, HSDP, tensor parallel; optional keys, absent under plain DDP where every
 rank holds every parameter whole). A ``schema`` may add ``mesh``, a map ``{"names": [str],
-"sizes": [int], "coord": [int]}``: the device mesh's dimension names and sizes and this rank's
-coordinates on it; and ``shard``, one ``[dims, numel]`` per parameter in ``params`` order: the mesh
-dimensions (indices into ``names``) the parameter is sharded along (``[]``: this rank holds all of
-it) and the number of elements this rank holds. ``params`` then lists each parameter by its
+"sizes": [int]}``: the device mesh's dimension names and sizes; and ``shard``, one ``dims`` per
+parameter in ``params`` order: the mesh dimensions (indices into ``names``) the parameter is
+sharded along (``[]``: every rank holds all of it). The hash then covers ``mesh`` and ``shard``
+too. What differs between the ranks of a mesh, their coordinates, travels in every header
+(``coord``), never in the schema: the ranks of one pipeline stage send one schema, under one hash,
+whatever their data- and tensor-parallel coordinates, as DDP ranks do (a 16,384-rank sharded job's
+schemas, one per rank, were 245 MB at every resend). ``params`` lists each parameter by its
 original name and global shape, and a probe report's ``param`` rows, like ``grad_norm``, are about
-what *this rank holds*: the L2 norm of its local shard (0 for an empty shard). The hash then
-covers ``mesh`` and ``shard`` too. A record may add ``grad_sq``: the sum of squared gradient
+what *this rank holds*: the L2 norm of its local shard (0 for an empty shard). A record may add ``grad_sq``: the sum of squared gradient
 elements of this rank's local shards per set of sharded-along mesh dimensions (a report: a list of
 ``[dims, sumsq]``; steps: the sets once in ``grad_sq_dims``, the sums per step). The aggregator sums
 ``sumsq`` over the ranks that share every other mesh coordinate (the shard group), adds the groups,
@@ -144,7 +148,7 @@ import numpy as np
 from gradwatch import statistics
 from gradwatch.errors import GradwatchError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 #: column names of the probe arrays, declared in :data:`gradwatch.statistics.STATISTICS`
 ACT_FIELDS = statistics.fields("act")
@@ -208,6 +212,7 @@ _Str64 = Annotated[str, msgspec.Meta(max_length=64)]
 _Name = Annotated[str, msgspec.Meta(max_length=4096)]  # a module path, a host name
 _MeshDim = Annotated[int, msgspec.Meta(ge=0, lt=8)]
 _Dims = Annotated[tuple[_MeshDim, ...], msgspec.Meta(max_length=8)]
+_Coord = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)], ...], msgspec.Meta(max_length=8)]
 
 
 class _Message(msgspec.Struct, frozen=True, tag_field="kind"):
@@ -224,14 +229,22 @@ class Header(msgspec.Struct, frozen=True):
     seq: _Nat
     time: float
     key: _Str64 = ""  # the job's identity digest beside its id
+    coord: _Coord = ()  # the rank's coordinates on its schema's mesh; () without one
 
 
 class Mesh(msgspec.Struct, frozen=True):
-    """A device mesh as one rank sees it: dimension names and sizes, and its own coordinates."""
+    """A device mesh: dimension names and sizes; with ``coord``, one rank's coordinates on it.
+
+    A schema's mesh has no coordinates (they travel in each message's :class:`Header`); the
+    aggregator places each rank on its schema's mesh with the coordinates its header gives."""
 
     names: Annotated[tuple[_Str64, ...], msgspec.Meta(min_length=1, max_length=8)]
     sizes: tuple[Annotated[int, msgspec.Meta(ge=1, lt=1 << 20)], ...]
-    coord: tuple[Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)], ...]
+    coord: _Coord = ()
+
+    def fits(self, coord: tuple) -> bool:
+        """``coord`` is a point of this mesh: one coordinate per dimension, each below its size."""
+        return len(coord) == len(self.sizes) and all(c < n for c, n in zip(coord, self.sizes))
 
 
 #: mesh dimension names that number pipeline stages (a prefix ``pp_`` or ``pipeline_`` counts too)
@@ -260,8 +273,8 @@ class Schema(_Message, tag="schema"):
     slots: Annotated[tuple[tuple[_Name, _Name, _Name, _Str64], ...], msgspec.Meta(max_length=MAX_NAMES)]
     hash: _Str64 = ""
     mesh: Optional[Mesh] = None
-    #: per parameter ``(mesh dims sharded along, local element count)``; () when all are whole
-    shard: tuple[tuple[_Dims, _Nat], ...] = ()
+    #: per parameter, the mesh dims it is sharded along; () when all are whole
+    shard: tuple[_Dims, ...] = ()
     v: int = PROTOCOL_VERSION
 
     def __post_init__(self):
@@ -472,16 +485,14 @@ Message = Union[Schema, Steps, Report, Heartbeat]
 
 def schema_hash(params, slots, mesh: Mesh | None = None, shard=()) -> str:
     """16 hex chars of BLAKE2b over the canonical msgpack of ``params`` and ``slots`` (and of
-    ``mesh`` and ``shard`` when given: without them the hash is what it always was)."""
+    ``mesh``'s names and sizes and ``shard`` when given: without them the hash is what it always
+    was). Never a rank's coordinates: the ranks of one stage share the hash."""
     body = [[[p[0], list(p[1]), p[2]] for p in params], [list(s) for s in slots]]
     if mesh is not None or shard:
-        body += [_mesh_map(mesh), [[list(d), n] for d, n in shard]]
+        mesh_map = None if mesh is None else {"names": list(mesh.names), "sizes": list(mesh.sizes)}
+        body += [mesh_map, [list(d) for d in shard]]
     canon = msgpack.packb(body)
     return hashlib.blake2b(canon, digest_size=8).hexdigest()
-
-
-def _mesh_map(mesh: Mesh | None):
-    return None if mesh is None else {"names": list(mesh.names), "sizes": list(mesh.sizes), "coord": list(mesh.coord)}
 
 
 # --- encoding ------------------------------------------------------------------------------------
@@ -598,11 +609,14 @@ def _finish_schema(m: Schema, limits: Limits, sizes) -> Schema:
     if len(m.params) > limits.max_names or len(m.slots) > limits.max_names:
         raise WireError("bad_field", "too many params or slots")
     if m.mesh is not None:
-        mesh = m.mesh
-        if not len(mesh.names) == len(mesh.sizes) == len(mesh.coord):
-            raise WireError("bad_field", "mesh: names, sizes and coord differ in length")
-        if any(c >= n for c, n in zip(mesh.coord, mesh.sizes)):
-            raise WireError("bad_field", "mesh coord outside the mesh")
+        if len(m.mesh.names) != len(m.mesh.sizes):
+            raise WireError("bad_field", "mesh: names and sizes differ in length")
+        if m.mesh.coord:
+            raise WireError("bad_field", "mesh: a rank's coordinates travel in its header")
+        if not m.mesh.fits(m.header.coord):
+            raise WireError("bad_field", "header coord: not a point of the schema's mesh")
+    elif m.header.coord:
+        raise WireError("bad_field", "header coord without a mesh")
     if m.shard and len(m.shard) != len(m.params):
         raise WireError("bad_field", f"shard: {len(m.shard)} entries for {len(m.params)} parameters")
     if m.hash != schema_hash(m.params, m.slots, m.mesh, m.shard):

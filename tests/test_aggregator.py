@@ -60,9 +60,10 @@ class FakeRank:
         self.boot = secrets.token_hex(8)
         self.seq = 0
         self.schema_hash = wire.schema_hash(params, slots)
+        self.coord = ()  # its place on a device mesh, in every header
 
     def header(self) -> wire.Header:
-        h = wire.Header(self.job, self.rank, self.world, self.boot, self.seq, time.time())
+        h = wire.Header(self.job, self.rank, self.world, self.boot, self.seq, time.time(), coord=self.coord)
         self.seq += 1
         return h
 
@@ -493,60 +494,63 @@ def test_a_round_closes_once_every_missing_rank_went_past_its_step():
     assert not job.rounds and job.rounds_complete == 1 and job.rounds_incomplete == 2
 
 
-def test_mesh_ranks_schemas_stay_their_own_but_share_their_lists_and_the_pool_follows_them():
-    """Ranks with a device mesh send schemas that differ only in their coordinates (each its own
-    hash): the state keeps every one, their params, slots and shard lists one copy each (a
-    16,384-rank mesh job's schemas held 1.8 GB before); a rank forgotten takes its lists out of
-    the job's pool when its schema goes."""
-    from gradwatch.aggregator.state import SHARED_PARTS, State
-
-    def pool_is_the_kept_schemas_lists(job) -> bool:
-        return sorted(map(id, job.parts.values())) == sorted(
-            {id(getattr(s, f)) for s in job.schemas.values() for f in SHARED_PARTS})
+def test_mesh_ranks_share_one_schema_and_are_placed_by_their_headers():
+    """The ranks of a device mesh send one schema under one hash (their coordinates travel in their
+    headers, not in it): the state keeps that schema once, places each rank on its mesh by the
+    coordinates its header gives (a placed copy sharing the schema's lists), keeps another stage's
+    schema apart, drops a forgotten rank's place with it, and rejects a header whose coordinates
+    the schema's mesh lacks (bad_coord) without changing anything."""
+    from gradwatch.aggregator.state import State
 
     now = [100.0]
     st = State(clock=lambda: now[0], rank_ttl_s=30)
     out = _Kept()
     other = PARAMS[:-1] + (("fc2.bias", (5,), "float32"),)  # rank 3: another layout (another stage)
     ranks = [FakeRank(out, "mesh", r, 4, params=other if r == 3 else PARAMS) for r in range(4)]
-    shard = tuple(((1,), 4) for _ in PARAMS)  # both layouts have five parameters, sharded alike
+    mesh, shard = wire.Mesh(("dp", "tp"), (2, 2)), tuple((1,) for _ in PARAMS)
     for r in ranks:
-        mesh = wire.Mesh(("dp", "tp"), (2, 2), (r.rank // 2, r.rank % 2))
+        r.coord = (r.rank // 2, r.rank % 2)
         msg = wire.Schema(r.header(), "node-0", r.rank, 5, r.params, SLOTS, mesh=mesh, shard=shard)
         r.schema_hash = msg.hash
         r.send(msg)
         r.report(0)
-    for f in out.frames:  # decoded from bytes: equal lists, distinct objects, as from the wire
-        st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
-    out.frames.clear()
+
+    def feed():
+        for f in out.frames:
+            st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
+        out.frames.clear()
+
+    feed()
     job = st.jobs["mesh"]
     assert st.rejected == {} and job.admitted
-    held = [job.schemas[r.schema_hash] for r in ranks]
-    assert len({s.hash for s in held}) == 4  # each rank's schema is its own, under its own hash
-    assert [s.hash for s in held] == [r.schema_hash for r in ranks]
-    assert [s.mesh.coord for s in held] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    for f in SHARED_PARTS:
-        assert getattr(held[0], f) is getattr(held[1], f) is getattr(held[2], f), f
-    assert held[3].params == other
-    assert held[3].slots is held[0].slots  # equal lists are shared whichever schema they come in
-    assert len(job.parts) == 4 and pool_is_the_kept_schemas_lists(job)  # PARAMS, other, SLOTS, the shard
+    assert ranks[0].schema_hash == ranks[1].schema_hash == ranks[2].schema_hash != ranks[3].schema_hash
+    placed = [job.schemas[job.ranks[r.rank].schema] for r in ranks]
+    assert [s.mesh.coord for s in placed] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [s.hash for s in placed] == [f"{r.schema_hash}@{r.rank // 2},{r.rank % 2}" for r in ranks]
+    assert placed[0].params is placed[1].params is placed[2].params is job.schemas[ranks[0].schema_hash].params
+    assert placed[3].params == other
+    assert sorted(job.schemas) == sorted([ranks[0].schema_hash, ranks[3].schema_hash] + [s.hash for s in placed])
+    # a report whose header is off the mesh: rejected, nothing changes
+    ranks[1].coord = (0, 2)
+    before = (job.ranks[1].steps, job.ranks[1].received, dict(job.schemas))
+    ranks[1].report(1)
+    feed()
+    assert st.rejected == {"bad_coord": 1}
+    assert (job.ranks[1].steps, job.ranks[1].received, dict(job.schemas)) == before
+    ranks[1].coord = (0, 1)
     now[0] += 20  # ranks 0-2 speak; rank 3 stays silent, 35 s by the second scan (rank_ttl_s 30)
     for r in ranks[:3]:
         r.heartbeat(0)
-    for f in out.frames:
-        st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
-    out.frames.clear()
+    feed()
     st.tick()  # the TTL scan
-    assert sorted(job.ranks) == [0, 1, 2, 3] and len(job.parts) == 4
+    assert sorted(job.ranks) == [0, 1, 2, 3]
     now[0] += 15
     for r in ranks[:3]:
         r.heartbeat(0)
-    for f in out.frames:
-        st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
+    feed()
     st.tick()
-    assert sorted(job.ranks) == [0, 1, 2] and ranks[3].schema_hash not in job.schemas
-    assert len(job.parts) == 3 and pool_is_the_kept_schemas_lists(job)  # rank 3's params went with it
-    assert all(v != other for v in job.parts.values())
+    assert sorted(job.ranks) == [0, 1, 2]
+    assert sorted(job.schemas) == sorted([ranks[0].schema_hash] + [s.hash for s in placed[:3]])  # rank 3's went
 
 
 def test_the_daemon_logs_a_job_once_when_admitted_and_once_when_gone(caplog):

@@ -198,9 +198,10 @@ def test_grad_agreement_compares_replicas_of_a_shard_never_the_shards_of_a_group
     world = 6
     job = Job(CHECKS, world=world)
     digests = {}
+    mesh = wire.Mesh(("replicate", "shard"), (3, 2))
     for r in range(world):
-        mesh = wire.Mesh(("replicate", "shard"), (3, 2), (r // 2, r % 2))
-        s = wire.Schema(job.header(r), "node", r, 10, PARAMS, SLOTS, mesh=mesh, shard=tuple(((1,), 4) for _ in PARAMS))
+        job.coords[r] = (r // 2, r % 2)
+        s = wire.Schema(job.header(r), "node", r, 10, PARAMS, SLOTS, mesh=mesh, shard=tuple((1,) for _ in PARAMS))
         job.send(s)
         digests[r] = s.hash
     half = {0: NORMS, 1: NORMS * np.float32(0.5)}

@@ -76,13 +76,14 @@ class Job:
         self.state = State(grace_s=10.0, clock=lambda: self.now, runner=self.runner)
         self.world = world
         self.seq = collections.Counter()
+        self.coords: dict[int, tuple] = {}  # a rank's place on a device mesh, in its headers
         self.digest = wire.schema_hash(PARAMS, slots)
         for r in range(world):
             self.send(wire.Schema(self.header(r), "node", r, 10, PARAMS, slots))
 
     def header(self, rank: int) -> wire.Header:
         self.seq[rank] += 1
-        return wire.Header(JOB, rank, self.world, f"boot{rank}", self.seq[rank] - 1, 0.0)
+        return wire.Header(JOB, rank, self.world, f"boot{rank}", self.seq[rank] - 1, 0.0, coord=self.coords.get(rank, ()))
 
     def send(self, msg) -> None:
         self.state.apply(wire.decode(wire.encode(msg), schema_sizes=self.state.schema_sizes))

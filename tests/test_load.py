@@ -20,12 +20,14 @@ from .conftest import children
 pytestmark = pytest.mark.ddp
 
 
-@pytest.mark.parametrize("mode", ["max", "paced"])
+@pytest.mark.parametrize("mode", ["max", "paced", "mesh"])
 def test_every_message_is_counted_and_the_healthy_job_stays_healthy(tmp_path, mode):
     argv = ["--ranks", "64", "--layers", "20", "--every", "5", "--senders", "2", "--junk", "3",
             "--poll-s", "0.2", "--log", str(tmp_path / "aggregator.log")]
-    # max: as fast as the senders go (reports queue up); paced: 64 ranks at 10 steps/s
+    # max: as fast as the senders go (reports queue up); paced: 64 ranks at 10 steps/s; mesh: paced,
+    # a (dp, tp) mesh of 16 x 4 ranks sending one schema, each placed by its headers
     argv += ["--reports", str(64 * 40)] if mode == "max" else ["--steps-per-s", "10", "--duration", "3"]
+    argv += ["--tp", "4"] if mode == "mesh" else []
     res = main(argv)
     sent = res["sent"]
     assert sent["records"] >= 64 * 30 and sent["steps"] > 0 and sent["schema"] >= 64 and sent["junk"] > 0

@@ -261,12 +261,13 @@ def test_a_large_jobs_schemas_sent_before_its_first_report_are_all_kept():
     max_pending_ranks distinct ones), so those ranks' first probes are reconciled at once rather
     than after their next schema resend."""
     def schema(job, r, world, mesh):
-        return wire.Schema(wire.Header(job, r, world, f"b{r}", 0, 0.0), "h", r, 1, (("w", (2,), "float32"),), (),
-                           mesh=wire.Mesh(("dp",), (world,), (r,)) if mesh else None)
+        return wire.Schema(wire.Header(job, r, world, f"b{r}", 0, 0.0, coord=(r,) if mesh else ()), "h", r, 1,
+                           (("w", (2,), "float32"),), (), mesh=wire.Mesh(("dp",), (world,)) if mesh else None,
+                           shard=((0,),) if mesh else ())
 
     def probe(job, r, world, sch):
-        return wire.Report(wire.Header(job, r, world, f"b{r}", 1, 0.0), sch.hash, 0, 0.01, 1.0, 0, probe=True,
-                           act=np.zeros((0, 6), np.float32), act_grad=np.zeros((0, 2), np.float32),
+        return wire.Report(wire.Header(job, r, world, f"b{r}", 1, 0.0, coord=sch.header.coord), sch.hash, 0, 0.01, 1.0,
+                           0, probe=True, act=np.zeros((0, 6), np.float32), act_grad=np.zeros((0, 2), np.float32),
                            param=np.ones((1, 3), np.float32), fp_grad=np.zeros(1, np.uint64), fp_weight=np.zeros(1, np.uint64))
 
     # DDP: one schema for every rank
@@ -280,16 +281,19 @@ def test_a_large_jobs_schemas_sent_before_its_first_report_are_all_kept():
     job = st.jobs["ddp"]
     assert sorted(job.ranks) == list(range(8)) and all(x.schema == ddp[0].hash for x in job.ranks.values())
     assert job.rounds_complete == 1 and st.rejected["unknown_schema"] == 0
-    # a schema per rank (mesh coordinates): 4 ranks held, 4 more schemas kept, the rest refused
+    # FSDP over a mesh: its ranks share one schema too, each placed by its header's coordinates
     st = State(clock=Clock(), max_pending_ranks=4)
     own = [schema("fsdp", r, 12, mesh=True) for r in range(12)]
+    assert len({s.hash for s in own}) == 1
     for sch in own:
         st.apply(sch)
     job = st.jobs["fsdp"]
-    assert len(job.ranks) == 4 and len(job.schemas) == 8 and st.rejected["pending_ranks"] == 4
-    for r in range(8):
+    assert len(job.ranks) == 4 and st.rejected["pending_ranks"] == 0 and st.received["schema"] == 12
+    for r in range(12):
         st.apply(probe("fsdp", r, 12, own[r]))
-    assert all(job.ranks[r].schema == own[r].hash for r in range(8))
+    assert [job.ranks[r].schema for r in range(12)] == [f"{own[0].hash}@{r}" for r in range(12)]
+    assert job.rounds_complete == 1 and st.rejected["unknown_schema"] == 0
+    assert job.last_round.module[:, 0, 0].tolist() == [math.sqrt(12)] * 12  # the 12 shards' norms, combined
 
 
 def test_config_mistakes_are_named_where_they_come_from(monkeypatch):

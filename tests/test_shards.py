@@ -44,7 +44,7 @@ def test_pipeline_global_norm_adds_each_stage_once():
 def test_pipeline_holders_never_span_stages():
     # both stages name their parameter "w" (a hand-split model): held by different ranks' stages
     meshes = [mesh(0, 0), mesh(0, 1), mesh(1, 0), mesh(1, 1)]
-    shards = [(((), 4),)] * 4  # plain replicas within a stage
+    shards = [((),)] * 4  # plain replicas within a stage
     pcols = [np.array([0])] * 4
     param = np.ones((4, 1, 3))
     _, holders = combine_params(meshes, shards, pcols, param)
@@ -75,14 +75,15 @@ class PipelineFrames:
         self.meshes = [wire.Mesh(PP_DP, (2, 3), (r // 3, r % 3)) for r in range(6)]
         self.hash = {}
         for r in range(6):
-            s = wire.Schema(self.header(r), "node", r, 1, PP_PARAMS[r // 3], PP_SLOTS[r // 3], mesh=self.meshes[r],
-                            shard=tuple(((), int(np.prod(p[1]))) for p in PP_PARAMS[r // 3]))
+            s = wire.Schema(self.header(r), "node", r, 1, PP_PARAMS[r // 3], PP_SLOTS[r // 3],
+                            mesh=wire.Mesh(PP_DP, (2, 3)), shard=tuple(() for _ in PP_PARAMS[r // 3]))
             self.hash[r] = s.hash
             self.apply(s)
 
     def header(self, rank: int) -> wire.Header:
         self.seq[rank] += 1
-        return wire.Header(self.job, rank, self.world, f"boot{rank}", self.seq[rank], self.now[0])
+        return wire.Header(self.job, rank, self.world, f"boot{rank}", self.seq[rank], self.now[0],
+                           coord=self.meshes[rank].coord)
 
     def apply(self, msg) -> None:
         st = self.state
@@ -175,7 +176,7 @@ def _ref_combine(meshes, shards, pcols, param):
     for k, (mesh, shard) in enumerate(zip(meshes, shards)):
         if mesh is None:
             continue
-        for j, (dims, _) in zip(pcols[k], shard):
+        for j, dims in zip(pcols[k], shard):
             if dims:
                 key = (int(j), tuple(dims), _ref_off(mesh, dims))
                 groups.setdefault(key, []).append(k)
@@ -201,7 +202,7 @@ def _ref_holders(meshes, shards, pcols, n):
         if mesh is None:
             continue
         staged = bool(wire.stage_dims(mesh))
-        for j, (dims, _) in zip(pcols[k], shard):
+        for j, dims in zip(pcols[k], shard):
             if dims or staged:
                 sets.setdefault((int(j), _ref_on(mesh, dims)), set()).add(k)
     return sorted((j, frozenset(m)) for (j, _), m in sets.items())
@@ -249,7 +250,7 @@ def _random_job(rng, staged: bool):
     stage_shards = []
     for _ in range(sizes[0]):
         n = int(rng.integers(2, 6))
-        shard = tuple((kinds[int(rng.integers(0, 4))], 7) for _ in range(n))
+        shard = tuple(kinds[int(rng.integers(0, 4))] for _ in range(n))
         stage_shards.append((shard, np.sort(rng.choice(12, n, replace=False)).astype(np.int64)))
     meshes, shards, pcols = [], [], []
     missing = 0.15 * int(rng.integers(0, 2))  # every rank in half of the draws
@@ -292,7 +293,7 @@ def test_vectorised_groups_match_the_definition(staged):
         for k, m in enumerate(meshes):
             if m is None:
                 continue
-            classes = sorted({d for d, _ in shards[k]})
+            classes = sorted(set(shards[k]))
             entries[10 * k + 1] = (m, tuple((d, float(rng.random()) if rng.random() > 0.02 else math.nan)
                                             for d in classes))
         want = _ref_global(entries)

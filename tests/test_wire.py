@@ -227,9 +227,9 @@ def test_nan_and_inf_scalars_are_transmitted_as_floats_C32(grad_norm, step_time)
                          ids=["schema", "probe", "report", "steps", "heartbeat"])
 def test_every_message_carries_the_protocol_version_and_header(msg):
     m = raw(msg)
-    assert m["v"] == wire.PROTOCOL_VERSION == 2
+    assert m["v"] == wire.PROTOCOL_VERSION == 3
     assert m["kind"] in ("schema", "steps", "report", "heartbeat")
-    assert set(m["header"]) == {"job", "rank", "world", "boot", "seq", "time", "key"}
+    assert set(m["header"]) == {"job", "rank", "world", "boot", "seq", "time", "key", "coord"}
 
 
 def test_encode_rejects_arrays_of_the_wrong_shape():
@@ -591,6 +591,52 @@ def test_the_cpu_wait_within_the_compute_time_travels_in_reports_and_steps():
     old = raw(report(probe=False))
     del old["compute_wait"]  # a report from an agent before the column
     assert math.isnan(wire.decode(pack(old)).compute_wait)
+
+
+MESH = wire.Mesh(("dp", "tp"), (4, 2))
+
+
+def mesh_schema(coord=(3, 1), **kw) -> wire.Schema:
+    h = header(coord=coord)
+    return wire.Schema(h, "node-1", 1, 10, PARAMS, SLOTS, mesh=kw.pop("mesh", MESH),
+                       shard=kw.pop("shard", tuple((1,) for _ in PARAMS)), **kw)
+
+
+def test_ranks_of_a_mesh_share_their_schema_hash_and_carry_their_place_in_every_header():
+    """A rank's coordinates are not in its schema (nor its hash): the ranks of one stage send one
+    schema; each header says where its rank is, and decodes back as sent."""
+    a, b = mesh_schema((0, 0)), mesh_schema((3, 1))
+    assert a.hash == b.hash != schema().hash
+    assert mesh_schema(mesh=wire.Mesh(("dp", "tp"), (2, 4))).hash != a.hash  # the mesh's shape counts
+    assert mesh_schema(shard=tuple((0,) for _ in PARAMS)).hash != a.hash  # and how each parameter is split
+    got = wire.decode(wire.encode(b))
+    assert got == b and got.header.coord == (3, 1) and got.mesh.coord == ()
+    rep = wire.Report(header(coord=(3, 1)), b.hash, 5, 0.1, 1.0, 0, grad_sq=(((1,), 0.25),))
+    assert wire.decode(wire.encode(rep)).header.coord == (3, 1)
+    assert raw(rep)["header"]["coord"] == [3, 1]
+
+
+@pytest.mark.parametrize("bad, why", [
+    (lambda m: m["mesh"].update(coord=[3, 1]), "travel in its header"),  # a rank's place is not in its schema
+    (lambda m: m["header"].update(coord=[4, 1]), "not a point"),  # off the mesh
+    (lambda m: m["header"].update(coord=[3]), "not a point"),  # one coordinate per dimension
+    (lambda m: m["header"].update(coord=[0] * 9), "coord"),  # at most 8
+    (lambda m: m["mesh"].update(sizes=[4]), "names and sizes"),  # they pair up
+])
+def test_a_schema_whose_mesh_and_header_coordinates_disagree_is_rejected(bad, why):
+    m = raw(mesh_schema())
+    bad(m)
+    with pytest.raises(wire.WireError, match=why) as e:
+        wire.decode(pack(m))
+    assert e.value.reason == "bad_field"
+
+
+def test_header_coordinates_without_a_mesh_are_rejected():
+    m = raw(schema())
+    m["header"]["coord"] = [0, 1]
+    with pytest.raises(wire.WireError, match="without a mesh") as e:
+        wire.decode(pack(m))
+    assert e.value.reason == "bad_field"
 
 
 def test_steps_carry_sharded_sums_of_squares_per_record():
