@@ -14,14 +14,14 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
 from gradwatch import statistics, wire
 
-from .shards import combine_groups, global_norms, holders, parts
+from .shards import combine, global_norms, holders, parts, shard_groups
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -195,6 +195,7 @@ class Layout:
             over the ranks: in first use order).
         parts: int64 [n_schemas], :func:`.shards.parts` per schema.
         kinds: int64 [n_schemas]: schemas of one number hold the same lists (the same columns).
+        groups: :meth:`shard_groups`' cache.
     """
 
     schemas: tuple
@@ -210,6 +211,20 @@ class Layout:
     holders: np.ndarray
     parts: np.ndarray
     kinds: np.ndarray
+    groups: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def shard_groups(self, which: np.ndarray):
+        """:func:`.shards.shard_groups` of a round whose ranks' reports are under ``lay.schemas[which]``
+        (int64 [R]); kept for the next rounds of the same ranks (a few sets of them)."""
+        key = which.tobytes()
+        g = self.groups.get(key)
+        if g is None:
+            if len(self.groups) >= 4:
+                self.groups.clear()
+            sch = [self.schemas[i] for i in which.tolist()]
+            g = self.groups[key] = shard_groups([x.mesh for x in sch], [x.shard for x in sch],
+                                                [self.param_cols[i] for i in which.tolist()])
+        return g
 
     @staticmethod
     def of(schemas) -> "Layout":
@@ -333,9 +348,7 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
     own_param = param
     if lay.sharded:
         # sharded parameters: each shard group's rows become the parameter's global figures
-        sch = [lay.schemas[i] for i in which.tolist()]
-        param = combine_groups([x.mesh for x in sch], [x.shard for x in sch], [lay.param_cols[i] for i in which.tolist()],
-                         param)
+        param = combine(lay.shard_groups(which), param)
     grad_norm = np.array([x.grad_norm for x in reps], np.float64)
     sq = [k for k, x in enumerate(reps) if x.grad_sq is not None]
     if sq:

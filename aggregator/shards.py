@@ -285,10 +285,32 @@ def combine_params(meshes: list, shards: list, pcols: list, param: np.ndarray) -
 def combine_groups(meshes: list, shards: list, pcols: list, param: np.ndarray) -> np.ndarray:
     """:func:`combine_params`' ``param`` alone (its ``holders`` depend only on the schemas:
     :class:`~.reconcile.Layout` keeps them). Each group's squares are summed in rank order, float64."""
+    return combine(shard_groups(meshes, shards, pcols), param)
+
+
+def shard_groups(meshes: list, shards: list, pcols: list) -> "_Groups":
+    """The shard groups of a round's ranks (arguments as :func:`combine_params`'), for
+    :func:`combine`: they depend only on the ranks' schemas and places, and a job's rounds repeat
+    them (:class:`~.reconcile.Layout` keeps them)."""
+    return _Groups(meshes, lambda k: (shards[k], pcols[k]), on=False)
+
+
+def combine(g: "_Groups", param: np.ndarray) -> np.ndarray:
+    """:func:`combine_groups` with the groups worked out (:func:`shard_groups`)."""
     out = np.array(param, np.float64)  # a copy, C-contiguous: its rows are viewed flat below
-    g = _Groups(meshes, lambda k: (shards[k], pcols[k]), on=False)
     if not g.n:
         return out
+    flat = out.reshape(-1, out.shape[2])
+    at = g.rank * out.shape[1] + g.col  # each entry's row in ``flat``
+    rows = flat[at]  # [E, 3]
+    res = np.empty((g.n, 3))
+    with np.errstate(invalid="ignore", over="ignore"):
+        res[:, 0] = np.sqrt(np.bincount(g.group, rows[:, 0] ** 2, minlength=g.n))
+        res[:, 1] = np.sqrt(np.bincount(g.group, rows[:, 1] ** 2, minlength=g.n))
+    res[:, 2] = np.bincount(g.group, rows[:, 2], minlength=g.n)
+    res[np.bincount(g.group, minlength=g.n) < g.need] = np.nan  # incomplete groups
+    flat[at] = res[g.group]
+    return out
     flat = out.reshape(-1, out.shape[2])
     at = g.rank * out.shape[1] + g.col  # each entry's row in ``flat``
     rows = flat[at]  # [E, 3]
