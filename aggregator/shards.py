@@ -223,7 +223,11 @@ def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float
         share = np.bincount(g.group, v, minlength=g.n)[g.group]
         total = np.bincount(g.rank, share, minlength=R)
     short = np.bincount(g.rank, np.bincount(g.group, minlength=g.n)[g.group] < g.need[g.group], minlength=R)
-    totals = {ranks[k]: float(total[k]) for k in np.flatnonzero(short == 0).tolist()}
+    ok = np.flatnonzero(short == 0)
+    if not any(wire.stage_dims(m) for m in {(m.names, m.sizes): m for m in meshes}.values()):
+        with np.errstate(invalid="ignore"):  # no pipeline stages (the usual mesh): the totals' roots
+            return dict(zip([ranks[k] for k in ok.tolist()], np.sqrt(total[ok]).tolist()))
+    totals = {ranks[k]: float(total[k]) for k in ok.tolist()}
     # pipeline stages: each stage's total once (from the rank of the same pipeline replica)
     stages: dict[tuple, dict[tuple, float]] = {}
     for r, t in totals.items():
