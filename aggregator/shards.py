@@ -188,6 +188,11 @@ class _Groups:
         self.need, self.n = need, len(need)
 
 
+_KINDS: dict[tuple, tuple] = {}  # the dims of a rank's grad_sq classes -> (them, their columns)
+_CACHED = 1024
+_NORM_GROUPS: dict[tuple, tuple] = {}  # global_norms' groups by ranks, meshes' and kinds' ids
+
+
 def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float]:
     """Global gradient norm of every rank whose shard groups all reported.
 
@@ -206,17 +211,26 @@ def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float
     ranks = list(entries)
     meshes = [m for m, _ in entries.values()]
     # a rank's classes are its pseudo-parameters: column c its c-th class, grouped as shards are
-    kinds: dict[tuple, tuple] = {}
     per_rank, values, starts = [], [], []
     for _, sq in entries.values():
         dims = tuple(d for d, _ in sq)
-        kind = kinds.get(dims)
+        kind = _KINDS.get(dims)
         if kind is None:
-            kind = kinds[dims] = (dims, np.arange(len(dims), dtype=np.int64))
+            if len(_KINDS) >= _CACHED:
+                _KINDS.clear()
+            kind = _KINDS[dims] = (dims, np.arange(len(dims), dtype=np.int64))
         per_rank.append(kind)
         starts.append(len(values))
         values.extend(v for _, v in sq)
-    g = _Groups(meshes, per_rank.__getitem__, on=False, whole=True)
+    # every step of a job asks with the same ranks, places and classes: their groups are kept
+    # (with the objects whose ids key them, so no id is reused while they are)
+    key = (tuple(ranks), tuple(map(id, meshes)), tuple(map(id, per_rank)))
+    hit = _NORM_GROUPS.get(key)
+    if hit is None:
+        if len(_NORM_GROUPS) >= 8:
+            _NORM_GROUPS.clear()
+        hit = _NORM_GROUPS[key] = (meshes, per_rank, _Groups(meshes, per_rank.__getitem__, on=False, whole=True))
+    g = hit[2]
     R = len(ranks)
     with np.errstate(invalid="ignore", over="ignore"):
         v = np.asarray(values, np.float64)[np.asarray(starts, np.int64)[g.rank] + g.col]

@@ -88,6 +88,7 @@ class RankState:
     host: str = ""
     local_rank: int = 0
     schema: str = ""
+    placed: tuple = ("", (), "")  # the latest (schema hash, mesh coordinates, State._place key)
     last_seq: int = -1
     received: int = 0
     lost: int = 0
@@ -463,7 +464,10 @@ class State:
         if isinstance(msg, wire.Schema) and msg.hash not in job.schemas:
             self._keep_schema(job, msg)
             self.version += 1
-        key = self._place(job, digest, h.coord) if digest in job.schemas else None
+        if r is not None and r.placed[0] == digest and r.placed[1] == h.coord and r.placed[2] in job.schemas:
+            key = r.placed[2]  # placed as its previous message was (every message of a mesh rank asks)
+        else:
+            key = self._place(job, digest, h.coord) if digest in job.schemas else None
         if key is None and digest in job.schemas:
             self.reject("bad_coord")  # coordinates its schema's mesh does not have
             return
@@ -473,6 +477,8 @@ class State:
         if r is None:
             r = job.ranks[h.rank] = RankState(h.rank)
             job._order = None
+        if key is not None:
+            r.placed = (digest, h.coord, key)
         if h.boot != r.boot:
             if r.boot:  # the agent restarted: its sequence and counters start over
                 r.restarts += 1
@@ -732,8 +738,12 @@ class State:
             return
         for v in views:
             if v.grad_sq:
-                meshes = {k: mesh_of(job, k) for k in v.grad_sq}
-                g = global_norms({k: (meshes[k], sq) for k, sq in v.grad_sq.items() if meshes[k] is not None})
+                entries = {}
+                for k, sq in v.grad_sq.items():
+                    mesh = mesh_of(job, k)
+                    if mesh is not None:
+                        entries[k] = (mesh, sq)
+                g = global_norms(entries)
                 for i, k in enumerate(v.ranks.tolist()):
                     if k in v.grad_sq:
                         v.grad_norm[i] = g.get(k, math.nan)
