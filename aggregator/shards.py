@@ -110,9 +110,10 @@ class _Groups:
     numbered with one ``np.unique``: Python work per block and per distinct coordinates, not per entry.
 
     Attributes:
-        rank: int64 [E] the entry's position in the per-rank lists.
-        col: int64 [E] its parameter column.
-        group: int64 [E] its group, 0 .. n - 1 (numbers without entries may be left unused).
+        rank: int32 [E] the entry's position in the per-rank lists.
+        col: int32 [E] its parameter column.
+        group: int32 (int64 past 2**31 numbers) [E] its group, 0 .. n - 1 (numbers without entries
+            may be left unused).
         need: int64 [n] per group, ``prod(sizes[dims])`` (capped at :data:`_NEED_MAX`).
         n: the numbers' range.
     """
@@ -165,12 +166,12 @@ class _Groups:
                     if g == len(needs):
                         needs.append(need)
                     number[u] = g
-                c = cols[np.asarray(where, np.int64)]
-                rank.append(np.repeat(K, len(c)))
+                c = cols[np.asarray(where, np.int64)].astype(np.int32)
+                rank.append(np.repeat(K.astype(np.int32), len(c)))
                 col.append(np.tile(c, len(K)))
                 gid.append(np.repeat(number[inv.reshape(-1)], len(c)))
         if not rank:
-            self.rank = self.col = self.group = np.zeros(0, np.int64)
+            self.rank = self.col = self.group = np.zeros(0, np.int32)
             self.need, self.n = np.zeros(0, np.int64), 0
             return
         rank, col, gid = np.concatenate(rank), np.concatenate(col), np.concatenate(gid)
@@ -184,7 +185,9 @@ class _Groups:
         if len(need) > 4 * len(group):  # sparse: number the groups densely (a sort)
             uniq, group = np.unique(group, return_inverse=True)
             need = need[uniq]
-        self.rank, self.col, self.group = rank, col, group.reshape(-1)
+        group = group.reshape(-1)
+        self.rank, self.col = rank, col
+        self.group = group.astype(np.int32) if len(need) < 1 << 31 else group
         self.need, self.n = need, len(need)
 
 
@@ -319,15 +322,18 @@ def combine(g: "_Groups", param: np.ndarray) -> np.ndarray:
     if not g.n:
         return out
     flat = out.reshape(-1, out.shape[2])
-    at = g.rank * out.shape[1] + g.col  # each entry's row in ``flat``
-    rows = flat[at]  # [E, 3]
-    res = np.empty((g.n, 3))
-    with np.errstate(invalid="ignore", over="ignore"):
-        res[:, 0] = np.sqrt(np.bincount(g.group, rows[:, 0] ** 2, minlength=g.n))
-        res[:, 1] = np.sqrt(np.bincount(g.group, rows[:, 1] ** 2, minlength=g.n))
-    res[:, 2] = np.bincount(g.group, rows[:, 2], minlength=g.n)
-    res[np.bincount(g.group, minlength=g.n) < g.need] = np.nan  # incomplete groups
-    flat[at] = res[g.group]
+    at = g.rank.astype(np.int64) * out.shape[1] + g.col  # each entry's row in ``flat``
+    short = np.bincount(g.group, minlength=g.n) < g.need  # incomplete groups
+    for f in range(3):  # a field at a time: a 16,384-rank round has ~3 million entries
+        x = flat[at, f]
+        if f < 2:
+            np.multiply(x, x, out=x)  # squares (field 2 is a count: summed as it is)
+        with np.errstate(invalid="ignore", over="ignore"):
+            total = np.bincount(g.group, x, minlength=g.n)
+            if f < 2:
+                np.sqrt(total, out=total)
+        total[short] = np.nan
+        flat[at, f] = total[g.group]
     return out
     flat = out.reshape(-1, out.shape[2])
     at = g.rank * out.shape[1] + g.col  # each entry's row in ``flat``
