@@ -195,6 +195,7 @@ class Layout:
             over the ranks: in first use order).
         parts: int64 [n_schemas], :func:`.shards.parts` per schema.
         kinds: int64 [n_schemas]: schemas of one number hold the same lists (the same columns).
+        index: ``{schema hash: its position in schemas}``.
         groups: :meth:`shard_groups`' cache.
     """
 
@@ -211,6 +212,7 @@ class Layout:
     holders: np.ndarray
     parts: np.ndarray
     kinds: np.ndarray
+    index: dict = field(default_factory=dict, compare=False, repr=False)
     groups: dict = field(default_factory=dict, compare=False, repr=False)
 
     def shard_groups(self, which: np.ndarray):
@@ -219,7 +221,7 @@ class Layout:
         key = which.tobytes()
         g = self.groups.get(key)
         if g is None:
-            if len(self.groups) >= 4:
+            if len(self.groups) >= 2:
                 self.groups.clear()
             sch = [self.schemas[i] for i in which.tolist()]
             g = self.groups[key] = shard_groups([x.mesh for x in sch], [x.shard for x in sch],
@@ -262,6 +264,7 @@ class Layout:
             holders=holders([s.mesh for s in schemas], [s.shard for s in schemas], list(param_cols), len(params)),
             parts=parts(list(schemas)),
             kinds=np.asarray(kind, np.int64),
+            index={s.hash: i for i, s in enumerate(schemas)},
         )
 
 
@@ -272,25 +275,41 @@ class LayoutCache:
 
     Args:
         size: layouts kept, least recently used dropped first.
+        max_schemas: and at most this many schemas over the layouts kept (the newest is kept
+            whatever its size): a sharded job's layout holds a placed schema per rank, its holders
+            and shard groups (~70 MB at 16,384 ranks x 200 parameters), and its rounds missing
+            other ranks each make one.
     """
 
-    def __init__(self, size: int = 8):
-        self.size = size
+    def __init__(self, size: int = 8, max_schemas: int = 1 << 15):
+        self.size, self.max_schemas = size, max_schemas
         self._layouts: collections.OrderedDict = collections.OrderedDict()
         self.hits = self.misses = 0
 
     def get(self, order: tuple[str, ...], schemas: dict) -> Layout:
-        """The layout of ``schemas[h] for h in order``."""
+        """A layout holding ``schemas[h] for h in order`` (:attr:`Layout.index` says where): theirs,
+        or the latest layout's when it holds them all and no other lists (a sharded job's round
+        missing some ranks: the layout of all its ranks' places, made once)."""
         lay = self._layouts.get(order)
         if lay is not None and all(a is schemas[h] for a, h in zip(lay.schemas, order)):
             self._layouts.move_to_end(order)
             self.hits += 1
             return lay
+        if self._layouts and len(order) > 1:
+            key, lay = next(reversed(self._layouts.items()))
+            at = [lay.index.get(h) for h in order]
+            if (None not in at and all(lay.schemas[i] is schemas[h] for i, h in zip(at, order))
+                    and list(dict.fromkeys(lay.kinds[at].tolist())) == list(range(int(lay.kinds.max()) + 1))):
+                # the same lists, first used in the same order: the same columns
+                self._layouts.move_to_end(key)
+                self.hits += 1
+                return lay
         self.misses += 1
         lay = self._layouts[order] = Layout.of(schemas[h] for h in order)
         self._layouts.move_to_end(order)
-        while len(self._layouts) > self.size:
-            self._layouts.popitem(last=False)
+        held = sum(len(x.schemas) for x in self._layouts.values())
+        while len(self._layouts) > self.size or (len(self._layouts) > 1 and held > self.max_schemas):
+            held -= len(self._layouts.popitem(last=False)[1].schemas)
         return lay
 
 
@@ -323,11 +342,10 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
     yield  # the layout holds the schemas it needs: ``schemas`` may change from here on
     R, L, P = len(ranks), len(lay.layers), len(lay.params)
     # which schema each rank's report is under (index into lay.schemas)
-    if len(order) == 1:
+    if len(lay.schemas) == 1:
         which = np.zeros(R, np.int64)
     else:
-        pos = {h: i for i, h in enumerate(order)}
-        which = np.fromiter((pos[h] for h in digests), np.int64, R)
+        which = np.fromiter((lay.index[h] for h in digests), np.int64, R)
     full = all(x.act_count is not None and x.fp_grad is not None for x in reps)
     if lay.dense and full:
         # the usual job: one schema, every array present: the ranks' rows stack as they are

@@ -129,6 +129,55 @@ def test_the_cache_keeps_its_size_least_recently_used_out():
     assert list(cache._layouts) == [(h,) for h in order[2:]] and cache.hits == 1
 
 
+def test_the_cache_holds_few_schemas_over_its_layouts_the_newest_whatever_its_size():
+    """A sharded job's layouts hold a placed schema per rank: the cache bounds the schemas over
+    them, not only the layouts."""
+    schemas = {s.hash: s for s in (_schema(0, 1, MODULES[:k]) for k in range(1, 6))}
+    h = list(schemas)
+    cache = LayoutCache(size=8, max_schemas=4)
+    cache.get((h[0], h[1]), schemas)
+    cache.get((h[2], h[3]), schemas)
+    assert list(cache._layouts) == [(h[0], h[1]), (h[2], h[3])]  # 4 schemas: both kept
+    cache.get((h[4],), schemas)
+    assert list(cache._layouts) == [(h[2], h[3]), (h[4],)]
+    cache.get(tuple(h), schemas)  # over the bound alone: kept, the others go
+    assert list(cache._layouts) == [tuple(h)]
+
+
+def _partition(a: np.ndarray) -> list:
+    """Which rows share a number, per column: what holders and parts mean (their numbers do not)."""
+    a = a.reshape(len(a), -1)
+    return [sorted(tuple(np.flatnonzero(a[:, j] == v).tolist()) for v in np.unique(a[:, j])) for j in range(a.shape[1])]
+
+
+def test_a_sharded_round_missing_ranks_reuses_the_layout_of_all_their_places():
+    """A job's ranks placed on a (dp, tp) mesh: a round without some of them takes the layout of
+    the full round (no new one per set of ranks) and reconciles exactly as a layout of its own
+    would: the same arrays bit for bit, the same holders and parts up to their numbering."""
+    rng = np.random.default_rng(5)
+    base = msgspec.structs.replace(_schema(0, 8, MODULES), mesh=wire.Mesh(("dp", "tp"), (4, 2)))
+    base = msgspec.structs.replace(base, shard=tuple((1,) if i % 2 else () for i in range(len(base.params))))
+    placed = {r: msgspec.structs.replace(base, mesh=wire.Mesh(("dp", "tp"), (4, 2), (r // 2, r % 2)),
+                                         hash=f"{base.hash}@{r // 2},{r % 2}") for r in range(8)}
+    schemas = {s.hash: s for s in placed.values()}
+    cache = LayoutCache()
+
+    def reports(ranks):
+        return {r: msgspec.structs.replace(_report(rng, r, base), schema=placed[r].hash) for r in ranks}
+
+    reconcile(8, schemas, 10, reports(range(8)), True, cache)
+    for ranks in ([0, 1, 2, 3, 6, 7], [1, 2, 5], [3, 4, 5, 6, 7]):
+        reps = reports(ranks)
+        got = reconcile(8, schemas, 11, reps, False, cache)
+        want = reconcile(8, schemas, 11, reps, False)
+        for f in dataclasses.fields(got):
+            if f.name in ("holders", "part"):
+                assert _partition(getattr(got, f.name)) == _partition(getattr(want, f.name)), f.name
+            else:
+                _same(getattr(got, f.name), getattr(want, f.name), f.name)
+    assert (cache.misses, cache.hits, len(cache._layouts)) == (1, 3, 1)
+
+
 def test_one_schema_rounds_stack_as_the_general_path_scatters():
     rng = np.random.default_rng(3)
     for trial in range(200):
