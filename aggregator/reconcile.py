@@ -157,12 +157,19 @@ class StepNorms:
     holders: np.ndarray
 
 
+def _placed(s: wire.Schema) -> bool:
+    """A schema ranks' values can be held under: without a mesh, or placed on its mesh (a rank's
+    records sent before its schema came under the bare hash: where on the mesh is unknown)."""
+    return s.mesh is None or len(s.mesh.coord) == len(s.mesh.sizes)
+
+
 def step_norms(schemas: dict, step: int, norms: dict[int, tuple[str, np.ndarray]]) -> Optional[StepNorms]:
     """Line up one step's per-parameter gradient norms (``rank -> (schema hash, float32
     [n_params])``, wire ``grad_norms``) by parameter name, as :func:`reconcile` lines up a probed
-    step's arrays. Norms under a schema not (or no longer) known, or not matching their schema's
-    length, are left out; None when none is left."""
-    ranks = tuple(sorted(r for r, (h, row) in norms.items() if h in schemas and len(row) == len(schemas[h].params)))
+    step's arrays. Norms under a schema not (or no longer) known, not placed on its mesh, or not
+    matching their schema's length, are left out; None when none is left."""
+    ranks = tuple(sorted(r for r, (h, row) in norms.items()
+                         if h in schemas and len(row) == len(schemas[h].params) and _placed(schemas[h])))
     if not ranks:
         return None
     used = {norms[r][0]: schemas[norms[r][0]] for r in ranks}

@@ -128,8 +128,8 @@ class _Groups:
         blocks: dict[tuple, list[int]] = {}
         info: dict[tuple, tuple] = {}
         for k, mesh in enumerate(meshes):
-            if mesh is None:
-                continue
+            if mesh is None or len(mesh.coord) != len(mesh.sizes):
+                continue  # no mesh, or a schema's mesh with no rank placed on it (the state never lets one through)
             got = dims_of(k)
             if got is None:
                 continue
@@ -227,7 +227,7 @@ def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float
         values.extend(v for _, v in sq)
     # every step of a job asks with the same ranks, places and classes: their groups are kept
     # (with the objects whose ids key them, so no id is reused while they are)
-    key = (tuple(ranks), tuple(map(id, meshes)), tuple(map(id, per_rank)))
+    key = (tuple(map(id, meshes)), tuple(map(id, per_rank)))  # by position: the groups name positions
     hit = _NORM_GROUPS.get(key)
     if hit is None:
         if len(_NORM_GROUPS) >= 8:
@@ -334,17 +334,6 @@ def combine(g: "_Groups", param: np.ndarray) -> np.ndarray:
                 np.sqrt(total, out=total)
         total[short] = np.nan
         flat[at, f] = total[g.group]
-    return out
-    flat = out.reshape(-1, out.shape[2])
-    at = g.rank * out.shape[1] + g.col  # each entry's row in ``flat``
-    rows = flat[at]  # [E, 3]
-    res = np.empty((g.n, 3))
-    with np.errstate(invalid="ignore", over="ignore"):
-        res[:, 0] = np.sqrt(np.bincount(g.group, rows[:, 0] ** 2, minlength=g.n))
-        res[:, 1] = np.sqrt(np.bincount(g.group, rows[:, 1] ** 2, minlength=g.n))
-    res[:, 2] = np.bincount(g.group, rows[:, 2], minlength=g.n)
-    res[np.bincount(g.group, minlength=g.n) < g.need] = np.nan  # incomplete groups
-    flat[at] = res[g.group]
     return out
 
 

@@ -33,8 +33,9 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
 * **Slots.** A job takes one of ``max_jobs`` slots only once it sent a schema and a report using
   it; until then it is *pending*, one of at most ``max_pending_jobs`` evicted least recently
   heard first, so invented job ids cannot squat slots; a pending job holds at most
-  ``max_pending_ranks`` ranks (``pending_ranks``) and twice as many schemas: those of ranks it
-  has no room for are kept for them to use once the job has its slot.
+  ``max_pending_ranks`` ranks (``pending_ranks``) and twice as many schemas (its ranks' placed
+  copies among them): those of ranks it has no room for are kept for them to use once the job
+  has its slot.
 * **Series.** Module paths longer than ``max_label_len`` are cut, keeping a digest of the whole
   path so that labels stay distinct; a job's latest round exports at most
   ``max_series_per_job`` per-layer series (the first layers in forward order), and all jobs
@@ -47,7 +48,8 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   each schema once, by hash, and each rank's place as a placed copy (its lists shared, a mesh with
   the rank's coordinates) under :func:`.shards.place`'s key, which the rank's records are then
   held by. A header whose coordinates are not a point of its schema's mesh is rejected
-  (``bad_coord``).
+  (``bad_coord``), and a message naming a placed key as its schema (``unknown_schema``), before
+  either changes anything.
 """
 
 from __future__ import annotations
@@ -370,13 +372,14 @@ class State:
         return self.jobs.get(label) if label is not None else None
 
     def known_schema(self, h: wire.Header, digest: str):
-        """The job's schema of that hash, if it holds one (wire.decode: resends are not parsed again)."""
+        """The job's schema of that hash, if it holds one (wire.decode: resends are not parsed again).
+        Never a placed copy (a :func:`.shards.place` key is the aggregator's, not a wire hash)."""
         job = self._job(h)
-        return job.schemas.get(digest) if job else None
+        return job.schemas.get(digest) if job and "@" not in digest else None
 
     def schema_sizes(self, h: wire.Header, digest: str):
         job = self._job(h)
-        s = job.schemas.get(digest) if job else None
+        s = job.schemas.get(digest) if job and "@" not in digest else None
         return (len(s.params), len(s.slots)) if s else (None, None)
 
     def apply(self, msg: wire.Message, peer_key: Optional[str] = None) -> None:
@@ -410,6 +413,14 @@ class State:
             # boot_takeover_s, no goodbye) another boot claiming the rank is forged or misrouted,
             # and may neither restart the job nor count as the agent's restart
             self.reject("boot_conflict")
+            return
+        digest = msg.hash if isinstance(msg, wire.Schema) else msg.schema
+        if "@" in digest:
+            self.reject("unknown_schema")  # it names a placed copy: the aggregator's key, no wire hash
+            return
+        held = msg if isinstance(msg, wire.Schema) else job.schemas.get(digest)
+        if held is not None and not (held.mesh.fits(h.coord) if held.mesh is not None else not h.coord):
+            self.reject("bad_coord")  # coordinates its schema's mesh does not have: nothing changes
             return
         if h.world != job.world:
             # another world size: a restarted job (elastic), or a forged or misrouted frame
@@ -460,19 +471,17 @@ class State:
                 return
             self.reject("pending_ranks")
             return
-        digest = msg.hash if isinstance(msg, wire.Schema) else msg.schema
         if isinstance(msg, wire.Schema) and msg.hash not in job.schemas:
             self._keep_schema(job, msg)
             self.version += 1
         if r is not None and r.placed[0] == digest and r.placed[1] == h.coord and r.placed[2] in job.schemas:
             key = r.placed[2]  # placed as its previous message was (every message of a mesh rank asks)
         else:
-            key = self._place(job, digest, h.coord) if digest in job.schemas else None
-        if key is None and digest in job.schemas:
-            self.reject("bad_coord")  # coordinates its schema's mesh does not have
-            return
-        if records and key is not None and key != digest:
-            msg = msgspec.structs.replace(msg, schema=key)  # a rank of a mesh: its records by its place
+            key = self._place(job, digest, h.coord)  # None: a schema the job does not hold (yet)
+        if records and h.coord and key != digest:
+            # a rank of a mesh: its records by its place, also under a schema not held yet (its
+            # steps' norms wait in the table under the key its place will have)
+            msg = msgspec.structs.replace(msg, schema=key or place(digest, h.coord))
         job.touched = now
         if r is None:
             r = job.ranks[h.rank] = RankState(h.rank)
@@ -586,9 +595,8 @@ class State:
     def _place(job: JobState, digest: str, coord: tuple) -> Optional[str]:
         """The key rank records under schema ``digest`` are held by, for a rank at ``coord``
         (:func:`.shards.place`), its placed schema made when first asked (the schema's lists, a mesh
-        with the coordinates); ``digest`` itself without a mesh. None when ``coord`` is not a point
-        of the schema's mesh (a header whose coordinates its schema cannot hold), or the job does
-        not hold the schema."""
+        with the coordinates); ``digest`` itself without a mesh. None when the job does not hold the
+        schema, or ``coord`` is not a point of its mesh (:meth:`apply` rejected those before)."""
         s = job.schemas.get(digest)
         if s is None:
             return None

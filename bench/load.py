@@ -677,7 +677,7 @@ def parse(argv=None):
     p.add_argument("--every", type=int, default=10, help="probe every N-th step (0: never)")
     p.add_argument("--steps-per-s", type=float, default=0.0, help="paced steps per second per rank; 0: as fast as possible")
     p.add_argument("--jobs", type=int, default=1)
-    p.add_argument("--tp", type=int, default=0, help="> 0: the ranks form a (dp, tp) mesh, every parameter sharded along tp (each rank its own schema)")
+    p.add_argument("--tp", type=int, default=0, help="> 0: the ranks form a (dp, tp) mesh, every parameter sharded along tp (one schema, each rank's coordinates in its headers)")
     p.add_argument("--senders", type=int, default=1, help="sender processes")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of sending (unless --reports)")
     p.add_argument("--reports", type=int, default=0, help="send this many reports in all instead of --duration")

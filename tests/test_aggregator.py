@@ -553,6 +553,49 @@ def test_mesh_ranks_share_one_schema_and_are_placed_by_their_headers():
     assert sorted(job.schemas) == sorted([ranks[0].schema_hash] + [s.hash for s in placed[:3]])  # rank 3's went
 
 
+def test_frames_naming_a_placed_key_or_off_the_mesh_change_nothing():
+    """A placed schema's key (``<hash>@coords``) is the aggregator's own: a message naming one as
+    its schema is rejected (unknown_schema), and never placed again; a frame whose coordinates
+    its schema's mesh lacks is rejected (bad_coord) before it could vote for a restart, take a
+    slot or keep a schema."""
+    from gradwatch.aggregator.state import State
+
+    st = State(clock=lambda: 100.0)
+    out = _Kept()
+    ranks = [FakeRank(out, "mesh", r, 2) for r in range(2)]
+    mesh = wire.Mesh(("tp",), (2,))
+    for r in ranks:
+        r.coord = (r.rank,)
+        msg = wire.Schema(r.header(), "node-0", r.rank, 5, r.params, SLOTS, mesh=mesh, shard=tuple((0,) for _ in PARAMS))
+        r.schema_hash = msg.hash
+        r.send(msg)
+        r.report(0)
+
+    def feed():
+        for f in out.frames:
+            st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
+        out.frames.clear()
+
+    feed()
+    job = st.jobs["mesh"]
+    key = job.ranks[1].schema
+    assert key == f"{ranks[1].schema_hash}@1" and st.rejected == {}
+    assert st.known_schema(ranks[1].header(), key) is None and st.schema_sizes(ranks[1].header(), key) == (None, None)
+    held = (sorted(job.schemas), job.ranks[1].schema, job.ranks[1].steps)
+    ranks[1].schema_hash = key  # a report, and a heartbeat, naming the placed key
+    ranks[1].report(1)
+    ranks[1].send(wire.Heartbeat(ranks[1].header(), 1, 9, 0, 0, schema=key))
+    feed()
+    assert st.rejected == {"unknown_schema": 2}
+    assert (sorted(job.schemas), job.ranks[1].schema, job.ranks[1].steps) == held  # nothing nested, nothing moved
+    # a new boot of another world, off the mesh: no vote, no restart
+    ghost = FakeRank(out, "mesh", 3, 4)  # a rank the job has not heard (rank 1 would be a boot_conflict)
+    ghost.coord, ghost.schema_hash = (5,), ranks[0].schema_hash
+    ghost.report(0)
+    feed()
+    assert st.rejected["bad_coord"] == 1 and job.votes == {} and st.jobs["mesh"] is job and job.world == 2
+
+
 def test_the_daemon_logs_a_job_once_when_admitted_and_once_when_gone(caplog):
     """On-call sees a job arrive and leave in the aggregator's log: one line when it is admitted
     (a schema and a step using it), none for a pending id a stray frame made, one when its ranks

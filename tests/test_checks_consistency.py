@@ -216,6 +216,32 @@ def test_grad_agreement_compares_replicas_of_a_shard_never_the_shards_of_a_group
     assert ev.details["params"] == ["fc2.weight"] and ev.details["ranks"] == list(range(world))
 
 
+def test_a_mesh_ranks_steps_sent_before_its_schema_are_judged_where_it_is_on_the_mesh():
+    """Records that come before their schema (an aggregator restarted mid-run, a schema shed under
+    overload) wait in the step table under the key of the rank's place (its header's coordinates):
+    once the schema comes they are judged as the rank's later steps are, never as unplaced."""
+    world = 6
+    job = Job(CHECKS, world=world)
+    mesh = wire.Mesh(("replicate", "shard"), (3, 2))
+    digest = wire.schema_hash(PARAMS, SLOTS, mesh, tuple((1,) for _ in PARAMS))
+    half = {0: NORMS, 1: NORMS * np.float32(0.5)}
+    step0 = {r: half[r % 2] * (np.float32([1, 1, 1, 1.01, 1]) if r == 3 else 1) for r in range(world)}  # rank 3 differs
+    for r in range(world - 1):
+        job.coords[r] = (r // 2, r % 2)
+        sentinel(job, r, 0, step0[r], digest=digest)  # before any rank's mesh schema
+    job.coords[world - 1] = (2, 1)
+    for r in range(world):
+        s = wire.Schema(job.header(r), "node", r, 10, PARAMS, SLOTS, mesh=mesh, shard=tuple((1,) for _ in PARAMS))
+        assert s.hash == digest
+        job.send(s)
+    sentinel(job, world - 1, 0, step0[world - 1], digest=digest)  # the step is whole now: released
+    for step in (1, 2):
+        for r in range(world):
+            sentinel(job, r, step, half[r % 2], digest=digest)
+    assert job.runner.errors == {}
+    assert job.events("grad_agreement") == [("raised", 0, 3, None), ("resolved", 0, 3, None)]
+
+
 # --- knock-ons: a desync's drift is its own fault's (issue 12) -------------------------------------
 
 FP = np.arange(1, len(PARAMS) + 1, dtype=np.uint64)

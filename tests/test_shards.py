@@ -243,8 +243,6 @@ def _ref_global(entries):
 def _random_job(rng, staged: bool):
     """A (pp,) dp x tp mesh job's ranks, some missing, two shard objects per stage (blocks), values
     with NaN and Inf now and then."""
-    from gradwatch.aggregator.shards import combine_groups, holders  # noqa: F401 (imported by the test)
-
     names = ("pp", "dp", "tp") if staged else ("rep", "dp", "tp")
     sizes = (2, 3, 2)
     kinds = [(), (1,), (2,), (1, 2)]
