@@ -418,7 +418,8 @@ class State:
         if "@" in digest:
             self.reject("unknown_schema")  # it names a placed copy: the aggregator's key, no wire hash
             return
-        held = msg if isinstance(msg, wire.Schema) else job.schemas.get(digest)
+        same_place = r is not None and r.placed[0] == digest and r.placed[1] == h.coord  # checked before
+        held = None if same_place else msg if isinstance(msg, wire.Schema) else job.schemas.get(digest)
         if held is not None and not (held.mesh.fits(h.coord) if held.mesh is not None else not h.coord):
             self.reject("bad_coord")  # coordinates its schema's mesh does not have: nothing changes
             return
@@ -474,7 +475,7 @@ class State:
         if isinstance(msg, wire.Schema) and msg.hash not in job.schemas:
             self._keep_schema(job, msg)
             self.version += 1
-        if r is not None and r.placed[0] == digest and r.placed[1] == h.coord and r.placed[2] in job.schemas:
+        if same_place and r is not None and r.placed[2] in job.schemas:  # (a restart forgot r)
             key = r.placed[2]  # placed as its previous message was (every message of a mesh rank asks)
         else:
             key = self._place(job, digest, h.coord)  # None: a schema the job does not hold (yet)
