@@ -50,6 +50,11 @@ def place(digest: str, coord: tuple) -> str:
     return f"{digest}@{','.join(map(str, coord))}" if coord else digest
 
 
+def fits(mesh: Optional[wire.Mesh], coord: tuple) -> bool:
+    """A rank at ``coord`` can be placed on ``mesh``: no coordinates without a mesh, else a point of it."""
+    return mesh.fits(coord) if mesh is not None else not coord
+
+
 def unplace(key: str) -> str:
     """The schema hash of a :func:`place` key."""
     return key.partition("@")[0]
@@ -181,10 +186,12 @@ class _Groups:
         # a group is one set of coordinates *and* one column
         width = int(col.max()) + 1
         group = gid * width + col
-        need = np.repeat(np.asarray(needs, np.int64), width)
-        if len(need) > 4 * len(group):  # sparse: number the groups densely (a sort)
+        needs = np.asarray(needs, np.int64)
+        if len(needs) * width > 4 * len(group):  # sparse (a peer's schema may make it so): number densely
             uniq, group = np.unique(group, return_inverse=True)
-            need = need[uniq]
+            need = needs[uniq // width]
+        else:
+            need = np.repeat(needs, width)
         group = group.reshape(-1)
         self.rank, self.col = rank, col
         self.group = group.astype(np.int32) if len(need) < 1 << 31 else group
@@ -193,7 +200,7 @@ class _Groups:
 
 _KINDS: dict[tuple, tuple] = {}  # the dims of a rank's grad_sq classes -> (them, their columns)
 _CACHED = 1024
-_NORM_GROUPS: dict[tuple, tuple] = {}  # global_norms' groups by ranks, meshes' and kinds' ids
+_NORM_GROUPS: dict[tuple, tuple] = {}  # global_norms' groups by their meshes' and kinds' ids, position by position
 
 
 def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float]:

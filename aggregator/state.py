@@ -69,7 +69,7 @@ from gradwatch import wire
 from gradwatch.statistics import ARRAYS, STATISTICS
 
 from .reconcile import LayoutCache, RoundResult, group_layers, reconcile, reconcile_in_slices
-from .shards import global_norms, mesh_of, place, unplace
+from .shards import fits, global_norms, mesh_of, place, unplace
 from .steps import COLUMNS as TABLE_COLUMNS
 from .steps import StepTable
 
@@ -420,7 +420,7 @@ class State:
             return
         same_place = r is not None and r.placed[0] == digest and r.placed[1] == h.coord  # checked before
         held = None if same_place else msg if isinstance(msg, wire.Schema) else job.schemas.get(digest)
-        if held is not None and not (held.mesh.fits(h.coord) if held.mesh is not None else not h.coord):
+        if held is not None and not fits(held.mesh, h.coord):
             self.reject("bad_coord")  # coordinates its schema's mesh does not have: nothing changes
             return
         if h.world != job.world:
@@ -599,12 +599,10 @@ class State:
         with the coordinates); ``digest`` itself without a mesh. None when the job does not hold the
         schema, or ``coord`` is not a point of its mesh (:meth:`apply` rejected those before)."""
         s = job.schemas.get(digest)
-        if s is None:
+        if s is None or not fits(s.mesh, coord):
             return None
         if s.mesh is None:
-            return None if coord else digest
-        if not s.mesh.fits(coord):
-            return None
+            return digest
         key = place(digest, coord)
         if key not in job.schemas:
             job.schemas[key] = msgspec.structs.replace(s, mesh=wire.Mesh(s.mesh.names, s.mesh.sizes, coord), hash=key)

@@ -73,6 +73,12 @@ class FakeRank:
     def schema(self) -> None:
         self.send(wire.Schema(self.header(), "node-0", self.rank % 8, self.every, self.params, self.slots))
 
+    def mesh_schema(self, mesh: wire.Mesh, shard: tuple) -> None:
+        """Its schema on ``mesh`` (its place: :attr:`coord`), whose hash its reports then name."""
+        msg = wire.Schema(self.header(), "node-0", self.rank, 5, self.params, self.slots, mesh=mesh, shard=shard)
+        self.schema_hash = msg.hash
+        self.send(msg)
+
     def heartbeat(self, step: int = -1) -> None:
         self.send(wire.Heartbeat(self.header(), step, self.seq, 0, 0))
 
@@ -450,6 +456,12 @@ class _Kept:
     def send(self, frame: bytes) -> None:
         self.frames.append(frame)
 
+    def feed(self, st) -> None:
+        """Decode the frames kept into State ``st``, as the daemon's writer does, and forget them."""
+        for f in self.frames:
+            st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
+        self.frames.clear()
+
 
 def test_a_round_closes_once_every_missing_rank_went_past_its_step():
     """A rank's messages come in step order: once every rank missing from a round has sent a record
@@ -461,36 +473,31 @@ def test_a_round_closes_once_every_missing_rank_went_past_its_step():
     out = _Kept()
     ranks = [FakeRank(out, "passed", r, 3) for r in range(3)]
 
-    def feed():
-        for f in out.frames:
-            st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
-        out.frames.clear()
-
     def probe(r, step):
         r.report(step, probe=probe_arrays(len(SLOTS), len(PARAMS), 10 * step + r.rank))
 
     for r in ranks:
         r.schema()
         r.report(0)
-    feed()
+    out.feed(st)
     job = st.jobs["passed"]
     probe(ranks[0], 5)
     probe(ranks[1], 5)
     ranks[2].report(4)  # before the probed step: its report may still come
-    feed()
+    out.feed(st)
     assert list(job.rounds) == [5] and job.rounds_incomplete == 0
     ranks[2].report(5)  # its record of the step, without the arrays: they will not come
-    feed()
+    out.feed(st)
     assert not job.rounds and job.rounds_incomplete == 1 and job.last_round.step == 5
     assert st.rejected == {}
     probe(ranks[0], 10)
     probe(ranks[1], 10)
     probe(ranks[2], 15)  # a later probe passes the round before it, and opens its own
-    feed()
+    out.feed(st)
     assert list(job.rounds) == [15] and job.rounds_incomplete == 2 and job.last_round.step == 10
     probe(ranks[0], 15)
     probe(ranks[1], 15)
-    feed()
+    out.feed(st)
     assert not job.rounds and job.rounds_complete == 1 and job.rounds_incomplete == 2
 
 
@@ -510,17 +517,10 @@ def test_mesh_ranks_share_one_schema_and_are_placed_by_their_headers():
     mesh, shard = wire.Mesh(("dp", "tp"), (2, 2)), tuple((1,) for _ in PARAMS)
     for r in ranks:
         r.coord = (r.rank // 2, r.rank % 2)
-        msg = wire.Schema(r.header(), "node-0", r.rank, 5, r.params, SLOTS, mesh=mesh, shard=shard)
-        r.schema_hash = msg.hash
-        r.send(msg)
+        r.mesh_schema(mesh, shard)
         r.report(0)
 
-    def feed():
-        for f in out.frames:
-            st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
-        out.frames.clear()
-
-    feed()
+    out.feed(st)
     job = st.jobs["mesh"]
     assert st.rejected == {} and job.admitted
     assert ranks[0].schema_hash == ranks[1].schema_hash == ranks[2].schema_hash != ranks[3].schema_hash
@@ -534,20 +534,20 @@ def test_mesh_ranks_share_one_schema_and_are_placed_by_their_headers():
     ranks[1].coord = (0, 2)
     before = (job.ranks[1].steps, job.ranks[1].received, dict(job.schemas))
     ranks[1].report(1)
-    feed()
+    out.feed(st)
     assert st.rejected == {"bad_coord": 1}
     assert (job.ranks[1].steps, job.ranks[1].received, dict(job.schemas)) == before
     ranks[1].coord = (0, 1)
     now[0] += 20  # ranks 0-2 speak; rank 3 stays silent, 35 s by the second scan (rank_ttl_s 30)
     for r in ranks[:3]:
         r.heartbeat(0)
-    feed()
+    out.feed(st)
     st.tick()  # the TTL scan
     assert sorted(job.ranks) == [0, 1, 2, 3]
     now[0] += 15
     for r in ranks[:3]:
         r.heartbeat(0)
-    feed()
+    out.feed(st)
     st.tick()
     assert sorted(job.ranks) == [0, 1, 2]
     assert sorted(job.schemas) == sorted([ranks[0].schema_hash] + [s.hash for s in placed[:3]])  # rank 3's went
@@ -566,17 +566,10 @@ def test_frames_naming_a_placed_key_or_off_the_mesh_change_nothing():
     mesh = wire.Mesh(("tp",), (2,))
     for r in ranks:
         r.coord = (r.rank,)
-        msg = wire.Schema(r.header(), "node-0", r.rank, 5, r.params, SLOTS, mesh=mesh, shard=tuple((0,) for _ in PARAMS))
-        r.schema_hash = msg.hash
-        r.send(msg)
+        r.mesh_schema(mesh, tuple((0,) for _ in PARAMS))
         r.report(0)
 
-    def feed():
-        for f in out.frames:
-            st.apply(wire.decode(f, schema_sizes=st.schema_sizes, known_schema=st.known_schema))
-        out.frames.clear()
-
-    feed()
+    out.feed(st)
     job = st.jobs["mesh"]
     key = job.ranks[1].schema
     assert key == f"{ranks[1].schema_hash}@1" and st.rejected == {}
@@ -585,14 +578,14 @@ def test_frames_naming_a_placed_key_or_off_the_mesh_change_nothing():
     ranks[1].schema_hash = key  # a report, and a heartbeat, naming the placed key
     ranks[1].report(1)
     ranks[1].send(wire.Heartbeat(ranks[1].header(), 1, 9, 0, 0, schema=key))
-    feed()
+    out.feed(st)
     assert st.rejected == {"unknown_schema": 2}
     assert (sorted(job.schemas), job.ranks[1].schema, job.ranks[1].steps) == held  # nothing nested, nothing moved
     # a new boot of another world, off the mesh: no vote, no restart
     ghost = FakeRank(out, "mesh", 3, 4)  # a rank the job has not heard (rank 1 would be a boot_conflict)
     ghost.coord, ghost.schema_hash = (5,), ranks[0].schema_hash
     ghost.report(0)
-    feed()
+    out.feed(st)
     assert st.rejected["bad_coord"] == 1 and job.votes == {} and st.jobs["mesh"] is job and job.world == 2
 
 
