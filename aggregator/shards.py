@@ -19,6 +19,7 @@ Pure functions; no torch.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional
 
@@ -200,7 +201,19 @@ class _Groups:
 
 _KINDS: dict[tuple, tuple] = {}  # the dims of a rank's grad_sq classes -> (them, their columns)
 _CACHED = 1024
-_NORM_GROUPS: dict[tuple, tuple] = {}  # global_norms' groups by their meshes' and kinds' ids, position by position
+_NORM_GROUPS: dict[tuple, tuple] = {}  # norms_of's groups by their meshes' and kinds' ids, position by position
+
+
+def sq_kind(dims: tuple) -> tuple:
+    """The one object standing for a rank's ``grad_sq`` classes ``dims`` (tuple of mesh-dim tuples,
+    in the rank's order): ``(dims, int64 [len(dims)] columns 0..n-1)``. Equal dims give the same
+    object (at most :data:`_CACHED` kept), so a step's ranks are matched to kept groups by id."""
+    kind = _KINDS.get(dims)
+    if kind is None:
+        if len(_KINDS) >= _CACHED:
+            _KINDS.clear()
+        kind = _KINDS[dims] = (dims, np.arange(len(dims), dtype=np.int64))
+    return kind
 
 
 def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float]:
@@ -210,66 +223,76 @@ def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float
         entries: rank -> (its mesh, its report's ``grad_sq``: ``((dims, sum of squares), ...)``).
 
     Returns:
-        rank -> sqrt(sum over its ``grad_sq`` classes of the class's sums of squares summed over
-        the class's shard group), for the ranks whose every group is complete (all
-        ``prod(sizes[dims])`` members present). Under pipeline parallelism (a mesh with stage
-        dims, :func:`gradwatch.wire.stage_dims`) that sum is the rank's *stage total*; the rank's
-        global norm is then sqrt of the stage totals of the ranks sharing its coordinates on every
-        other dim, one per stage, once all stages' totals are complete. NaN and Inf propagate.
-        Float64 sums, in ``entries``' order of ranks and each rank's order of classes.
+        rank -> its global norm (:func:`norms_of`), for the ranks whose every group is complete.
     """
     ranks = list(entries)
-    meshes = [m for m, _ in entries.values()]
-    # a rank's classes are its pseudo-parameters: column c its c-th class, grouped as shards are
-    per_rank, values, starts = [], [], []
-    for _, sq in entries.values():
-        dims = tuple(d for d, _ in sq)
-        kind = _KINDS.get(dims)
-        if kind is None:
-            if len(_KINDS) >= _CACHED:
-                _KINDS.clear()
-            kind = _KINDS[dims] = (dims, np.arange(len(dims), dtype=np.int64))
-        per_rank.append(kind)
-        starts.append(len(values))
-        values.extend(v for _, v in sq)
-    # every step of a job asks with the same ranks, places and classes: their groups are kept
+    kinds = [sq_kind(tuple(d for d, _ in sq)) for _, sq in entries.values()]
+    values = [[v for _, v in sq] for _, sq in entries.values()]
+    norm, ok = norms_of([m for m, _ in entries.values()], kinds, values)
+    at = np.flatnonzero(ok)
+    return dict(zip([ranks[k] for k in at.tolist()], norm[at].tolist()))
+
+
+def norms_of(meshes: list, kinds: list, values: list) -> tuple[np.ndarray, np.ndarray]:
+    """Global gradient norms of ranks from their sums of squared gradient elements.
+
+    Args:
+        meshes: per rank, its placed mesh (``coord`` set).
+        kinds: per rank, :func:`sq_kind` of its ``grad_sq`` classes' dims.
+        values: per rank, the sum of squares of each class (floats, in its kind's order).
+
+    Returns:
+        ``(norm, complete)``: float64 [R], per rank sqrt(sum over its classes of the class's sums
+        of squares summed over the class's shard group); bool [R], whether every group is
+        complete (all ``prod(sizes[dims])`` members present; ``norm`` is NaN where not). Under
+        pipeline parallelism (a mesh with stage dims, :func:`gradwatch.wire.stage_dims`) that sum
+        is the rank's *stage total*; the rank's global norm is then sqrt of the stage totals of
+        the ranks sharing its coordinates on every other dim, one per stage, once all stages'
+        totals are complete. NaN and Inf propagate. Float64 sums, in rank order and each rank's
+        order of classes.
+    """
+    R = len(meshes)
+    # a rank's classes are its pseudo-parameters: column c its c-th class, grouped as shards are.
+    # Every step of a job asks with the same ranks, places and classes: their groups are kept
     # (with the objects whose ids key them, so no id is reused while they are)
-    key = (tuple(map(id, meshes)), tuple(map(id, per_rank)))  # by position: the groups name positions
+    key = (tuple(map(id, meshes)), tuple(map(id, kinds)))  # by position: the groups name positions
     hit = _NORM_GROUPS.get(key)
     if hit is None:
         if len(_NORM_GROUPS) >= 8:
             _NORM_GROUPS.clear()
-        hit = _NORM_GROUPS[key] = (meshes, per_rank, _Groups(meshes, per_rank.__getitem__, on=False, whole=True))
-    g = hit[2]
-    R = len(ranks)
+        g = _Groups(meshes, kinds.__getitem__, on=False, whole=True)
+        widths = np.array([len(k[0]) for k in kinds], np.int64)
+        starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64)
+        staged = any(wire.stage_dims(m) for m in {(m.names, m.sizes): m for m in meshes}.values())
+        short = np.bincount(g.group, minlength=g.n)[g.group] < g.need[g.group]
+        complete = np.bincount(g.rank, short, minlength=R) == 0
+        hit = _NORM_GROUPS[key] = (meshes, kinds, g, starts[g.rank] + g.col, int(widths.sum()), staged, complete)
+    _, _, g, at, width, staged, complete = hit
     with np.errstate(invalid="ignore", over="ignore"):
-        v = np.asarray(values, np.float64)[np.asarray(starts, np.int64)[g.rank] + g.col]
+        v = np.fromiter(itertools.chain.from_iterable(values), np.float64, count=width)[at]
         share = np.bincount(g.group, v, minlength=g.n)[g.group]
         total = np.bincount(g.rank, share, minlength=R)
-    short = np.bincount(g.rank, np.bincount(g.group, minlength=g.n)[g.group] < g.need[g.group], minlength=R)
-    ok = np.flatnonzero(short == 0)
-    if not any(wire.stage_dims(m) for m in {(m.names, m.sizes): m for m in meshes}.values()):
-        with np.errstate(invalid="ignore"):  # no pipeline stages (the usual mesh): the totals' roots
-            return dict(zip([ranks[k] for k in ok.tolist()], np.sqrt(total[ok]).tolist()))
-    totals = {ranks[k]: float(total[k]) for k in ok.tolist()}
+    if not staged:  # no pipeline stages (the usual mesh): the totals' roots
+        with np.errstate(invalid="ignore"):
+            return np.where(complete, np.sqrt(total), np.nan), complete.copy()
     # pipeline stages: each stage's total once (from the rank of the same pipeline replica)
+    ok = np.flatnonzero(complete).tolist()
     stages: dict[tuple, dict[tuple, float]] = {}
-    for r, t in totals.items():
-        mesh, st = entries[r][0], wire.stage_dims(entries[r][0])
+    for k in ok:
+        mesh, st = meshes[k], wire.stage_dims(meshes[k])
         if st:
-            stage = tuple(mesh.coord[k] for k in st)
-            stages.setdefault(_off(mesh, st), {})[stage] = t
-    out = {}
-    for r, t in totals.items():
-        mesh = entries[r][0]
+            stages.setdefault(_off(mesh, st), {})[tuple(mesh.coord[d] for d in st)] = float(total[k])
+    norm, done = np.full(R, np.nan), np.zeros(R, bool)
+    for k in ok:
+        mesh, t = meshes[k], float(total[k])
         st = wire.stage_dims(mesh)
         if st:
             per = stages[_off(mesh, st)]
             if len(per) < _size(mesh, st):
                 continue  # a stage has not reported yet
             t = sum(per[s] for s in sorted(per))
-        out[r] = math.sqrt(t) if t >= 0 else math.nan
-    return out
+        norm[k], done[k] = math.sqrt(t) if t >= 0 else math.nan, True
+    return norm, done
 
 
 def holders(meshes: list, shards: list, pcols: list, n_params: int) -> np.ndarray:

@@ -69,7 +69,7 @@ from gradwatch import wire
 from gradwatch.statistics import ARRAYS, STATISTICS
 
 from .reconcile import LayoutCache, RoundResult, group_layers, reconcile, reconcile_in_slices
-from .shards import fits, global_norms, mesh_of, place, unplace
+from .shards import fits, norms_of, place, sq_kind, unplace
 from .steps import COLUMNS as TABLE_COLUMNS
 from .steps import StepTable
 
@@ -690,8 +690,12 @@ class State:
         if m.grad_norms is not None:
             norms = (m.schema, m.grad_norms.reshape(n, -1))
         grad_sq = None
-        if sharded:
-            grad_sq = [m.grad_sq] if isinstance(m, wire.Report) else [tuple(zip(m.grad_sq_dims, row)) for row in m.grad_sq.tolist()]
+        if sharded:  # (its place's schema key, sq_kind, sums): the step's norms are worked out in columns
+            if isinstance(m, wire.Report):
+                grad_sq = [(m.schema, sq_kind(tuple(d for d, _ in m.grad_sq)), [v for _, v in m.grad_sq])]
+            else:
+                kind = sq_kind(m.grad_sq_dims)
+                grad_sq = [(m.schema, kind, row) for row in m.grad_sq.tolist()]
         guard = None
         if m.nonfinite_slot is not None:
             guard = (m.schema, m.nonfinite_slot if isinstance(m, wire.Report) else m.nonfinite_slot.reshape(n))
@@ -743,20 +747,26 @@ class State:
         at the rank's latest step), then the checks judge them."""
         if not views:
             return
+        schemas, states = job.schemas, job.ranks
         for v in views:
-            if v.grad_sq:
-                entries = {}
-                for k, sq in v.grad_sq.items():
-                    mesh = mesh_of(job, k)
-                    if mesh is not None:
-                        entries[k] = (mesh, sq)
-                g = global_norms(entries)
-                for i, k in enumerate(v.ranks.tolist()):
-                    if k in v.grad_sq:
-                        v.grad_norm[i] = g.get(k, math.nan)
-                        r = job.ranks.get(k)
-                        if r is not None and r.step == v.step:
-                            r.grad_norm, r.grad_nonfinite = v.grad_norm[i], int(v.grad_nonfinite[i])
+            if not v.grad_sq:
+                continue
+            ranks, meshes, kinds, values = [], [], [], []
+            for k, (key, kind, sums) in v.grad_sq.items():
+                s = schemas.get(key)  # the record's place, also when its schema came after it
+                if s is not None and s.mesh is not None:
+                    ranks.append(k), meshes.append(s.mesh), kinds.append(kind), values.append(sums)
+            sq = np.fromiter(v.grad_sq, np.int64, count=len(v.grad_sq))
+            at = np.searchsorted(v.ranks, sq)  # the table keeps grad_sq with the rank's record
+            v.grad_norm[at] = math.nan  # until its shard groups are complete
+            if ranks:
+                norm, _ = norms_of(meshes, kinds, values)
+                v.grad_norm[np.searchsorted(v.ranks, np.array(ranks, np.int64))] = norm
+            step = v.step
+            for k, x, y in zip(sq.tolist(), v.grad_norm[at].tolist(), v.grad_nonfinite[at].tolist()):
+                r = states.get(k)
+                if r is not None and r.step == step:  # its gauges show its latest step
+                    r.grad_norm, r.grad_nonfinite = x, int(y)
         self._dispatch("on_steps", job, views)
 
     def tick(self) -> None:
