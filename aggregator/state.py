@@ -172,6 +172,10 @@ class RankColumns:
         return cls(*cols[:-1], cols[-1] != 0)
 
 
+#: epochs of :attr:`JobState.epoch`: one count for every job and incarnation, so no two states share one
+_EPOCHS = itertools.count(1)
+
+
 @dataclass
 class JobState:
     job: str
@@ -207,6 +211,9 @@ class JobState:
     #: while a round of it is reconciled in slices (State.closing): the checks' events since, in
     #: order, rounds among them (:class:`Closing`); they run once the rounds before them are done
     deferred: Optional[collections.deque] = None
+    #: a new number whenever a rank comes, goes, restarts or takes another place (schema key):
+    #: what checks derive per rank from those (peer groups, boots) is kept until it changes
+    epoch: int = field(default_factory=lambda: next(_EPOCHS))
     _order: Optional[list] = field(default=None, repr=False)  # ranks by rank, until one comes or goes
     _columns: Optional["RankColumns"] = field(default=None, repr=False)  # this tick's (columns())
 
@@ -486,7 +493,7 @@ class State:
         job.touched = now
         if r is None:
             r = job.ranks[h.rank] = RankState(h.rank)
-            job._order = None
+            job._order, job.epoch = None, next(_EPOCHS)
         if key is not None:
             r.placed = (digest, h.coord, key)
         if h.boot != r.boot:
@@ -501,7 +508,7 @@ class State:
                 r.last_seq = -1
             else:  # first contact (or the aggregator restarted): what came before is not a loss
                 r.last_seq = h.seq - 1
-            r.boot = h.boot
+            r.boot, job.epoch = h.boot, next(_EPOCHS)
         if h.seq > r.last_seq + 1:
             r.lost += h.seq - r.last_seq - 1
         r.last_seq = max(r.last_seq, h.seq)
@@ -511,7 +518,9 @@ class State:
 
         if isinstance(msg, wire.Schema):
             self.received["schema"] += 1
-            r.schema, r.host, r.local_rank = key, msg.host[: self.max_label_len], msg.local_rank
+            if r.schema != key:
+                r.schema, job.epoch = key, next(_EPOCHS)
+            r.host, r.local_rank = msg.host[: self.max_label_len], msg.local_rank
         elif isinstance(msg, wire.Heartbeat):
             self.received["heartbeat"] += 1
             r.agent_drops, r.agent_errors = msg.drops, msg.errors
@@ -521,13 +530,13 @@ class State:
             r.runnable = (msg.run_s - r.run_s) / dt if dt > 0 else math.nan  # NaN when either is unknown
             r.run_s, r.beat_time = msg.run_s, h.time
             r.close_reason = msg.reason if msg.closing else ""
-            if key is not None:
-                r.schema = key  # the heartbeat names it: its full schema may have come from another rank
+            if key is not None and r.schema != key:  # the heartbeat names it: its full schema may have come from another rank
+                r.schema, job.epoch = key, next(_EPOCHS)
             self._dispatch("on_heartbeat", job, r, msg)
         else:
             self.received["report" if isinstance(msg, wire.Report) else "steps"] += 1
             if key is not None and r.schema != key:
-                r.schema = key  # its schema came while the job had no room for the rank, or from a peer
+                r.schema, job.epoch = key, next(_EPOCHS)  # its schema came while the job had no room for the rank, or from a peer
             self._records(job, r, msg, now)
 
     def _new_job(self, h: wire.Header, now: float) -> JobState:
@@ -790,6 +799,7 @@ class State:
                     job.forgotten.update(rank_counters(r))
                     del job.ranks[r.rank]
                     job._order = job._columns = None
+                    job.epoch = next(_EPOCHS)
                     self.version += 1
             # keep the schemas a rank or a pending round uses, looked over at the scan's pace (a mesh
             # job holds more schemas than ranks: each rank's placed one besides the stage's own)

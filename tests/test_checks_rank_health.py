@@ -204,6 +204,24 @@ def test_straggler_names_the_slow_rank_after_a_span_of_two_windows_from_compute_
     assert j.value("rank_straggler_individual_score", "0") == 1.0
 
 
+def test_straggler_starts_a_restarted_rank_over_though_its_peer_groups_are_kept_between_releases():
+    """The check keeps the ranks' peer groups and boots until the job's ranks change (JobState.epoch):
+    a restart in between must still start the rank's windows over."""
+    j = Job(["straggler"], world=3, straggler_window=4, straggler_score=0.7, straggler_windows=2)
+    j.report(0, 0)
+    _steps(j, 1, 4, [0.010, 0.050, 0.011])  # rank 1's first slow window
+    epoch = j.state.jobs["j"].epoch
+    _steps(j, 5, 2, [0.010, 0.050, 0.011])
+    assert j.state.jobs["j"].epoch == epoch  # nothing moved: the groups were not walked again
+    j.heartbeat(1, closing=True)  # its agent says goodbye and restarts mid-window
+    j.boot[1], j.seq[1] = "boot1-again", 0
+    _steps(j, 7, 4, [0.010, 0.050, 0.011])
+    assert j.state.jobs["j"].epoch != epoch
+    assert j.named("straggler") == []  # a window and a half since the restart: not yet a span of two
+    _steps(j, 11, 4, [0.010, 0.050, 0.011])
+    assert j.named("straggler") == [1]
+
+
 def test_straggler_falls_back_to_step_time_and_ignores_jitter_below_min_seconds():
     j = Job(["straggler"], world=2, straggler_window=3, straggler_min_s=0.01)
     for step in range(1, 10):  # no compute time (no DDP comm hook): step times; straggler_windows (3) windows
