@@ -172,6 +172,10 @@ class RankColumns:
         return cls(*cols[:-1], cols[-1] != 0)
 
 
+#: schemas an admitted job holds at most, per rank of its world and besides: each rank's placed
+#: one and its stage's own in use, and as many again while a new model's schemas arrive
+SCHEMAS_PER_RANK, SCHEMAS_MIN = 4, 64
+
 #: epochs of :attr:`JobState.epoch`: one count for every job and incarnation, so no two states share one
 _EPOCHS = itertools.count(1)
 
@@ -480,6 +484,9 @@ class State:
             self.reject("pending_ranks")
             return
         if isinstance(msg, wire.Schema) and msg.hash not in job.schemas:
+            if not self._room_for_schema(job):
+                self.reject("schema_limit")
+                return
             self._keep_schema(job, msg)
             self.version += 1
         if same_place and r is not None and r.placed[2] in job.schemas:  # (a restart forgot r)
@@ -596,6 +603,25 @@ class State:
         else:
             per_s = 1000.0
         return max(r.step, job.max_step) + max(self.max_step_jump, per_s * since)
+
+    @staticmethod
+    def _prune_schemas(job: JobState) -> None:
+        """Keep only the schemas a rank or a pending round of ``job`` uses (and a placed one's own)."""
+        used = {r.schema for r in job.ranks.values()}
+        used.update(rep.schema for rnd in job.rounds.values() for rep in rnd.reports.values())
+        used.update([unplace(k) for k in used])  # a placed schema's own, which resends name
+        job.schemas = {k: v for k, v in job.schemas.items() if k in used}
+
+    def _room_for_schema(self, job: JobState) -> bool:
+        """Whether ``job`` may keep one more schema: it holds fewer than :data:`SCHEMAS_PER_RANK`
+        per rank of its world plus :data:`SCHEMAS_MIN`, once those no one uses are dropped (which
+        otherwise waits for the TTL scan). Frames under the job's identity cannot make it hold more
+        (a pending job's cap, 2 x max_pending_ranks, is lower)."""
+        cap = SCHEMAS_PER_RANK * job.world + SCHEMAS_MIN
+        if len(job.schemas) < cap:
+            return True
+        self._prune_schemas(job)  # leaves at most the ~2 per rank in use: room for ~2 per rank more
+        return len(job.schemas) < cap
 
     def _keep_schema(self, job: JobState, msg: wire.Schema) -> None:
         """Hold ``msg`` (names cut, :meth:`_short_names`) as the job's schema of its hash."""
@@ -801,13 +827,10 @@ class State:
                     job._order = job._columns = None
                     job.epoch = next(_EPOCHS)
                     self.version += 1
-            # keep the schemas a rank or a pending round uses, looked over at the scan's pace (a mesh
+            # the schemas no rank or pending round uses go, looked over at the scan's pace (a mesh
             # job holds more schemas than ranks: each rank's placed one besides the stage's own)
             if scan and len(job.schemas) > len(job.ranks):
-                used = {r.schema for r in job.ranks.values()}
-                used.update(rep.schema for rnd in job.rounds.values() for rep in rnd.reports.values())
-                used.update([unplace(k) for k in used])  # a placed schema's own, which resends name
-                job.schemas = {k: v for k, v in job.schemas.items() if k in used}
+                self._prune_schemas(job)
             if not job.ranks:
                 self._drop(job)
         if now - self._ttl_scan >= min(1.0, self.rank_ttl_s / 10):

@@ -437,6 +437,51 @@ def test_a_jobs_open_rounds_hold_at_most_max_pending_bytes():
     assert len(job.rounds) == (1 << 20) // per_report and job.rounds_incomplete == 200 - len(job.rounds)
 
 
+def test_frames_under_a_jobs_identity_cannot_make_it_hold_schemas_without_bound_between_scans():
+    """The TTL scan drops unused schemas once a second; between scans, 4 per rank of the world plus
+    64 is the most an admitted job holds: a flood of distinct schemas is rejected past it
+    (schema_limit), and a rank's real change of model still finds room."""
+    clock = Clock()
+    st = State(clock=clock, max_pending=256)
+
+    def schema(rank, seq, n_params):
+        params = tuple((f"p{i}.weight", (4,), "float32") for i in range(n_params))
+        return wire.Schema(wire.Header("j", rank, 3, f"b{rank}", seq, 0.0, "k"), "node", rank, 1, params, SLOTS)
+
+    real = schema(0, 0, 3)
+    for r in range(3):
+        st.apply(msgspec.structs.replace(real, header=wire.Header("j", r, 3, f"b{r}", 0, 0.0, "k")))
+        st.apply(wire.Report(wire.Header("j", r, 3, f"b{r}", 1, 0.0, "k"), real.hash, 0, 0.01, 1.0, 0))
+    job = st.jobs["j"]
+    assert job.admitted and list(job.schemas) == [real.hash]
+    cap = 4 * 3 + 64
+    for i in range(500):  # rank 2's identity, a new schema every frame, no tick in between
+        st.apply(schema(2, 2 + i, 4 + i))
+        assert len(job.schemas) <= cap  # the superseded ones are dropped at the cap
+    assert st.rejected["schema_limit"] == 0
+    seq = 600
+    for i in range(100):  # each schema used by a probe report in a round still open: all in use
+        n = 2000 + i
+        sch = schema(2, seq, n)
+        st.apply(sch)
+        st.apply(wire.Report(
+            wire.Header("j", 2, 3, "b2", seq + 1, 0.0, "k"), sch.hash, 10 + i, 0.01, 1.0, 0, probe=True,
+            act=np.zeros((len(SLOTS), 6), np.float32), act_grad=np.zeros((len(SLOTS), 2), np.float32),
+            param=np.zeros((n, 3), np.float32), fp_grad=np.zeros(n, np.uint64), fp_weight=np.zeros(n, np.uint64)))
+        seq += 2
+        assert len(job.schemas) <= cap
+    assert st.rejected["schema_limit"] > 0 and len(job.rounds) > cap - 3
+    assert real.hash in job.schemas and job.ranks[0].schema == real.hash  # the other ranks' is kept
+    clock.t += st.grace_s  # the rounds close incomplete, and the scan drops the schemas they held
+    st.tick()
+    assert not job.rounds and len(job.schemas) <= 3
+    changed = schema(1, 2, 1000)  # rank 1 changes its model
+    st.apply(changed)
+    assert job.ranks[1].schema == changed.hash and changed.hash in job.schemas
+    st.apply(wire.Report(wire.Header("j", 1, 3, "b1", 3, 0.0, "k"), changed.hash, 1, 0.01, 1.0, 0))
+    assert job.ranks[1].step == 1
+
+
 def test_the_job_key_tells_jobs_apart_and_survives_restarts(monkeypatch):
     cfg = AgentConfig()
     for var in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
