@@ -31,8 +31,9 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   rejected (``retired_boot``) for ``restart_grace_s`` only: a dead incarnation falls silent
   within seconds, so boots still speaking after that had their restart forged, and are heard.
 * **Slots.** A job takes one of ``max_jobs`` slots only once it sent a schema and a report using
-  it; until then it is *pending*, one of at most ``max_pending_jobs`` evicted least recently
-  heard first, so invented job ids cannot squat slots; a pending job holds at most
+  it; until then it is *pending*, one of at most ``max_pending_jobs``, evicted those without a
+  schema first, then those with fewest ranks, then least recently heard, so invented job ids
+  cannot squat slots nor push a starting job out; a pending job holds at most
   ``max_pending_ranks`` ranks (``pending_ranks``) and twice as many schemas (its ranks' placed
   copies among them): those of ranks it has no room for are kept for them to use once the job
   has its slot.
@@ -175,6 +176,10 @@ class RankColumns:
 #: schemas an admitted job holds at most, per rank of its world and besides: each rank's placed
 #: one and its stage's own in use, and as many again while a new model's schemas arrive
 SCHEMAS_PER_RANK, SCHEMAS_MIN = 4, 64
+
+#: seconds after which a silent pending job is the first evicted for a new one (its ranks send a
+#: heartbeat a second or more often; one that died starting must not hold its place for the TTL)
+PENDING_QUIET_S = 30.0
 
 #: epochs of :attr:`JobState.epoch`: one count for every job and incarnation, so no two states share one
 _EPOCHS = itertools.count(1)
@@ -547,11 +552,14 @@ class State:
             self._records(job, r, msg, now)
 
     def _new_job(self, h: wire.Header, now: float) -> JobState:
-        """A pending job for a new identity, evicting the least recently heard pending job when
-        ``max_pending_jobs`` are held; labelled as the module docstring says."""
+        """A pending job for a new identity, evicting, when ``max_pending_jobs`` are held, the
+        pending job that got least far: one silent for :data:`PENDING_QUIET_S` first (a job that
+        died starting), then without a schema before one with, fewer ranks heard before more, then
+        the least recently heard (a flood of invented ids, each a frame or two, churns among itself
+        and leaves a starting job's schemas alone); labelled as the module docstring says."""
         pending = [j for j in self.jobs.values() if not j.admitted]
         if len(pending) >= self.max_pending_jobs:
-            self._drop(min(pending, key=lambda j: j.touched))
+            self._drop(min(pending, key=lambda j: (now - j.touched < PENDING_QUIET_S, bool(j.schemas), len(j.ranks), j.touched)))
             self.jobs_evicted += 1
         label = h.job
         for n in (4, 8, 16):

@@ -332,6 +332,36 @@ def test_invented_job_ids_cannot_squat_slots(agg, sock):
     assert len(agg.state.jobs) <= 8 + 4
 
 
+def test_a_flood_of_invented_ids_churns_among_itself_and_a_starting_job_keeps_its_schemas():
+    """Pending jobs are evicted least progressed first: a job whose ranks sent their schemas and
+    wait for their first step outlasts any number of one-frame invented ids, and is admitted by
+    its first step without a schema resend."""
+    clock = Clock()
+    st = State(clock=clock, max_pending_jobs=4)
+    params = (("fc1.weight", (8, 4), "float32"),)
+    sch = wire.Schema(wire.Header("real", 0, 2, "b0", 0, 0.0, "k"), "node", 0, 1, params, SLOTS)
+    st.apply(sch)
+    st.apply(msgspec.structs.replace(sch, header=wire.Header("real", 1, 2, "b1", 0, 0.0, "k")))
+    for i in range(100):  # heartbeats and a lone schema from invented ids, each newer than the real job
+        clock.t += 0.01
+        h = wire.Header(f"fake{i}", 0, 2, "x", 0, 0.0, "k")
+        st.apply(wire.Heartbeat(h, -1, 0, 0, 0) if i % 2 else msgspec.structs.replace(sch, header=h))
+        assert "real" in st.jobs and len([j for j in st.jobs.values() if not j.admitted]) <= 4
+    assert st.jobs_evicted == 100 - 3
+    for r in range(2):
+        st.apply(wire.Report(wire.Header("real", r, 2, f"b{r}", 1, 0.0, "k"), sch.hash, 0, 0.01, 1.0, 0))
+    job = st.jobs["real"]
+    assert job.admitted and job.ranks[1].step == 0 and st.rejected["unknown_schema"] == 0
+    # a pending job silent for 30 s (died starting) goes first, however far it got
+    st = State(clock=clock, max_pending_jobs=2)
+    st.apply(sch)
+    st.apply(msgspec.structs.replace(sch, header=wire.Header("real", 1, 2, "b1", 0, 0.0, "k")))
+    clock.t += 31
+    st.apply(wire.Heartbeat(wire.Header("new", 0, 2, "x", 0, 0.0, "k"), -1, 0, 0, 0))
+    st.apply(wire.Heartbeat(wire.Header("newer", 0, 2, "x", 0, 0.0, "k"), -1, 0, 0, 0))
+    assert set(st.jobs) == {"new", "newer"}
+
+
 def test_a_rank_whose_agent_stops_while_its_peers_go_on_is_named(agg, sock):
     job = Job(sock, "blind")
     job.steps(10)
