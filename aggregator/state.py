@@ -31,9 +31,9 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   rejected (``retired_boot``) for ``restart_grace_s`` only: a dead incarnation falls silent
   within seconds, so boots still speaking after that had their restart forged, and are heard.
 * **Slots.** A job takes one of ``max_jobs`` slots only once it sent a schema and a report using
-  it; until then it is *pending*, one of at most ``max_pending_jobs``, evicted those without a
-  schema first, then those with fewest ranks, then least recently heard, so invented job ids
-  cannot squat slots nor push a starting job out; a pending job holds at most
+  it; until then it is *pending*, one of at most ``max_pending_jobs``, evicted least recently
+  heard first, those without a schema before those with, so invented job ids cannot squat slots
+  and a flood of them without schemas cannot push a starting job out; a pending job holds at most
   ``max_pending_ranks`` ranks (``pending_ranks``) and twice as many schemas (its ranks' placed
   copies among them): those of ranks it has no room for are kept for them to use once the job
   has its slot.
@@ -176,10 +176,6 @@ class RankColumns:
 #: schemas an admitted job holds at most, per rank of its world and besides: each rank's placed
 #: one and its stage's own in use, and as many again while a new model's schemas arrive
 SCHEMAS_PER_RANK, SCHEMAS_MIN = 4, 64
-
-#: seconds after which a silent pending job is the first evicted for a new one (its ranks send a
-#: heartbeat a second or more often; one that died starting must not hold its place for the TTL)
-PENDING_QUIET_S = 30.0
 
 #: epochs of :attr:`JobState.epoch`: one count for every job and incarnation, so no two states share one
 _EPOCHS = itertools.count(1)
@@ -498,6 +494,9 @@ class State:
             key = r.placed[2]  # placed as its previous message was (every message of a mesh rank asks)
         else:
             key = self._place(job, digest, h.coord)  # None: a schema the job does not hold (yet)
+            if key == "":
+                self.reject("schema_limit")  # a placed copy the job has no room for
+                return
         if records and h.coord and key != digest:
             # a rank of a mesh: its records by its place, also under a schema not held yet (its
             # steps' norms wait in the table under the key its place will have)
@@ -553,13 +552,14 @@ class State:
 
     def _new_job(self, h: wire.Header, now: float) -> JobState:
         """A pending job for a new identity, evicting, when ``max_pending_jobs`` are held, the
-        pending job that got least far: one silent for :data:`PENDING_QUIET_S` first (a job that
-        died starting), then without a schema before one with, fewer ranks heard before more, then
-        the least recently heard (a flood of invented ids, each a frame or two, churns among itself
-        and leaves a starting job's schemas alone); labelled as the module docstring says."""
+        least recently heard pending job without a schema, or else the least recently heard (a
+        job's first frame is its schema: frames of invented ids without one churn among
+        themselves; ids sending schemas too must outpace a starting job's ranks, each heard about
+        once a second, as before); labelled as the module docstring says. (Ranks heard are no
+        measure: a squatter claims as many as it likes, and keeps them with a frame a job.)"""
         pending = [j for j in self.jobs.values() if not j.admitted]
         if len(pending) >= self.max_pending_jobs:
-            self._drop(min(pending, key=lambda j: (now - j.touched < PENDING_QUIET_S, bool(j.schemas), len(j.ranks), j.touched)))
+            self._drop(min(pending, key=lambda j: (bool(j.schemas), j.touched)))
             self.jobs_evicted += 1
         label = h.job
         for n in (4, 8, 16):
@@ -613,34 +613,44 @@ class State:
         return max(r.step, job.max_step) + max(self.max_step_jump, per_s * since)
 
     @staticmethod
-    def _prune_schemas(job: JobState) -> None:
-        """Keep only the schemas a rank or a pending round of ``job`` uses (and a placed one's own)."""
+    def _prune_schemas(job: JobState, keep: str = "") -> None:
+        """Keep only the schemas ``job``'s ranks, open rounds and waiting steps (their norms, NaN
+        guards and shard sums name their place's key) use, a placed one's own, and ``keep``."""
         used = {r.schema for r in job.ranks.values()}
         used.update(rep.schema for rnd in job.rounds.values() for rep in rnd.reports.values())
+        t = job.table
+        if t is not None:
+            for per in (t.norms, t.grad_sq, t.guard):
+                used.update(e[0] for d in per.values() for e in d.values())
         used.update([unplace(k) for k in used])  # a placed schema's own, which resends name
+        used.add(keep)
         job.schemas = {k: v for k, v in job.schemas.items() if k in used}
 
-    def _room_for_schema(self, job: JobState) -> bool:
-        """Whether ``job`` may keep one more schema: it holds fewer than :data:`SCHEMAS_PER_RANK`
-        per rank of its world plus :data:`SCHEMAS_MIN`, once those no one uses are dropped (which
-        otherwise waits for the TTL scan). Frames under the job's identity cannot make it hold more
-        (a pending job's cap, 2 x max_pending_ranks, is lower)."""
+    def _room_for_schema(self, job: JobState, keep: str = "") -> bool:
+        """Whether ``job`` may keep one more schema (its own or a placed copy): an admitted job
+        holds fewer than :data:`SCHEMAS_PER_RANK` per rank of its world plus :data:`SCHEMAS_MIN`,
+        once those no one uses are dropped (else at the TTL scan; ``keep`` is never dropped); a
+        pending job, whose world is only what its frames claim, fewer than 2 x
+        ``max_pending_ranks`` (kept for its ranks until it is admitted, never dropped before).
+        Frames under the job's identity cannot make it hold more."""
+        if not job.admitted:
+            return len(job.schemas) < 2 * self.max_pending_ranks
         cap = SCHEMAS_PER_RANK * job.world + SCHEMAS_MIN
         if len(job.schemas) < cap:
             return True
-        self._prune_schemas(job)  # leaves at most the ~2 per rank in use: room for ~2 per rank more
+        self._prune_schemas(job, keep)  # leaves at most the ~2 per rank in use: room for ~2 per rank more
         return len(job.schemas) < cap
 
     def _keep_schema(self, job: JobState, msg: wire.Schema) -> None:
         """Hold ``msg`` (names cut, :meth:`_short_names`) as the job's schema of its hash."""
         job.schemas[msg.hash] = self._short_names(msg)
 
-    @staticmethod
-    def _place(job: JobState, digest: str, coord: tuple) -> Optional[str]:
+    def _place(self, job: JobState, digest: str, coord: tuple) -> Optional[str]:
         """The key rank records under schema ``digest`` are held by, for a rank at ``coord``
         (:func:`.shards.place`), its placed schema made when first asked (the schema's lists, a mesh
         with the coordinates); ``digest`` itself without a mesh. None when the job does not hold the
-        schema, or ``coord`` is not a point of its mesh (:meth:`apply` rejected those before)."""
+        schema, or ``coord`` is not a point of its mesh (:meth:`apply` rejected those before); ``""``
+        when a placed copy is to be made and the job has no room for one (:meth:`_room_for_schema`)."""
         s = job.schemas.get(digest)
         if s is None or not fits(s.mesh, coord):
             return None
@@ -648,6 +658,8 @@ class State:
             return digest
         key = place(digest, coord)
         if key not in job.schemas:
+            if not self._room_for_schema(job, keep=digest):
+                return ""
             job.schemas[key] = msgspec.structs.replace(s, mesh=wire.Mesh(s.mesh.names, s.mesh.sizes, coord), hash=key)
         return key
 
@@ -794,19 +806,23 @@ class State:
         for v in views:
             if not v.grad_sq:
                 continue
-            ranks, meshes, kinds, values = [], [], [], []
-            for k, (key, kind, sums) in v.grad_sq.items():
-                s = schemas.get(key)  # the record's place, also when its schema came after it
+            # in rank order (the view's), not arrival order: each step of a job then asks
+            # norms_of with the same ranks in the same positions, and its groups are kept
+            sq, at, meshes, kinds, values = [], [], [], [], []
+            ranks, per = v.ranks.tolist(), v.grad_sq
+            for i, k in enumerate(ranks):
+                e = per.get(k)
+                if e is None:
+                    continue
+                sq.append(i)
+                s = schemas.get(e[0])  # the record's place, also when its schema came after it
                 if s is not None and s.mesh is not None:
-                    ranks.append(k), meshes.append(s.mesh), kinds.append(kind), values.append(sums)
-            sq = np.fromiter(v.grad_sq, np.int64, count=len(v.grad_sq))
-            at = np.searchsorted(v.ranks, sq)  # the table keeps grad_sq with the rank's record
-            v.grad_norm[at] = math.nan  # until its shard groups are complete
-            if ranks:
-                norm, _ = norms_of(meshes, kinds, values)
-                v.grad_norm[np.searchsorted(v.ranks, np.array(ranks, np.int64))] = norm
+                    at.append(i), meshes.append(s.mesh), kinds.append(e[1]), values.append(e[2])
+            v.grad_norm[sq] = math.nan  # until its shard groups are complete
+            if at:
+                v.grad_norm[at] = norms_of(meshes, kinds, values)[0]
             step = v.step
-            for k, x, y in zip(sq.tolist(), v.grad_norm[at].tolist(), v.grad_nonfinite[at].tolist()):
+            for k, x, y in zip([ranks[i] for i in sq], v.grad_norm[sq].tolist(), v.grad_nonfinite[sq].tolist()):
                 r = states.get(k)
                 if r is not None and r.step == step:  # its gauges show its latest step
                     r.grad_norm, r.grad_nonfinite = x, int(y)
@@ -837,7 +853,7 @@ class State:
                     self.version += 1
             # the schemas no rank or pending round uses go, looked over at the scan's pace (a mesh
             # job holds more schemas than ranks: each rank's placed one besides the stage's own)
-            if scan and len(job.schemas) > len(job.ranks):
+            if scan and job.admitted and len(job.schemas) > len(job.ranks):  # (a pending job keeps its ranks')
                 self._prune_schemas(job)
             if not job.ranks:
                 self._drop(job)

@@ -332,33 +332,34 @@ def test_invented_job_ids_cannot_squat_slots(agg, sock):
     assert len(agg.state.jobs) <= 8 + 4
 
 
-def test_a_flood_of_invented_ids_churns_among_itself_and_a_starting_job_keeps_its_schemas():
-    """Pending jobs are evicted least progressed first: a job whose ranks sent their schemas and
-    wait for their first step outlasts any number of one-frame invented ids, and is admitted by
-    its first step without a schema resend."""
+def test_a_flood_of_invented_ids_without_schemas_churns_among_itself_and_a_starting_job_keeps_its_schemas():
+    """Pending jobs without a schema are evicted first (least recently heard among them): a job
+    whose ranks sent their schemas and wait for their first step outlasts any number of invented
+    ids that send none, and is admitted by its first step without a schema resend. Among jobs with
+    schemas the least recently heard goes (ranks heard are no measure: a squatter claims any number)."""
     clock = Clock()
     st = State(clock=clock, max_pending_jobs=4)
     params = (("fc1.weight", (8, 4), "float32"),)
     sch = wire.Schema(wire.Header("real", 0, 2, "b0", 0, 0.0, "k"), "node", 0, 1, params, SLOTS)
     st.apply(sch)
-    st.apply(msgspec.structs.replace(sch, header=wire.Header("real", 1, 2, "b1", 0, 0.0, "k")))
-    for i in range(100):  # heartbeats and a lone schema from invented ids, each newer than the real job
+    for i in range(100):  # heartbeats and reports from invented ids, each newer than the real job
         clock.t += 0.01
         h = wire.Header(f"fake{i}", 0, 2, "x", 0, 0.0, "k")
-        st.apply(wire.Heartbeat(h, -1, 0, 0, 0) if i % 2 else msgspec.structs.replace(sch, header=h))
+        st.apply(wire.Heartbeat(h, -1, 0, 0, 0) if i % 2 else wire.Report(h, "f" * 16, 0, 0.01, 1.0, 0))
         assert "real" in st.jobs and len([j for j in st.jobs.values() if not j.admitted]) <= 4
     assert st.jobs_evicted == 100 - 3
+    st.apply(msgspec.structs.replace(sch, header=wire.Header("real", 1, 2, "b1", 0, 0.0, "k")))
     for r in range(2):
         st.apply(wire.Report(wire.Header("real", r, 2, f"b{r}", 1, 0.0, "k"), sch.hash, 0, 0.01, 1.0, 0))
     job = st.jobs["real"]
     assert job.admitted and job.ranks[1].step == 0 and st.rejected["unknown_schema"] == 0
-    # a pending job silent for 30 s (died starting) goes first, however far it got
+    # pending jobs with schemas: the least recently heard goes, however many ranks it claims
     st = State(clock=clock, max_pending_jobs=2)
-    st.apply(sch)
-    st.apply(msgspec.structs.replace(sch, header=wire.Header("real", 1, 2, "b1", 0, 0.0, "k")))
-    clock.t += 31
-    st.apply(wire.Heartbeat(wire.Header("new", 0, 2, "x", 0, 0.0, "k"), -1, 0, 0, 0))
-    st.apply(wire.Heartbeat(wire.Header("newer", 0, 2, "x", 0, 0.0, "k"), -1, 0, 0, 0))
+    for r in range(2):
+        st.apply(msgspec.structs.replace(sch, header=wire.Header("many", r, 2, f"b{r}", 0, 0.0, "k")))
+    clock.t += 1
+    for name in ("new", "newer"):
+        st.apply(msgspec.structs.replace(sch, header=wire.Header(name, 0, 2, "x", 0, 0.0, "k")))
     assert set(st.jobs) == {"new", "newer"}
 
 
@@ -510,6 +511,45 @@ def test_frames_under_a_jobs_identity_cannot_make_it_hold_schemas_without_bound_
     assert job.ranks[1].schema == changed.hash and changed.hash in job.schemas
     st.apply(wire.Report(wire.Header("j", 1, 3, "b1", 3, 0.0, "k"), changed.hash, 1, 0.01, 1.0, 0))
     assert job.ranks[1].step == 1
+
+
+def test_placed_copies_count_toward_the_schema_cap_and_a_pending_job_keeps_its_ranks_schemas():
+    """A mesh rank's place makes a placed copy of its schema: a rank of an admitted job moving
+    from coordinate to coordinate leaves at most the cap of them between scans. A pending job
+    keeps the schemas of ranks it has no room for until it is admitted (the scan leaves them)."""
+    clock = Clock()
+    st = State(clock=clock)
+    msh = wire.Mesh(("dp", "tp"), (1000, 1000))
+    seq = [0, 0]
+
+    def hdr(r, coord):
+        seq[r] += 1
+        return wire.Header("j", r, 2, f"b{r}", seq[r], 0.0, "k", coord=coord)
+
+    sch = wire.Schema(hdr(0, (0, 0)), "n", 0, 1, (("w", (8, 4), "float32"),), SLOTS, mesh=msh, shard=((1,),))
+    for r in range(2):
+        st.apply(msgspec.structs.replace(sch, header=hdr(r, (r, 0))))
+        st.apply(wire.Report(hdr(r, (r, 0)), sch.hash, 0, 0.01, 1.0, 0, grad_sq=(((1,), 1.0),)))
+    job = st.jobs["j"]
+    assert job.admitted
+    for i in range(3000):  # rank 1's heartbeats, each at another point of the mesh, no tick between
+        st.apply(wire.Heartbeat(hdr(1, (1 + i % 999, i // 999)), 0, 0, 0, 0, schema=sch.hash))
+        assert len(job.schemas) <= 4 * 2 + 64
+    assert job.ranks[1].schema == f"{sch.hash}@{1 + 2999 % 999},{2999 // 999}" and job.ranks[0].schema in job.schemas
+    # a pending job: ranks 2 and 3 have no room (max_pending_ranks 2), their stages' schemas are kept
+    st = State(clock=clock, max_pending_ranks=2)
+    stages = [wire.Schema(wire.Header("p", r, 4, f"b{r}", 0, 0.0, "k"), "n", 0, 1, ((f"stage{r}", (4,), "float32"),), SLOTS)
+              for r in range(4)]
+    for s in stages:
+        st.apply(s)
+    clock.t += 2
+    st.tick()  # the once-a-second scan
+    assert len(st.jobs["p"].schemas) == 4
+    for r in range(4):
+        st.apply(wire.Report(wire.Header("p", r, 4, f"b{r}", 1, 0.0, "k"), stages[r].hash, 0, 0.01, 1.0, 0))
+    job = st.jobs["p"]
+    assert job.admitted and [job.ranks[r].schema for r in range(4)] == [s.hash for s in stages]
+    assert st.rejected["unknown_schema"] == 0
 
 
 def test_the_job_key_tells_jobs_apart_and_survives_restarts(monkeypatch):

@@ -304,3 +304,42 @@ def test_vectorised_groups_match_the_definition(staged):
         assert all(got[r] == want[r] or (math.isnan(got[r]) and math.isnan(want[r])) for r in want)
         normed += sum(math.isfinite(x) for x in want.values())
     assert combined > 100 and normed > 50  # the draws make complete groups, not only NaN
+
+
+def test_a_jobs_released_steps_share_one_set_of_norm_groups_whatever_order_their_records_come_in():
+    """State._released asks norms_of in rank order: steps whose records arrive in another order each
+    time reuse the groups of the first (they are kept by position), and every rank's gauge is the
+    sqrt of its tp group's summed squares, in float64."""
+    from gradwatch.aggregator import shards
+    from gradwatch.aggregator.state import State
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    dp, tp = 2, 4
+    world, seq = dp * tp, {}
+    msh = wire.Mesh(("dp", "tp"), (dp, tp))
+    slots = (("fc1", "", "Linear", "float32"),)
+
+    def hdr(r):
+        seq[r] = seq.get(r, -1) + 1
+        return wire.Header("j", r, world, f"b{r}", seq[r], 0.0, "k", coord=(r // tp, r % tp))
+
+    st = State(clock=Clock())
+    sch = wire.Schema(hdr(0), "n", 0, 1, (("w", (8, 4), "float32"),), slots, mesh=msh, shard=((1,),))
+    for r in range(world):
+        st.apply(wire.Schema(hdr(r), "n", 0, 1, sch.params, slots, mesh=msh, shard=sch.shard))
+    shards._NORM_GROUPS.clear()
+    rng = np.random.default_rng(3)
+    for step in range(6):
+        sums = rng.uniform(0.1, 4.0, world)
+        for r in rng.permutation(world).tolist():
+            st.apply(wire.Report(hdr(r), sch.hash, step, 0.01, math.nan, 0, grad_sq=(((1,), float(sums[r])),)))
+        job = st.jobs["j"]
+        for r in range(world):
+            group = [k for k in range(world) if k // tp == r // tp]
+            assert job.ranks[r].grad_norm == math.sqrt(sum(float(sums[k]) for k in group))  # summed in rank order
+    assert len(shards._NORM_GROUPS) == 1
