@@ -43,7 +43,11 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   together ``max_series_total``, first come first served; the rest are counted in
   ``JobState.series_dropped``. The checks still see every layer.
 * **Memory per job.** Its open rounds hold at most ``max_pending_rounds`` rounds and
-  ``max_pending_bytes`` of report arrays; beyond either the oldest closes incomplete.
+  ``max_pending_bytes`` of report arrays; beyond either the oldest closes incomplete. An admitted
+  job holds at most :data:`SCHEMAS_PER_RANK` schemas per rank of its world plus
+  :data:`SCHEMAS_MIN`, placed copies included: at the cap those no rank, open round or waiting
+  step uses go at once (else at the once-a-second scan), past it a new one is rejected
+  (``schema_limit``).
 * **Places on a mesh.** The ranks of one pipeline stage share a schema whatever their other mesh
   coordinates; each message's header says where its rank is (``wire.Header.coord``). A job keeps
   each schema once, by hash, and each rank's place as a placed copy (its lists shared, a mesh with
