@@ -213,6 +213,10 @@ _Name = Annotated[str, msgspec.Meta(max_length=4096)]  # a module path, a host n
 _MeshDim = Annotated[int, msgspec.Meta(ge=0, lt=8)]
 _Dims = Annotated[tuple[_MeshDim, ...], msgspec.Meta(max_length=8)]
 _Coord = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)], ...], msgspec.Meta(max_length=8)]
+#: most dims a parameter's shape may list. PyTorch sets no limit (its CUDA kernels' indexing takes
+#: 25); without one a 16 MiB frame of one-byte dims became ~130 MB of tuple held per schema
+MAX_DIMS = 64
+_Shape = Annotated[tuple[_Nat, ...], msgspec.Meta(max_length=MAX_DIMS)]
 
 
 class _Message(msgspec.Struct, frozen=True, tag_field="kind"):
@@ -269,12 +273,12 @@ class Schema(_Message, tag="schema"):
     host: _Name
     local_rank: _Nat
     every: _Nat
-    params: Annotated[tuple[tuple[_Name, tuple[_Nat, ...], _Str64], ...], msgspec.Meta(max_length=MAX_NAMES)]
+    params: Annotated[tuple[tuple[_Name, _Shape, _Str64], ...], msgspec.Meta(max_length=MAX_NAMES)]
     slots: Annotated[tuple[tuple[_Name, _Name, _Name, _Str64], ...], msgspec.Meta(max_length=MAX_NAMES)]
     hash: _Str64 = ""
     mesh: Optional[Mesh] = None
     #: per parameter, the mesh dims it is sharded along; () when all are whole
-    shard: tuple[_Dims, ...] = ()
+    shard: Annotated[tuple[_Dims, ...], msgspec.Meta(max_length=MAX_NAMES)] = ()
     v: int = PROTOCOL_VERSION
 
     def __post_init__(self):

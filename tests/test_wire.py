@@ -365,6 +365,15 @@ def test_oversized_strings_and_name_lists_are_capped():
     m = raw(schema())
     m["params"] = [["p", [1], "float32"]] * (wire.MAX_NAMES + 1)  # past the fixed cap, whatever the limits
     assert reason_of(pack(m), wire.Limits(max_names=10**6, max_message_bytes=1 << 30)) == "bad_field"
+    # a shape's dims: one byte each on the wire, 8 held, so capped (a 16 MiB frame was ~130 MB held)
+    deep = (("p", (1,) * wire.MAX_DIMS, "float32"),)
+    assert wire.decode(wire.encode(schema(params=deep))).params == deep
+    m = raw(schema(params=deep))
+    m["params"][0][1] = [1] * (wire.MAX_DIMS + 1)
+    assert reason_of(pack(m)) == "bad_field"
+    m = raw(schema())
+    m["shard"] = [[]] * (wire.MAX_NAMES + 1)  # per parameter: never more than the names' cap
+    assert reason_of(pack(m), wire.Limits(max_names=10**6, max_message_bytes=1 << 30)) == "bad_field"
 
 
 def _h(change):
