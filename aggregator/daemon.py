@@ -355,7 +355,7 @@ class Aggregator:
         self.state = State(
             cfg.round_grace_s, cfg.max_pending_rounds, cfg.rank_ttl_s, clock, runner=self.runner,
             max_jobs=cfg.max_jobs, max_world=cfg.max_world, max_pending_jobs=cfg.max_pending_jobs,
-            max_pending_ranks=cfg.max_pending_ranks,
+            max_pending_ranks=cfg.max_pending_ranks, max_schema_bytes=cfg.max_schema_bytes,
             max_series_per_job=cfg.max_series_per_job, max_series_total=cfg.max_series_total,
             max_pending_bytes=cfg.max_pending_bytes, max_label_len=cfg.max_label_len,
             max_step_jump=cfg.max_step_jump, restart_grace_s=cfg.restart_grace_s,

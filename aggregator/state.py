@@ -181,6 +181,23 @@ class RankColumns:
 #: one and its stage's own in use, and as many again while a new model's schemas arrive
 SCHEMAS_PER_RANK, SCHEMAS_MIN = 4, 64
 
+#: bytes a placed copy of a schema is counted as (a struct and a mesh; the lists are the schema's)
+PLACED_COST = 256
+
+
+def schema_cost(s: wire.Schema) -> int:
+    """Approximate bytes ``s`` holds as kept, for ``max_schema_bytes``: per parameter ~200 plus
+    its name's and dtype's characters and 8 per dim of its shape, per slot ~270 plus its strings'
+    characters (CPython 3.11 tuples and str objects; a 100-layer model's schema: ~67 kB counted,
+    75 kB measured with tracemalloc)."""
+    n = 256 + len(s.host)
+    for name, shape, dtype in s.params:
+        n += 200 + len(name) + 8 * len(shape) + len(dtype)
+    for module, out, kind, dtype in s.slots:
+        n += 270 + len(module) + len(out) + len(kind) + len(dtype)
+    return n
+
+
 #: epochs of :attr:`JobState.epoch`: one count for every job and incarnation, so no two states share one
 _EPOCHS = itertools.count(1)
 
@@ -220,6 +237,8 @@ class JobState:
     #: while a round of it is reconciled in slices (State.closing): the checks' events since, in
     #: order, rounds among them (:class:`Closing`); they run once the rounds before them are done
     deferred: Optional[collections.deque] = None
+    schema_costs: dict = field(default_factory=dict)  # schema key -> schema_cost of what it holds
+    schema_bytes: int = 0  # their sum
     #: a new number whenever a rank comes, goes, restarts or takes another place (schema key):
     #: what checks derive per rank from those (peer groups, boots) is kept until it changes
     epoch: int = field(default_factory=lambda: next(_EPOCHS))
@@ -275,7 +294,7 @@ class State:
         rank_ttl_s: seconds after which a silent rank is forgotten.
         clock: monotonic clock, seconds.
         runner: the checks' ``Runner`` (events on_report, on_heartbeat, on_round, on_tick), or None.
-        max_jobs, max_world, max_pending_jobs, max_pending_ranks, max_series_per_job,
+        max_jobs, max_world, max_pending_jobs, max_pending_ranks, max_schema_bytes, max_series_per_job,
         max_series_total, max_pending_bytes, max_label_len, max_step_jump, restart_grace_s, boot_takeover_s:
             the bounds of the module docstring; each is an aggregator setting of the same name
             (:class:`~.config.AggregatorConfig`, which documents units and defaults).
@@ -305,6 +324,7 @@ class State:
         max_world: int = 65_536,
         max_pending_jobs: int = 16,
         max_pending_ranks: int = 256,
+        max_schema_bytes: int = 1 << 30,
         max_series_per_job: int = 10_000,
         max_series_total: int = 15_000,
         max_pending_bytes: int = 512 << 20,
@@ -328,6 +348,7 @@ class State:
         self.max_world = max_world
         self.max_pending_jobs = max_pending_jobs
         self.max_pending_ranks = max_pending_ranks
+        self.max_schema_bytes = max_schema_bytes
         self.max_series_per_job = max_series_per_job
         self.max_series_total = max_series_total
         self.max_pending_bytes = max_pending_bytes
@@ -482,17 +503,18 @@ class State:
             # before its first report, and resends it only every schema_every_s or more
             if isinstance(msg, wire.Schema) and (msg.hash in job.schemas or len(job.schemas) < 2 * self.max_pending_ranks):
                 if msg.hash not in job.schemas:
-                    self._keep_schema(job, msg)
+                    if not self._keep_schema(job, msg):
+                        self.reject("schema_limit")
+                        return
                     self.version += 1
                 self.received["schema"] += 1
                 return
             self.reject("pending_ranks")
             return
         if isinstance(msg, wire.Schema) and msg.hash not in job.schemas:
-            if not self._room_for_schema(job):
+            if not (self._room_for_schema(job) and self._keep_schema(job, msg)):
                 self.reject("schema_limit")
                 return
-            self._keep_schema(job, msg)
             self.version += 1
         if same_place and r is not None and r.placed[2] in job.schemas:  # (a restart forgot r)
             key = r.placed[2]  # placed as its previous message was (every message of a mesh rank asks)
@@ -629,6 +651,8 @@ class State:
         used.update([unplace(k) for k in used])  # a placed schema's own, which resends name
         used.add(keep)
         job.schemas = {k: v for k, v in job.schemas.items() if k in used}
+        job.schema_costs = {k: c for k, c in job.schema_costs.items() if k in used}
+        job.schema_bytes = sum(job.schema_costs.values())
 
     def _room_for_schema(self, job: JobState, keep: str = "") -> bool:
         """Whether ``job`` may keep one more schema (its own or a placed copy): an admitted job
@@ -645,9 +669,35 @@ class State:
         self._prune_schemas(job, keep)  # leaves at most the ~2 per rank in use: room for ~2 per rank more
         return len(job.schemas) < cap
 
-    def _keep_schema(self, job: JobState, msg: wire.Schema) -> None:
-        """Hold ``msg`` (names cut, :meth:`_short_names`) as the job's schema of its hash."""
-        job.schemas[msg.hash] = self._short_names(msg)
+    def _keep_schema(self, job: JobState, msg: wire.Schema) -> bool:
+        """Hold ``msg`` (names cut, :meth:`_short_names`) as the job's schema of its hash, if the
+        schemas of all jobs stay within ``max_schema_bytes`` (:func:`schema_cost`). Those of pending
+        jobs stay within a quarter of it, so jobs without a slot cannot crowd out the running ones:
+        the least recently heard other pending jobs holding schemas are evicted to make room, as
+        for ``max_pending_jobs``. An admitted job's unused ones are dropped first when it would
+        not fit. False: not kept."""
+        kept = self._short_names(msg)
+        cost = schema_cost(kept)
+        limit = self.max_schema_bytes
+        while not job.admitted:  # room among the pending jobs' quarter: the least recently heard others go
+            pending = [j for j in self.jobs.values() if not j.admitted]
+            if sum(j.schema_bytes for j in pending) + cost <= limit // 4:
+                break
+            others = [j for j in pending if j is not job and j.schema_bytes]
+            if not others:
+                return False
+            self._drop(min(others, key=lambda j: j.touched))
+            self.jobs_evicted += 1
+        total = sum(j.schema_bytes for j in self.jobs.values())
+        if total + cost > limit and job.admitted:
+            total -= job.schema_bytes
+            self._prune_schemas(job)
+            total += job.schema_bytes
+        if total + cost > limit:
+            return False
+        job.schemas[msg.hash], job.schema_costs[msg.hash] = kept, cost
+        job.schema_bytes += cost
+        return True
 
     def _place(self, job: JobState, digest: str, coord: tuple) -> Optional[str]:
         """The key rank records under schema ``digest`` are held by, for a rank at ``coord``
@@ -665,6 +715,8 @@ class State:
             if not self._room_for_schema(job, keep=digest):
                 return ""
             job.schemas[key] = msgspec.structs.replace(s, mesh=wire.Mesh(s.mesh.names, s.mesh.sizes, coord), hash=key)
+            job.schema_costs[key] = PLACED_COST  # its lists are the schema's (the count cap bounds them)
+            job.schema_bytes += PLACED_COST
         return key
 
     def _short_names(self, s: wire.Schema) -> wire.Schema:
@@ -706,6 +758,7 @@ class State:
             job.job, h.world, restarts=job.restarts + 1, retired=frozenset(retired), retired_at=now,
             name=job.name, key=job.key, admitted=job.admitted, touched=job.touched, peer_key=job.peer_key,
             schemas=job.schemas,  # content-addressed: the new incarnation's ranks resend the same
+            schema_costs=job.schema_costs, schema_bytes=job.schema_bytes,
         )
         self.jobs[job.job] = new
         if self.runner is not None:

@@ -1039,3 +1039,46 @@ print(repr((before, seen[0], kept)))
     assert during == (pytest.approx(SWITCH_INTERVAL_S), GC_THRESHOLDS)
     assert kept == [platform.libc_ver()[0] == "glibc"]  # MALLOC_OPTIONS applied, once (glibc only)
 
+
+
+def test_schemas_of_all_jobs_stay_within_max_schema_bytes_and_pending_ones_within_a_quarter():
+    """Schemas are counted as held (state.schema_cost): strangers' pending jobs keep at most a
+    quarter of max_schema_bytes, evicting each other least recently heard first; a running job
+    keeps its schema, a new real job still gets its own kept and admitted, and an admitted job's
+    changes of model drop its unused schemas to stay within the total."""
+    from gradwatch.aggregator.state import schema_cost
+
+    clock = Clock()
+    limit = 1 << 20
+    st = State(clock=clock, max_schema_bytes=limit)
+
+    def schema(job, rank, n, world=2, tag=""):
+        params = tuple((f"{tag}layer{i}.{'x' * 150}.weight", (64, 64), "float32") for i in range(n))
+        return wire.Schema(wire.Header(job, rank, world, f"{job}{rank}", 0, 0.0, "k"), "node", 0, 1, params, SLOTS)
+
+    def held(pending=None):
+        return sum(j.schema_bytes for j in st.jobs.values() if pending is None or j.admitted != pending)
+
+    def admit(job, sch):
+        for r in range(2):
+            st.apply(msgspec.structs.replace(sch, header=wire.Header(job, r, 2, f"{job}{r}", 0, 0.0, "k")))
+            st.apply(wire.Report(wire.Header(job, r, 2, f"{job}{r}", 1, 0.0, "k"), sch.hash, 0, 0.01, 1.0, 0))
+        assert st.jobs[job].admitted
+
+    real = schema("real", 0, 100)
+    admit("real", real)
+    assert st.jobs["real"].schema_bytes == schema_cost(real) > 30_000
+    for i in range(200):  # invented ids, each a ~80 kB schema
+        clock.t += 0.01
+        st.apply(schema(f"fake{i}", 0, 200))
+        assert held(pending=True) <= limit // 4 and held() <= limit
+    assert st.jobs_evicted > 150 and st.jobs["real"].schemas == {real.hash: st.jobs["real"].schemas[real.hash]}
+    late = schema("late", 0, 100, tag="late")
+    admit("late", late)  # its schema evicted the least recently heard stranger
+    assert st.jobs["late"].schema_bytes == schema_cost(late)
+    for i in range(40):  # the running job changes its model again and again: its unused ones go
+        st.apply(msgspec.structs.replace(schema("real", 0, 300, tag=f"v{i}"), header=wire.Header("real", 0, 2, "real0", 2 + i, 0.0, "k")))
+        assert held() <= limit
+    assert st.rejected["schema_limit"] == 0 and st.jobs["real"].ranks[0].schema in st.jobs["real"].schemas
+    st.apply(schema("big", 0, 4000))  # one schema past the pending quarter on its own: refused
+    assert st.rejected["schema_limit"] == 1 and ("big" not in st.jobs or not st.jobs["big"].schemas)
