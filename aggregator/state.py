@@ -237,13 +237,26 @@ class JobState:
     #: while a round of it is reconciled in slices (State.closing): the checks' events since, in
     #: order, rounds among them (:class:`Closing`); they run once the rounds before them are done
     deferred: Optional[collections.deque] = None
-    schema_costs: dict = field(default_factory=dict)  # schema key -> schema_cost of what it holds
-    schema_bytes: int = 0  # their sum
+    #: schema key -> its :func:`schema_cost` (:data:`PLACED_COST` for a placed copy), and their sum
+    #: (kept beside them, not summed: every new schema or placed copy asks it of every job)
+    schema_costs: dict = field(default_factory=dict)
+    schema_bytes: int = 0
     #: a new number whenever a rank comes, goes, restarts or takes another place (schema key):
     #: what checks derive per rank from those (peer groups, boots) is kept until it changes
     epoch: int = field(default_factory=lambda: next(_EPOCHS))
     _order: Optional[list] = field(default=None, repr=False)  # ranks by rank, until one comes or goes
     _columns: Optional["RankColumns"] = field(default=None, repr=False)  # this tick's (columns())
+
+    def hold_schema(self, key: str, s: wire.Schema, cost: int) -> None:
+        """Keep ``s`` under ``key``, counted as ``cost`` bytes."""
+        self.schemas[key], self.schema_costs[key] = s, cost
+        self.schema_bytes += cost
+
+    def keep_schemas(self, used: set) -> None:
+        """Drop the schemas whose keys are not in ``used``."""
+        self.schemas = {k: v for k, v in self.schemas.items() if k in used}
+        self.schema_costs = {k: c for k, c in self.schema_costs.items() if k in used}
+        self.schema_bytes = sum(self.schema_costs.values())
 
     def ended_in_overload(self, window: float) -> Optional[float]:
         """The job's latest overload drop (aggregator clock) when the job was ending then: a rank
@@ -512,7 +525,7 @@ class State:
             self.reject("pending_ranks")
             return
         if isinstance(msg, wire.Schema) and msg.hash not in job.schemas:
-            if not (self._room_for_schema(job) and self._keep_schema(job, msg)):
+            if not self._keep_schema(job, msg):
                 self.reject("schema_limit")
                 return
             self.version += 1
@@ -650,53 +663,47 @@ class State:
                 used.update(e[0] for d in per.values() for e in d.values())
         used.update([unplace(k) for k in used])  # a placed schema's own, which resends name
         used.add(keep)
-        job.schemas = {k: v for k, v in job.schemas.items() if k in used}
-        job.schema_costs = {k: c for k, c in job.schema_costs.items() if k in used}
-        job.schema_bytes = sum(job.schema_costs.values())
+        job.keep_schemas(used)
 
-    def _room_for_schema(self, job: JobState, keep: str = "") -> bool:
-        """Whether ``job`` may keep one more schema (its own or a placed copy): an admitted job
-        holds fewer than :data:`SCHEMAS_PER_RANK` per rank of its world plus :data:`SCHEMAS_MIN`,
-        once those no one uses are dropped (else at the TTL scan; ``keep`` is never dropped); a
-        pending job, whose world is only what its frames claim, fewer than 2 x
-        ``max_pending_ranks`` (kept for its ranks until it is admitted, never dropped before).
-        Frames under the job's identity cannot make it hold more."""
+    def _room_for_schema(self, job: JobState, cost: int, keep: str = "") -> bool:
+        """Whether ``job`` may keep one more schema (its own or a placed copy) of ``cost`` bytes.
+
+        Counts: an admitted job holds fewer than :data:`SCHEMAS_PER_RANK` per rank of its world
+        plus :data:`SCHEMAS_MIN`; a pending job, whose world is only what its frames claim, fewer
+        than 2 x ``max_pending_ranks`` (kept for its ranks until it is admitted). Bytes: all jobs'
+        schemas within ``max_schema_bytes`` (:func:`schema_cost`), pending jobs' within a quarter
+        of it, so jobs without a slot cannot crowd out the running ones (the least recently heard
+        other pending jobs holding schemas are evicted to make room, as for ``max_pending_jobs``).
+        An admitted job over either drops the schemas no one uses first (else the TTL scan does;
+        ``keep`` is never dropped). Frames under the job's identity cannot make it hold more."""
+        limit = self.max_schema_bytes
         if not job.admitted:
-            return len(job.schemas) < 2 * self.max_pending_ranks
+            if len(job.schemas) >= 2 * self.max_pending_ranks:
+                return False
+            while True:
+                pending = [j for j in self.jobs.values() if not j.admitted]
+                if sum(j.schema_bytes for j in pending) + cost <= limit // 4:
+                    break
+                others = [j for j in pending if j is not job and j.schema_bytes]
+                if not others:
+                    return False
+                self._drop(min(others, key=lambda j: j.touched))
+                self.jobs_evicted += 1
+            return sum(j.schema_bytes for j in self.jobs.values()) + cost <= limit
         cap = SCHEMAS_PER_RANK * job.world + SCHEMAS_MIN
-        if len(job.schemas) < cap:
-            return True
-        self._prune_schemas(job, keep)  # leaves at most the ~2 per rank in use: room for ~2 per rank more
-        return len(job.schemas) < cap
+        others = sum(j.schema_bytes for j in self.jobs.values() if j is not job)
+        if len(job.schemas) >= cap or others + job.schema_bytes + cost > limit:
+            self._prune_schemas(job, keep)  # leaves at most the ~2 per rank in use
+        return len(job.schemas) < cap and others + job.schema_bytes + cost <= limit
 
     def _keep_schema(self, job: JobState, msg: wire.Schema) -> bool:
-        """Hold ``msg`` (names cut, :meth:`_short_names`) as the job's schema of its hash, if the
-        schemas of all jobs stay within ``max_schema_bytes`` (:func:`schema_cost`). Those of pending
-        jobs stay within a quarter of it, so jobs without a slot cannot crowd out the running ones:
-        the least recently heard other pending jobs holding schemas are evicted to make room, as
-        for ``max_pending_jobs``. An admitted job's unused ones are dropped first when it would
-        not fit. False: not kept."""
+        """Hold ``msg`` (names cut, :meth:`_short_names`) as the job's schema of its hash, if it
+        has room (:meth:`_room_for_schema`). False: not kept."""
         kept = self._short_names(msg)
         cost = schema_cost(kept)
-        limit = self.max_schema_bytes
-        while not job.admitted:  # room among the pending jobs' quarter: the least recently heard others go
-            pending = [j for j in self.jobs.values() if not j.admitted]
-            if sum(j.schema_bytes for j in pending) + cost <= limit // 4:
-                break
-            others = [j for j in pending if j is not job and j.schema_bytes]
-            if not others:
-                return False
-            self._drop(min(others, key=lambda j: j.touched))
-            self.jobs_evicted += 1
-        total = sum(j.schema_bytes for j in self.jobs.values())
-        if total + cost > limit and job.admitted:
-            total -= job.schema_bytes
-            self._prune_schemas(job)
-            total += job.schema_bytes
-        if total + cost > limit:
+        if not self._room_for_schema(job, cost):
             return False
-        job.schemas[msg.hash], job.schema_costs[msg.hash] = kept, cost
-        job.schema_bytes += cost
+        job.hold_schema(msg.hash, kept, cost)
         return True
 
     def _place(self, job: JobState, digest: str, coord: tuple) -> Optional[str]:
@@ -712,11 +719,10 @@ class State:
             return digest
         key = place(digest, coord)
         if key not in job.schemas:
-            if not self._room_for_schema(job, keep=digest):
+            if not self._room_for_schema(job, PLACED_COST, keep=digest):
                 return ""
-            job.schemas[key] = msgspec.structs.replace(s, mesh=wire.Mesh(s.mesh.names, s.mesh.sizes, coord), hash=key)
-            job.schema_costs[key] = PLACED_COST  # its lists are the schema's (the count cap bounds them)
-            job.schema_bytes += PLACED_COST
+            job.hold_schema(key, msgspec.structs.replace(s, mesh=wire.Mesh(s.mesh.names, s.mesh.sizes, coord), hash=key),
+                            PLACED_COST)
         return key
 
     def _short_names(self, s: wire.Schema) -> wire.Schema:
