@@ -131,6 +131,7 @@ class _Groups:
         bytes, :func:`holders`; parameters held whole left out unless the mesh has stages); else by
         those *off* its dims (the shard group, :func:`_off`; parameters held whole left out unless
         ``whole``)."""
+        self._placed: dict[tuple, tuple] = {}  # (ranks, width) -> placed()
         blocks: dict[tuple, list[int]] = {}
         info: dict[tuple, tuple] = {}
         for k, mesh in enumerate(meshes):
@@ -197,6 +198,21 @@ class _Groups:
         self.rank, self.col = rank, col
         self.group = group.astype(np.int32) if len(need) < 1 << 31 else group
         self.need, self.n = need, len(need)
+
+    def placed(self, ranks: int, width: int) -> tuple[Optional[np.ndarray], np.ndarray, np.ndarray]:
+        """For ``ranks`` rows of ``width`` columns, viewed flat (rank-major): int64 [E] each entry's
+        row (None where the entries are every row in order, as in a job whose ranks all shard every
+        parameter alike), bool [n] the groups with fewer members than they need, and
+        :attr:`group` as intp (numpy's index type: an int32 index is converted on every use).
+        Kept: a job's rounds repeat their groups (:class:`~.reconcile.Layout` keeps them)."""
+        got = self._placed.get((ranks, width))
+        if got is None:
+            at = self.rank.astype(np.int64) * width + self.col
+            if len(at) == ranks * width and np.array_equal(at, np.arange(len(at))):
+                at = None
+            short = np.bincount(self.group, minlength=self.n) < self.need
+            got = self._placed[ranks, width] = (at, short, self.group.astype(np.intp))
+        return got
 
 
 _KINDS: dict[tuple, tuple] = {}  # the dims of a rank's grad_sq classes -> (them, their columns)
@@ -347,23 +363,26 @@ def shard_groups(meshes: list, shards: list, pcols: list) -> "_Groups":
 
 
 def combine(g: "_Groups", param: np.ndarray) -> np.ndarray:
-    """:func:`combine_groups` with the groups worked out (:func:`shard_groups`)."""
-    out = np.array(param, np.float64)  # a copy, C-contiguous: its rows are viewed flat below
+    """:func:`combine_groups` with the groups worked out (:func:`shard_groups`): a new array,
+    ``param`` unchanged."""
+    param = np.asarray(param, np.float64)
     if not g.n:
-        return out
-    flat = out.reshape(-1, out.shape[2])
-    at = g.rank.astype(np.int64) * out.shape[1] + g.col  # each entry's row in ``flat``
-    short = np.bincount(g.group, minlength=g.n) < g.need  # incomplete groups
-    for f in range(3):  # a field at a time: a 16,384-rank round has ~3 million entries
-        x = flat[at, f]
-        if f < 2:
-            np.multiply(x, x, out=x)  # squares (field 2 is a count: summed as it is)
-        with np.errstate(invalid="ignore", over="ignore"):
-            total = np.bincount(g.group, x, minlength=g.n)
+        return param.copy()
+    src = param.reshape(-1, param.shape[2])  # rank-major rows
+    at, short, group = g.placed(*param.shape[:2])
+    total = np.empty((g.n, src.shape[1]))
+    with np.errstate(invalid="ignore", over="ignore"):
+        for f in range(src.shape[1]):  # a field at a time, contiguous (a 16,384-rank round has ~3 million entries)
+            x = np.ascontiguousarray(src[:, f]) if at is None else src[at, f]
             if f < 2:
-                np.sqrt(total, out=total)
-        total[short] = np.nan
-        flat[at, f] = total[g.group]
+                np.multiply(x, x, out=x)  # squares (field 2 is a count: summed as it is)
+            total[:, f] = np.bincount(group, x, minlength=g.n)  # in entry order: members in rank order
+        np.sqrt(total[:, :2], out=total[:, :2])
+    total[short] = np.nan
+    if at is None:  # every row is an entry
+        return np.take(total, group, axis=0).reshape(param.shape)
+    out = param.copy()
+    out.reshape(-1, param.shape[2])[at] = total[group]
     return out
 
 

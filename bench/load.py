@@ -72,6 +72,9 @@ if ROOT not in sys.path:
 from gradwatch import wire  # noqa: E402
 from gradwatch.agent.transport import SCHEMA_BACKOFF, SCHEMA_JITTER, schema_spread  # noqa: E402  (no torch)
 
+#: distinct activation rows among a job's ranks (a prime: no alignment with --tp)
+VARIANTS = 251
+
 SUBS = ("ln_1", "attn.qkv", "attn.proj", "ln_2", "mlp.fc", "mlp.proj")
 
 
@@ -109,9 +112,16 @@ class Job:
             self.mesh, self.shard = wire.Mesh(("dp", "tp"), (self.world // self.tp, self.tp)), tuple((1,) for _ in self.params)
         self.hash = wire.schema_hash(self.params, self.slots, self.mesh, self.shard)
         n_s, n_p = len(self.slots), len(self.params)
-        # healthy, identical on every rank (all-reduced gradients, replicas in sync): no check fires
+        # healthy (all-reduced gradients, replicas in sync): no check fires. Each rank's
+        # activations and their gradients differ a little, as ranks reading different data do
+        # (bounded noise, far from any outlier threshold): identical rows would make the medians
+        # over ranks unrealistically cheap to sort. VARIANTS of them, chosen by rank.
         act = np.tile(np.array([0.0, 1.0, -3.0, 3.0, 0.1, 0.0], np.float32), (n_s, 1))
-        self.act, self.act_grad = act, np.tile(np.array([0.5, 0.0], np.float32), (n_s, 1))
+        act_grad = np.tile(np.array([0.5, 0.0], np.float32), (n_s, 1))
+        rng = np.random.default_rng(len(self.name) + self.world)
+        u = lambda a, scale: (a + rng.uniform(-1, 1, (VARIANTS, *a.shape)) * np.array(scale)).astype(np.float32)  # noqa: E731
+        self.acts = u(act, [0.01, 0.01, 0.03, 0.03, 0.0, 0.0])
+        self.act_grads = u(act_grad, [0.005, 0.0])
         self.act_count = np.tile(np.array([1.0, 4096.0], np.float32), (n_s, 1))
         self.param = np.tile(np.array([0.1, 8.0, 0.0], np.float32), (n_p, 1))
         self.fp = np.arange(1, n_p + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
@@ -137,7 +147,7 @@ def schema_frame(job: Job, rank: int, seq: int) -> bytes:
 
 def report_frame(job: Job, rank: int, seq: int, step: int, probe: bool, step_s: float) -> bytes:
     g = 1.0 + 0.01 * math.sin(step)  # the same global norm on every rank, no spike
-    extra = dict(act=job.act, act_grad=job.act_grad, param=job.param, act_count=job.act_count,
+    extra = dict(act=job.acts[rank % VARIANTS], act_grad=job.act_grads[rank % VARIANTS], param=job.param, act_count=job.act_count,
                  fp_grad=job.fp + np.uint64(step), fp_weight=job.fp + np.uint64(2 * step)) if probe else {}
     return wire.encode(wire.Report(
         _header(job, rank, seq), job.hash, step, step_s, g, 0, micro=1, probe=probe, grad_sq=job.grad_sq(g),

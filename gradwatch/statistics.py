@@ -32,22 +32,62 @@ import numpy as np
 #: cross-rank aggregations a statistic may ask for, each a NaN-ignoring numpy reduction over ranks
 def nanmedian(a: np.ndarray, axis: int = 0) -> np.ndarray:
     """The median along ``axis`` ignoring NaN, as ``np.nanmedian`` (NaN where all are), without its
-    masked-array path for small arrays (20x slower): one sort, NaNs last, then the middle values."""
-    s = np.sort(a, axis=axis)
-    m = a.shape[axis]
-    if m:
-        def row(i):  # s[..., i, ...] along axis (basic indexing: np.take is 10x slower here)
-            return s[(slice(None),) * (axis % s.ndim) + (i,)]
+    masked-array path for small arrays (20x slower).
 
-        if not np.isnan(row(-1)).any():  # no NaN anywhere (NaNs sort last): the middles are fixed
-            return (row((m - 1) // 2) + row(m // 2)) / 2
+    ``np.median``'s arithmetic, bit for bit: the middle value of an odd count, the mean of the two
+    middles of an even one, each as a sum from 0.0 (a median of zeros is 0.0, never -0.0). The
+    columns with the same count of values are done together: one ``np.partition`` at their two
+    middle positions (NaNs go last, as in a sort), as ``np.median`` does. At most :data:`_MEDIAN_COUNTS` distinct counts are partitioned so; past
+    that, one sort. A partition is about twice as fast as a sort along the ranks of a round
+    (16,384 x 600 values: 160 against 340 ms).
+    """
+    m = a.shape[axis]
+    if not m:
+        return _sorted_nanmedian(a, axis)
+    nan = np.isnan(a)
+    if not nan.any():  # the usual round: every column has all m values
+        return _middles(np.partition(a, _kth(m), axis=axis), m, axis)
+    n = m - nan.sum(axis=axis)
+    counts = np.unique(n)
+    if len(counts) > _MEDIAN_COUNTS:
+        return _sorted_nanmedian(a, axis)
+    out = np.full(n.shape, np.nan)
+    moved = np.moveaxis(a, axis, -1)  # a view: the columns as the leading axes
+    for c in counts.tolist():
+        if c:
+            cols = n == c
+            out[cols] = _middles(np.partition(moved[cols], _kth(c), axis=-1), c, -1)
+    return out
+
+
+#: distinct counts of values :func:`nanmedian` partitions one at a time (a pipeline job's stages
+#: give a few; each partition is a pass over its columns)
+_MEDIAN_COUNTS = 8
+
+
+def _kth(n: int) -> list[int]:
+    return [(n - 1) // 2, n // 2]
+
+
+def _middles(p: np.ndarray, n: int, axis: int) -> np.ndarray:
+    """The median of ``n`` values along ``axis`` of ``p``, partitioned at :func:`_kth` there."""
+    def row(i):  # p[..., i, ...] along axis (basic indexing: np.take is 10x slower here)
+        return p[(slice(None),) * (axis % p.ndim) + (i,)]
+
+    return 0.0 + row(n // 2) if n % 2 else (0.0 + row(n // 2 - 1) + row(n // 2)) / 2
+
+
+def _sorted_nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
+    """:func:`nanmedian` by one sort, NaNs last, then each column's middle values."""
+    s = np.sort(a, axis=axis)
     n = (~np.isnan(a)).sum(axis=axis)
     lo, hi = (np.maximum(i, 0) for i in ((n - 1) // 2, n // 2))
 
     def at(i):
         return np.take_along_axis(s, np.expand_dims(i, axis), axis).squeeze(axis)
 
-    out = (at(lo) + at(hi)) / 2
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.where(n % 2 == 1, 0.0 + at(hi), (0.0 + at(lo) + at(hi)) / 2)
     return np.where(n > 0, out, np.nan)
 
 

@@ -80,18 +80,31 @@ def _minority_per_set(fp, seen, holders, rtol):
 def test_minority_within_holders_matches_the_vote_set_by_set(rtol):
     rng = np.random.default_rng(11)
     found = 0
-    for _ in range(60):
+    for _ in range(200):
         R, P = int(rng.integers(2, 12)), int(rng.integers(1, 6))
         holders = rng.integers(0, 4, (R, P)) * (rng.random((R, P)) < 0.8)
+        if rng.random() < 0.3:
+            holders *= 10**6  # numbers too far apart for the sets' table: sorted instead
         if rtol is None:
             fp = rng.integers(0, 3, (R, P)).astype(np.uint64)
         else:
             fp = rng.choice([1.0, 1.0 + 1e-5, 2.0, np.nan], (R, P))
-        seen = rng.random((R, P)) < 0.9
+        seen = rng.random((R, P)) < (0.9 if rng.random() < 0.5 else 1.0)  # every entry seen: the fast path
         got = minority(fp, seen, holders, rtol=rtol)
         assert got == _minority_per_set(fp, seen, holders, rtol)
         found += len(got[0]) + len(got[1])
     assert found > 50  # the draws do split
+
+
+def test_holder_sets_are_numpys_unique_whatever_the_keys():
+    from gradwatch.aggregator.checks._fingerprints import _sets
+
+    rng = np.random.default_rng(12)
+    for _ in range(300):
+        keys = rng.integers(0, int(rng.choice([3, 50, 10**7])), int(rng.integers(0, 40)))
+        _, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+        got = _sets(keys)
+        assert np.array_equal(got[0], first) and np.array_equal(got[1], inv.reshape(-1))
 
 
 def test_minority_with_a_tolerance_groups_close_values():

@@ -315,17 +315,38 @@ def test_finite_median_and_nanmedian_equal_numpys_bit_for_bit(n):
             assert np.array(statistics.finite_median(v)).tobytes() == want.tobytes(), v
             for axis, a in ((0, v[:, None]), (1, v[None, :])):
                 got = statistics.nanmedian(a, axis)
-                assert got.tobytes() == _nanmedian_reference(a, axis).tobytes()
+                assert got.tobytes() == _nanmedian_reference(a, axis).tobytes() == want.reshape(1).tobytes()
                 assert np.array_equal(got, np.nanmedian(a, axis=axis), equal_nan=True)
 
 
+def test_nanmedian_equals_np_median_of_each_column_bit_for_bit_whatever_its_count_of_nans(monkeypatch):
+    """Columns partitioned per count of values (NaN-free, a few counts, and past _MEDIAN_COUNTS
+    the sort): each is np.median of its values, zeros of both signs, ties and infinities included."""
+    rng = np.random.default_rng(10)
+    for limit in (statistics._MEDIAN_COUNTS, 0):
+        monkeypatch.setattr(statistics, "_MEDIAN_COUNTS", limit)
+        for trial in range(600):
+            shape = tuple(int(x) for x in rng.integers(1, 14, size=int(rng.integers(1, 4))))
+            a = rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 300)
+            u = rng.random(shape)
+            a[u < 0.15] = 0.0
+            a[(u >= 0.15) & (u < 0.3)] = -0.0
+            a[(u >= 0.3) & (u < 0.35)] = np.inf
+            if rng.random() < 0.7:
+                a[rng.random(shape) < rng.uniform(0, 0.6)] = np.nan
+            if rng.random() < 0.3:
+                a = np.round(a)
+            for axis in range(a.ndim):
+                with np.errstate(over="ignore", invalid="ignore"):
+                    got, want = statistics.nanmedian(a, axis), _nanmedian_reference(a, axis)
+                assert got.shape == want.shape and got.tobytes() == want.tobytes(), (a, axis)
+
+
 def _nanmedian_reference(a, axis):
-    """statistics.nanmedian as it was, without its shortcut for arrays without NaN."""
-    s = np.sort(a, axis=axis)
-    n = (~np.isnan(a)).sum(axis=axis)
-    lo, hi = (np.maximum(i, 0) for i in ((n - 1) // 2, n // 2))
-    at = lambda i: np.take_along_axis(s, np.expand_dims(i, axis), axis).squeeze(axis)  # noqa: E731
-    return np.where(n > 0, (at(lo) + at(hi)) / 2, np.nan)
+    """np.median of each column's values without NaN, one column at a time (NaN where it has none)."""
+    cols = np.moveaxis(a, axis, -1)
+    out = [np.median(c[~np.isnan(c)]) if (~np.isnan(c)).any() else np.nan for c in cols.reshape(-1, cols.shape[-1])]
+    return np.array(out, np.float64).reshape(cols.shape[:-1])
 
 
 # --- the checks ------------------------------------------------------------------------------------

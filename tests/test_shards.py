@@ -275,6 +275,32 @@ def _random_job(rng, staged: bool):
     return meshes, shards, pcols, param
 
 
+def test_a_job_sharding_every_parameter_alike_combines_every_row_in_place_of_a_gather():
+    """Every rank shards every parameter: the entries are all rows in order (no gather, no copy
+    of ``param`` kept), with the definition's numbers, ``param`` itself untouched."""
+    from gradwatch.aggregator.shards import combine_groups, shard_groups
+
+    rng = np.random.default_rng(21)
+    for dims in ((1,), (0,), (0, 1)):
+        meshes = [wire.Mesh(("dp", "tp"), (2, 4), (k // 4, k % 4)) for k in range(8)]
+        shards = [tuple(dims for _ in range(5))] * 8
+        pcols = [np.arange(5, dtype=np.int64)] * 8
+        param = rng.standard_normal((8, 5, 3))
+        param[..., 2] = rng.integers(0, 3, param.shape[:2])
+        param[rng.random(param.shape) < 0.05] = np.nan
+        before = param.copy()
+        got = combine_groups(meshes, shards, pcols, param)
+        np.testing.assert_array_equal(got, _ref_combine(meshes, shards, pcols, param))
+        assert np.array_equal(param, before, equal_nan=True) and not np.shares_memory(got, param)
+        assert shard_groups(meshes, shards, pcols).placed(8, 5)[0] is None  # the rows, in order
+        # a rank without a mesh: the entries no longer cover every row (gathered, the rest kept)
+        meshes[3] = None
+        assert shard_groups(meshes, shards, pcols).placed(8, 5)[0] is not None
+        got = combine_groups(meshes, shards, pcols, param)
+        np.testing.assert_array_equal(got, _ref_combine(meshes, shards, pcols, param))
+        assert np.array_equal(got[3], param[3], equal_nan=True)
+
+
 @pytest.mark.parametrize("staged", [False, True])
 def test_vectorised_groups_match_the_definition(staged):
     from gradwatch.aggregator.shards import combine_groups, holders
