@@ -381,7 +381,7 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
                               if lay.schemas[which[k]].mesh is not None})
         grad_norm[sq] = [norms.get(k, math.nan) for k in sq]
     # parameters merge into their module as layers merge into a group; summed in parameter order
-    module = statistics.merge("param", param, present, lay.module_plan, in_order=True)
+    module = statistics.merge("param", param, present, lay.module_plan)
     yield
     arrays = {"act": act, "act_grad": act_grad, "param": module, "act_count": act_count}
     agg = statistics.aggregate_all(arrays)
@@ -513,7 +513,7 @@ def group_layers(rr: RoundResult, depth: int) -> RoundResult:
     layers, lplan = _groups(rr.layers, depth)
     modules, mplan = _groups(rr.modules, depth)
     act, act_grad, module, act_count = (
-        statistics.merge(name, values, np.ones(values.shape[:2], bool), plan)
+        statistics.merge(name, values, None, plan)
         for name, values, plan in (("act", rr.act, lplan), ("act_grad", rr.act_grad, lplan), ("param", rr.module, mplan),
                                    ("act_count", rr.act_count, lplan))
     )

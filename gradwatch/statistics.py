@@ -173,10 +173,11 @@ CALL_RULES: dict[str, CallRule] = {
 }
 
 # Member merge: the parameters of one module, and the layers of one group under --layer-depth.
-# Each rule maps (v float64 [R, m] member values, o bool [R, m] observed, cnt int [R] members
-# observed, members {wire field: float64 [R, m]}, done {wire field: float64 [R]}, total) to
-# float64 [R]; ``total`` sums over axis 1. Members are weighted equally: element counts are not
-# on the wire.
+# Each rule maps (v float64 [R, m] member values, o bool [R, m] observed (or a scalar True), cnt
+# int [R, G] (or [1, G]) members observed, members {wire field: float64 [R, m]}, done {wire field:
+# float64 [R, G]}, red) to float64 [R, G]: ``m`` members laid out group after group, reduced per
+# group by ``red`` (:class:`_Reducer`: ``total``, ``least``, ``most``). Members are weighted
+# equally: element counts are not on the wire.
 
 
 @dataclass(frozen=True)
@@ -185,21 +186,21 @@ class MergeRule:
     fn: Callable
 
 
-def _merge_mean(v, o, cnt, members, done, total):
-    return total(np.where(o, v, 0)) / cnt
+def _merge_mean(v, o, cnt, members, done, red):
+    return red.total(np.where(o, v, 0)) / cnt
 
 
-def _merge_pooled_std(v, o, cnt, members, done, total):
+def _merge_pooled_std(v, o, cnt, members, done, red):
     mean = done["mean"]
-    var = total(np.where(o, v**2 + members["mean"] ** 2, 0)) / cnt - mean**2
+    var = red.total(np.where(o, v**2 + members["mean"] ** 2, 0)) / cnt - mean**2
     return np.sqrt(np.maximum(var, 0))
 
 
 MERGE_RULES: dict[str, MergeRule] = {
-    "l2": MergeRule("L2 norm over members", lambda v, o, cnt, members, done, total: np.sqrt(total(np.where(o, v**2, 0)))),
-    "sum": MergeRule("summed", lambda v, o, cnt, members, done, total: total(np.where(o, v, 0))),
-    "min": MergeRule("min", lambda v, o, cnt, members, done, total: np.where(o, v, np.inf).min(axis=1)),
-    "max": MergeRule("max", lambda v, o, cnt, members, done, total: np.where(o, v, -np.inf).max(axis=1)),
+    "l2": MergeRule("L2 norm over members", lambda v, o, cnt, members, done, red: np.sqrt(red.total(np.where(o, v**2, 0)))),
+    "sum": MergeRule("summed", lambda v, o, cnt, members, done, red: red.total(np.where(o, v, 0))),
+    "min": MergeRule("min", lambda v, o, cnt, members, done, red: red.least(np.where(o, v, np.inf))),
+    "max": MergeRule("max", lambda v, o, cnt, members, done, red: red.most(np.where(o, v, -np.inf))),
     "mean": MergeRule("mean of the members' means", _merge_mean),
     "pooled_std": MergeRule("pooled from the members' means and stds", _merge_pooled_std),
 }
@@ -394,53 +395,83 @@ class MergePlan:
 
     Attributes:
         groups: int64 index arrays into the members, one per group.
-        by_size: ``(size, gs, idx)`` per distinct group size, in order of first appearance:
-            int64 [k] the groups of that size, int64 [k, size] their members.
+        order: int64 [M]: every group's members, group after group.
+        ascending: ``order`` is 0 .. M - 1 (a model's layers and modules group so): with M
+            members, :func:`merge` reads them where they are, without a gather.
+        starts: int64 [G'] where each group with members starts in ``order``.
+        sizes: int64 [1, G] members per group.
+        filled: int64 [G'] the groups with members (None: every group).
     """
 
     groups: tuple
-    by_size: tuple
+    order: np.ndarray
+    ascending: bool
+    starts: np.ndarray
+    sizes: np.ndarray
+    filled: Optional[np.ndarray]
 
 
 def merge_plan(groups) -> MergePlan:
     """The :class:`MergePlan` of ``groups`` (int64 index arrays into the members)."""
-    groups = tuple(np.asarray(g, np.int64) for g in groups)
-    sizes: dict[int, list[int]] = {}
-    for g, idx in enumerate(groups):
-        sizes.setdefault(len(idx), []).append(g)
-    by_size = tuple(
-        (size, np.array(gs, np.int64), np.stack([groups[g] for g in gs]) if size else np.zeros((len(gs), 0), np.int64))
-        for size, gs in sizes.items()
-    )
-    return MergePlan(groups, by_size)
+    groups = tuple(np.asarray(g, np.int64).reshape(-1) for g in groups)
+    sizes = np.array([len(g) for g in groups], np.int64)
+    order = np.concatenate(groups) if groups else np.zeros(0, np.int64)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])) if groups else np.zeros(0, np.int64)
+    filled = np.flatnonzero(sizes)
+    return MergePlan(groups, order, bool(np.array_equal(order, np.arange(len(order)))), starts[filled],
+                     sizes[None, :], None if len(filled) == len(groups) else filled)
 
 
-def _in_order_total(x: np.ndarray) -> np.ndarray:
-    # from 0, one member after another: a scatter-add's sum (np.add.accumulate's), to the last bit
-    acc = np.zeros(x.shape[0])
-    for j in range(x.shape[1]):
-        acc = acc + x[:, j]
-    return acc
+class _Reducer:
+    """Per-group reductions of [R, M] member columns laid out by a :class:`MergePlan` into [R, G],
+    each with numpy's ``reduceat`` over the group's members in order:
+
+    - ``total``: ``x0 + (x1 + ... )`` as numpy's ``add.reduce`` sums them (pairwise summation past
+      8 members), then ``+ 0.0`` (a sum of zeros is 0.0, never -0.0); 0.0 for no member;
+    - ``least``/``most``: the min and max, an observed NaN propagating; a zero result is -0.0 for
+      the min when a member is -0.0 and 0.0 for the max when a member is 0.0 (IEEE 754-2019
+      minimum/maximum: numpy's SIMD picks either zero of a tie by its position); +-inf for no
+      member.
+    """
+
+    def __init__(self, plan: MergePlan, rows: int):
+        self.plan, self.rows = plan, rows
+
+    def _at(self, ufunc, x: np.ndarray, empty, dtype=None) -> np.ndarray:
+        p = self.plan
+        if len(p.starts):
+            got = ufunc.reduceat(x, p.starts, axis=1, dtype=dtype)
+        else:
+            got = np.zeros((self.rows, 0), dtype or x.dtype)
+        if p.filled is None:
+            return got
+        out = np.full((self.rows, p.sizes.shape[1]), empty, got.dtype)
+        out[:, p.filled] = got
+        return out
+
+    def total(self, x: np.ndarray) -> np.ndarray:
+        return self._at(np.add, x, 0.0) + 0.0
+
+    def count(self, o: np.ndarray) -> np.ndarray:
+        return self._at(np.add, o, 0, np.int64)
+
+    def least(self, x: np.ndarray) -> np.ndarray:
+        return self._zeros(self._at(np.minimum, x, np.inf), x, np.signbit)
+
+    def most(self, x: np.ndarray) -> np.ndarray:
+        return self._zeros(self._at(np.maximum, x, -np.inf), x, lambda z: ~np.signbit(z))
+
+    def _zeros(self, got: np.ndarray, x: np.ndarray, wins) -> np.ndarray:
+        """``got`` with each zero signed as the min or max of zeros of both signs is (``wins``:
+        the sign that wins a tie, as a test on the members)."""
+        zero = got == 0
+        if not zero.any():
+            return got
+        won = self._at(np.logical_or, (x == 0) & wins(x), False)  # a member is a winning zero
+        return np.where(zero, np.where(won == wins(got), got, -got), got)
 
 
-#: merge rules whose arithmetic is elementwise given the totals (see :func:`merge`)
-_ELEMENTWISE = frozenset({"l2", "sum", "mean", "pooled_std"})
-
-
-def _count(o: np.ndarray) -> np.ndarray:
-    """int64 [N]: ``o.sum(axis=1)`` of bool [N, m], a column at a time (a reduction along a short
-    last axis costs numpy a loop per row)."""
-    acc = np.zeros(o.shape[0], np.int64)
-    for j in range(o.shape[1]):
-        acc += o[:, j]
-    return acc
-
-
-def _pairwise_total(x: np.ndarray) -> np.ndarray:
-    return x.sum(axis=1)
-
-
-def merge(array: str, values: np.ndarray, present: np.ndarray, groups, *, in_order: bool = False) -> np.ndarray:
+def merge(array: str, values: np.ndarray, present: Optional[np.ndarray], groups) -> np.ndarray:
     """Merge members of ``array`` into groups, per rank, by each row's ``merge`` rule.
 
     Args:
@@ -450,51 +481,43 @@ def merge(array: str, values: np.ndarray, present: np.ndarray, groups, *, in_ord
             an always-observed statistic merges over present members); None: every member exists.
         groups: int64 index arrays into N, the members of each group, or their
             :class:`MergePlan` (prepared once, for groups that come back every round).
-        in_order: sum members one after another in their order (as a scatter-add does) instead
-            of numpy's pairwise summation; the two differ in the last bits from 8 members on.
 
     Returns:
-        float64 [R, G, width]. An observed NaN propagates; a group none of whose members a rank
+        float64 [R, G, width]. Each group's members are reduced in their order by
+        :class:`_Reducer` (sums as numpy's, signed zeros of a min or max settled), whatever their
+        place in ``values``. An observed NaN propagates; a group none of whose members a rank
         observed is NaN for the rows with ``observed_by`` (0 for an always-observed L2 norm or
         sum over no member).
     """
     plan = groups if isinstance(groups, MergePlan) else merge_plan(groups)
     rows = of(array)
     R = values.shape[0]
-    out = np.full((R, len(plan.groups), len(rows)), np.nan)
-    masks = {s.observed_by: observed(s, values) if present is None else observed(s, values) & present
-             for s in rows}  # one per observing column
-    total = _in_order_total if in_order else _pairwise_total
-    # numpy's pairwise sums, and its min and max of zeros of both signs, depend on the memory
-    # layout of the members (a[:, idx] gives one that depends on the groups' shape); in-order sums
-    # and the rules built on them alone are elementwise, so any layout gives the same bits
-    elementwise = in_order and all(s.merge in _ELEMENTWISE for s in rows)
-    # elementwise, a mask without a gap is a scalar True and its counts the group size: the rules
-    # give the same numbers without the passes over the masks (the healthy round)
-    whole = {k: elementwise and bool(m.all()) for k, m in masks.items()}
-    # groups of one size at a time, ranks x groups as the rules' rows: the same arithmetic per
-    # row as one group at a time (bit for bit), without a Python turn per group
+    out = np.empty((R, len(plan.groups), len(rows)))  # every column is written below
+    if not len(plan.groups):
+        return out
+    # the members group after group, as one array: the values themselves in the usual layout
+    inplace = plan.ascending and len(plan.order) == values.shape[1]
+    vals = values if inplace else np.take(values, plan.order, axis=1)
+    here = present if present is None or inplace else np.take(present, plan.order, axis=1)
+    red = _Reducer(plan, R)
+    empty = plan.filled is not None  # a group without members: NaN where observed
+    masks, counts = {}, {}
+    for s in rows:
+        if s.observed_by not in masks:
+            m = observed(s, vals) if here is None else observed(s, vals) & here
+            # observed everywhere (the healthy round): the members as they are, counted by the plan
+            masks[s.observed_by] = np.True_ if m.all() else m
+            counts[s.observed_by] = plan.sizes if m.all() else red.count(m)
+    members = {s.field: vals[..., s.column] for s in rows}
+    done: dict[str, np.ndarray] = {}
     with np.errstate(invalid="ignore", divide="ignore"):
-        for size, gs, idx in plan.by_size:
-            if not elementwise:
-                pick = lambda a, idx=idx: a[:, idx]  # noqa: E731
-            elif idx.size == values.shape[1] and np.array_equal(idx.reshape(-1), np.arange(idx.size)):
-                pick = lambda a: a  # noqa: E731  every member, in order: a view will do
-            else:
-                pick = lambda a, flat=idx.reshape(-1): np.take(a, flat, axis=1)  # noqa: E731  (2x a[:, idx])
-            v = pick(values).reshape(R * len(gs), size, values.shape[-1])
-            members = {s.field: v[..., s.column] for s in rows}
-            full = {k: w and size > 0 for k, w in whole.items()}
-            seen = {k: np.True_ if full[k] else pick(m).reshape(R * len(gs), size) for k, m in masks.items()}
-            counts = {k: np.int64(size) if full[k] else _count(o) for k, o in seen.items()}
-            done: dict[str, np.ndarray] = {}
-            for s in rows:
-                o, cnt = seen[s.observed_by], counts[s.observed_by]
-                x = MERGE_RULES[s.merge].fn(v[..., s.column], o, cnt, members, done, total)
-                if s.observed_by is not None and not full[s.observed_by]:
-                    x = np.where(cnt == 0, np.nan, x)
-                done[s.field] = x
-                out[:, gs, s.column] = x.reshape(R, len(gs))
+        for s in rows:
+            o, cnt = masks[s.observed_by], counts[s.observed_by]
+            x = MERGE_RULES[s.merge].fn(members[s.field], o, cnt, members, done, red)
+            if s.observed_by is not None and (empty or o is not np.True_):
+                x = np.where(cnt == 0, np.nan, x)
+            done[s.field] = x
+            out[..., s.column] = x
     return out
 
 
