@@ -15,6 +15,7 @@ import collections
 import functools
 import math
 from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -41,7 +42,9 @@ class RoundResult:
             norm, weight norm, grad non-finite count.
         agg: statistic name -> (float64 [len(aggs), n] aggregated over ranks (min/median/max),
             bool [n] observed by any rank), for each row of
-            :data:`gradwatch.statistics.STATISTICS`.
+            :data:`gradwatch.statistics.STATISTICS`; a round merged for export
+            (:attr:`grouped`) aggregates its own layers when a reader first asks
+            (:class:`gradwatch.statistics.LazyAggregates`).
         rank_totals: float64 [n_ranks, 3]: the statistics with a ``rank_total`` (non-finite
             counts of activations, output gradients and parameter gradients) summed over layers.
         layer_types: module class name of each layer (``ReLU``, ``Linear``, ...).
@@ -80,7 +83,7 @@ class RoundResult:
     act: np.ndarray
     act_grad: np.ndarray
     module: np.ndarray
-    agg: dict
+    agg: Mapping
     rank_totals: np.ndarray
     layer_types: tuple[str, ...] = ()
     params: tuple[str, ...] = ()
@@ -384,7 +387,8 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
     module = statistics.merge("param", param, present, lay.module_plan)
     yield
     arrays = {"act": act, "act_grad": act_grad, "param": module, "act_count": act_count}
-    agg = statistics.aggregate_all(arrays)
+    # exported merged (group_depth): the per-layer aggregates only as the checks read them
+    agg = statistics.aggregate_all(arrays) if group_depth <= 0 else statistics.LazyAggregates(arrays)
     yield
     totals = _rank_totals(arrays)
     rr = RoundResult(

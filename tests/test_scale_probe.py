@@ -6,6 +6,7 @@ NaN, Inf, zeros of both signs, ties, several schemas in a round, ranks joining a
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import itertools
 import math
@@ -62,7 +63,7 @@ def _same(a, b, path="") -> None:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         a, b = np.asarray(a), np.asarray(b)
         assert (a.shape, a.dtype) == (b.shape, b.dtype) and a.tobytes() == b.tobytes(), path
-    elif isinstance(a, dict):
+    elif isinstance(a, collections.abc.Mapping):  # a dict, or a round's LazyAggregates
         assert list(a) == list(b), path
         for k in a:
             _same(a[k], b[k], f"{path}.{k}")
@@ -253,6 +254,33 @@ def test_aggregate_all_equals_each_statistic_aggregated_alone_bit_for_bit():
         want = {s.name: statistics.aggregate(arrays[s.array][..., s.column], statistics.observed(s, arrays[s.array]), s.aggs)
                 for s in statistics.STATISTICS}
         _same(got, want)
+
+
+def test_lazy_aggregates_equal_aggregate_all_read_in_any_order_from_threads():
+    """A grouped round's per-layer aggregates, worked out as read: aggregate_all's, bit for bit,
+    each once whatever the threads reading them; an unknown name is a KeyError."""
+    import threading
+
+    rng = np.random.default_rng(13)
+    names = [s.name for s in statistics.STATISTICS]
+    for trial in range(40):
+        R, n = int(rng.integers(1, 12)), int(rng.integers(0, 30))
+        arrays = {k: _values(rng, (R, n, len(statistics.fields(k))), np.float64) for k in statistics.ARRAYS}
+        want = statistics.aggregate_all(arrays)
+        lazy = statistics.LazyAggregates(arrays)
+        assert len(lazy) == len(want) and list(lazy) == names
+        got = {}
+        order = [list(rng.permutation(names)) for _ in range(3)]
+        threads = [threading.Thread(target=lambda o=o: [got.setdefault((id(o), k), lazy[k]) for k in o]) for o in order]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for k in names:
+            _same(lazy[k], want[k], k)
+            assert all(got[id(o), k] is lazy[k] for o in order)  # worked out once
+    with pytest.raises(KeyError):
+        statistics.LazyAggregates({})["no_such_statistic"]
 
 
 def _numpy_sum(xs: list) -> float:
