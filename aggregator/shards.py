@@ -134,6 +134,7 @@ class _Groups:
         self._placed: dict[tuple, tuple] = {}  # (ranks, width) -> placed()
         blocks: dict[tuple, list[int]] = {}
         info: dict[tuple, tuple] = {}
+        col_keys: dict[int, tuple] = {}  # id of a columns array -> (it, its bytes)
         for k, mesh in enumerate(meshes):
             if mesh is None or len(mesh.coord) != len(mesh.sizes):
                 continue  # no mesh, or a schema's mesh with no rank placed on it (the state never lets one through)
@@ -143,7 +144,10 @@ class _Groups:
             shard, cols = got
             if not shard:
                 continue
-            key = (mesh.names, mesh.sizes, id(shard), cols.tobytes())
+            ck = col_keys.get(id(cols))  # placed ranks share one columns array: its bytes once
+            if ck is None:
+                ck = col_keys[id(cols)] = (cols, cols.tobytes())  # held: its id stays its own
+            key = (mesh.names, mesh.sizes, id(shard), ck[1])
             members = blocks.get(key)
             if members is None:
                 members = blocks[key] = []
@@ -176,18 +180,22 @@ class _Groups:
                 c = cols[np.asarray(where, np.int64)].astype(np.int32)
                 rank.append(np.repeat(K.astype(np.int32), len(c)))
                 col.append(np.tile(c, len(K)))
-                gid.append(np.repeat(number[inv.reshape(-1)], len(c)))
+                small = number.astype(np.int32) if len(ids) < 1 << 31 else number  # 4 bytes an entry
+                gid.append(np.repeat(small[inv.reshape(-1)], len(c)))
         if not rank:
             self.rank = self.col = self.group = np.zeros(0, np.int32)
             self.need, self.n = np.zeros(0, np.int64), 0
             return
-        rank, col, gid = np.concatenate(rank), np.concatenate(col), np.concatenate(gid)
+        # one piece (a job whose ranks share one schema's lists and dims): no copy; a 16,384-rank
+        # mesh job has ~3 million entries, and each new array of them costs ~20 ms at its start
+        rank, col, gid = (x[0] if len(x) == 1 else np.concatenate(x) for x in (rank, col, gid))
         if len(blocks) > 1:  # members in rank order, as one block lists them: sums in a fixed order
             order = np.argsort(rank, kind="stable")
             rank, col, gid = rank[order], col[order], gid[order]
         # a group is one set of coordinates *and* one column
         width = int(col.max()) + 1
-        group = gid * width + col
+        wide = len(ids) * width >= 1 << 31  # group numbers past int32
+        group = (gid.astype(np.int64) if wide else gid.astype(np.int32, copy=False)) * width + col
         needs = np.asarray(needs, np.int64)
         if len(needs) * width > 4 * len(group):  # sparse (a peer's schema may make it so): number densely
             uniq, group = np.unique(group, return_inverse=True)
@@ -196,7 +204,7 @@ class _Groups:
             need = np.repeat(needs, width)
         group = group.reshape(-1)
         self.rank, self.col = rank, col
-        self.group = group.astype(np.int32) if len(need) < 1 << 31 else group
+        self.group = group.astype(np.int32, copy=False) if len(need) < 1 << 31 else group
         self.need, self.n = need, len(need)
 
     def placed(self, ranks: int, width: int) -> tuple[Optional[np.ndarray], np.ndarray, np.ndarray]:
