@@ -118,36 +118,6 @@ def keep_freed_memory() -> bool:
     return all([mallopt(param, value) == 1 for param, value in MALLOC_OPTIONS])  # a list: every option is tried
 
 
-def pretouch(n_bytes: int) -> bool:
-    """Write ``n_bytes`` of the C heap once and free them, so that the process's later large
-    arrays reuse pages the kernel has already mapped (JVM's ``AlwaysPreTouch``, for a heap that
-    :func:`keep_freed_memory` keeps). A page's first write costs a fault; in a microVM such as
-    Firecracker ~8 us per 4 KiB page (3.2 s for 1.5 GiB on this project's CI machine, against
-    0.08 s once touched), which a 16,384-rank job's first probed rounds otherwise pay.
-
-    Returns False, touching nothing, where the C library has no ``malloc`` to call or refused
-    the block (the daemon starts regardless)."""
-    import ctypes
-    import ctypes.util
-
-    if n_bytes <= 0:
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        malloc, free = libc.malloc, libc.free
-    except (OSError, AttributeError, TypeError):
-        return False
-    malloc.argtypes, malloc.restype, free.argtypes = (ctypes.c_size_t,), ctypes.c_void_p, (ctypes.c_void_p,)
-    block = malloc(n_bytes)
-    if not block:
-        return False
-    try:
-        ctypes.memset(block, 0, n_bytes)  # every page written: faulted in now, not during a round
-    finally:
-        free(block)
-    return True
-
-
 class _HTTPServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -529,15 +499,8 @@ class Aggregator:
         collector thresholds, :data:`GC_THRESHOLDS`, thread switch interval,
         :data:`SWITCH_INTERVAL_S`, and C allocator options, :data:`MALLOC_OPTIONS`, become the
         daemon's)."""
-        kept = keep_freed_memory()
-        if not kept:
+        if not keep_freed_memory():
             log.info("gradwatch aggregator: the C library took not every mallopt option; freed memory may go back to the kernel")
-        if self.cfg.pretouch_mib:
-            t0 = time.monotonic()
-            if kept and pretouch(self.cfg.pretouch_mib << 20):
-                log.info("gradwatch aggregator: %d MiB of heap pretouched in %.2f s", self.cfg.pretouch_mib, time.monotonic() - t0)
-            else:
-                log.warning("gradwatch aggregator: pretouch_mib skipped: the C library would not keep the memory")
         gc.set_threshold(*GC_THRESHOLDS)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         for sig in (signal.SIGINT, signal.SIGTERM):  # before start: /healthz answers from there on

@@ -1001,38 +1001,7 @@ print(kept, faults[0])
         assert int(faults) >= 16
 
 
-@GLIBC
-def test_pretouched_heap_serves_a_rounds_first_arrays_without_page_faults():
-    """pretouch (--pretouch-mib): heap written once at start-up and freed is kept (with
-    MALLOC_OPTIONS), so the first large arrays come from it without faults; without it their
-    pages are faulted in one by one. In a process of its own: the options are process-wide."""
-    import subprocess
-    import sys
-
-    code = """
-import resource, sys
-import numpy as np
-from gradwatch.aggregator.daemon import keep_freed_memory, pretouch
-assert keep_freed_memory()
-done = pretouch(int(sys.argv[1]) << 20) if int(sys.argv[1]) else None
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-a = np.ones(48 << 17)  # 48 MiB, first written here
-print(done, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-    faults = {}
-    for mib in (0, 96):
-        out = subprocess.run([sys.executable, "-c", code, str(mib)], capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        done, faults[mib] = out.stdout.split()
-        assert done == ("True" if mib else "None")
-    assert int(faults[0]) >= 24  # 2 MiB pages at best
-    assert int(faults[96]) <= 2
-    from gradwatch.aggregator.daemon import pretouch
-
-    assert pretouch(0) is False
-
-
-def test_the_daemon_process_takes_its_gc_thresholds_switch_interval_malloc_options_and_pretouch():
+def test_the_daemon_process_takes_its_gc_thresholds_switch_interval_and_malloc_options():
     """serve_forever makes the process the daemon's: the garbage collector's thresholds
     (GC_THRESHOLDS), the interpreter's switch interval (SWITCH_INTERVAL_S: at CPython's 5 ms a
     busy writer starved the intake thread of the interpreter lock) and, on glibc, the C
@@ -1046,11 +1015,10 @@ import gc, sys, threading
 from gradwatch.aggregator.config import load
 from gradwatch.aggregator.daemon import Aggregator
 from gradwatch.aggregator import daemon
-agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, pretouch_mib=4))
+agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0))
 kept = []
-keep, touch = daemon.keep_freed_memory, daemon.pretouch
+keep = daemon.keep_freed_memory
 daemon.keep_freed_memory = lambda: kept.append(keep()) or kept[-1]
-daemon.pretouch = lambda n: kept.append(("pretouch", n, touch(n))) or kept[-1][-1]
 seen = []
 def look():
     while agg._intake_thread is None:
@@ -1069,9 +1037,7 @@ print(repr((before, seen[0], kept)))
 
     assert before == (0.005, (700, 10, 10))  # CPython's own
     assert during == (pytest.approx(SWITCH_INTERVAL_S), GC_THRESHOLDS)
-    glibc = platform.libc_ver()[0] == "glibc"
-    # MALLOC_OPTIONS applied, once (glibc only), then --pretouch-mib's heap written (where kept)
-    assert kept == ([True, ("pretouch", 4 << 20, True)] if glibc else [False])
+    assert kept == [platform.libc_ver()[0] == "glibc"]  # MALLOC_OPTIONS applied, once (glibc only)
 
 
 
