@@ -383,7 +383,7 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
         norms = global_norms({k: (lay.schemas[which[k]].mesh, reps[k].grad_sq) for k in sq
                               if lay.schemas[which[k]].mesh is not None})
         grad_norm[sq] = [norms.get(k, math.nan) for k in sq]
-    # parameters merge into their module as layers merge into a group; summed in parameter order
+    # parameters merge into their module as layers merge into a group (statistics.merge: each module's sum in one order)
     module = statistics.merge("param", param, present, lay.module_plan)
     yield
     arrays = {"act": act, "act_grad": act_grad, "param": module, "act_count": act_count}

@@ -381,7 +381,7 @@ def combine(g: "_Groups", param: np.ndarray) -> np.ndarray:
     total = np.empty((g.n, src.shape[1]))
     with np.errstate(invalid="ignore", over="ignore"):
         for f in range(src.shape[1]):  # a field at a time, contiguous (a 16,384-rank round has ~3 million entries)
-            x = np.ascontiguousarray(src[:, f]) if at is None else src[at, f]
+            x = src[:, f].copy() if at is None else src[at, f]  # a copy: squared in place below
             if f < 2:
                 np.multiply(x, x, out=x)  # squares (field 2 is a count: summed as it is)
             total[:, f] = np.bincount(group, x, minlength=g.n)  # in entry order: members in rank order

@@ -428,8 +428,10 @@ class _Reducer:
     """Per-group reductions of [R, M] member columns laid out by a :class:`MergePlan` into [R, G],
     each with numpy's ``reduceat`` over the group's members in order:
 
-    - ``total``: ``x0 + (x1 + ... )`` as numpy's ``add.reduce`` sums them (pairwise summation past
-      8 members), then ``+ 0.0`` (a sum of zeros is 0.0, never -0.0); 0.0 for no member;
+    - ``total``: the first member plus numpy's pairwise sum of the others, ``x0 + (x1 + ... )``
+      (``reduceat``'s order: left to right from the second member up to 9 members, numpy's
+      pairwise blocks beyond; ``np.sum`` adds ``x0`` first, so the two differ in the last bits
+      from 3 members on), then ``+ 0.0`` (a sum of zeros is 0.0, never -0.0); 0.0 for no member;
     - ``least``/``most``: the min and max, an observed NaN propagating; a zero result is -0.0 for
       the min when a member is -0.0 and 0.0 for the max when a member is 0.0 (IEEE 754-2019
       minimum/maximum: numpy's SIMD picks either zero of a tie by its position); +-inf for no
@@ -486,7 +488,7 @@ def merge(array: str, values: np.ndarray, present: Optional[np.ndarray], groups)
 
     Returns:
         float64 [R, G, width]. Each group's members are reduced in their order by
-        :class:`_Reducer` (sums as numpy's, signed zeros of a min or max settled), whatever their
+        :class:`_Reducer` (each group's sum in one fixed order, signed zeros of a min or max settled), whatever their
         place in ``values``. An observed NaN propagates; a group none of whose members a rank
         observed is NaN for the rows with ``observed_by`` (0 for an always-observed L2 norm or
         sum over no member).

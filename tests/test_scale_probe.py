@@ -283,10 +283,11 @@ def test_lazy_aggregates_equal_aggregate_all_read_in_any_order_from_threads():
         statistics.LazyAggregates({})["no_such_statistic"]
 
 
-def _numpy_sum(xs: list) -> float:
-    """numpy's add.reduce of float64 values, written out: the first value plus numpy's pairwise
-    sum of the rest (numpy/_core/src/umath/loops_utils.h.src: sequential from -0.0 under 8
-    values, 8 accumulators up to 128, halves beyond)."""
+def _reduceat_sum(xs: list) -> float:
+    """np.add.reduceat's sum of one segment of float64 values, written out (np.sum differs: it adds
+    the first value in order): the first value plus numpy's pairwise sum of the rest
+    (numpy/_core/src/umath/loops_utils.h.src: sequential from -0.0 under 8 values, 8 accumulators
+    up to 128, halves beyond)."""
     def pairwise(a):
         n = len(a)
         if n < 8:
@@ -331,7 +332,7 @@ class _RefReducer:
         return np.array([[fn(x[r, a:b].tolist()) for a, b in zip(self.bounds, self.bounds[1:])] for r in range(x.shape[0])])
 
     def total(self, x):
-        return self._each(x, lambda xs: _numpy_sum(xs) + 0.0)
+        return self._each(x, lambda xs: _reduceat_sum(xs) + 0.0)
 
     def least(self, x):
         return self._each(x, lambda xs: _extreme(xs, True) if xs else math.inf)
@@ -366,7 +367,8 @@ def _merge_reference(array, values, present, groups):
 
 def test_merge_equals_its_definition_bit_for_bit():
     """Groups in order or shuffled, with and without members, ranks missing members, NaN, inf and
-    zeros of both signs: numpy's reductions over each group, by the plan or by the groups."""
+    zeros of both signs: each group reduced by its definition (_RefReducer), by the plan or by the
+    groups; and the sums are not np.sum's (which adds the first member in order)."""
     rng = np.random.default_rng(6)
     for trial in range(500):
         R, n = int(rng.integers(1, 5)), int(rng.integers(1, 40))
@@ -387,6 +389,9 @@ def test_merge_equals_its_definition_bit_for_bit():
             _same(statistics.merge(array, values, present, statistics.merge_plan(groups)), want)
             if present.all():
                 _same(statistics.merge(array, values, None, groups), want)
+    assert _reduceat_sum([1.0, 1e16, -1e16]) == 1.0 != np.sum([1.0, 1e16, -1e16])
+    plan = statistics.merge_plan([np.arange(3)])
+    assert statistics._Reducer(plan, 1).total(np.array([[1.0, 1e16, -1e16]]))[0, 0] == 1.0
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 33])
