@@ -14,8 +14,8 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from dataclasses import dataclass, field, replace
 from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Optional
 
 import numpy as np

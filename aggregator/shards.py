@@ -19,6 +19,7 @@ Pure functions; no torch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Optional
@@ -131,7 +132,7 @@ class _Groups:
         bytes, :func:`holders`; parameters held whole left out unless the mesh has stages); else by
         those *off* its dims (the shard group, :func:`_off`; parameters held whole left out unless
         ``whole``)."""
-        self._placed: dict[tuple, tuple] = {}  # (ranks, width) -> placed()
+        self._placed: dict[tuple, Optional[np.ndarray]] = {}  # (ranks, width) -> placed()
         blocks: dict[tuple, list[int]] = {}
         info: dict[tuple, tuple] = {}
         col_keys: dict[int, tuple] = {}  # id of a columns array -> (it, its bytes)
@@ -207,20 +208,25 @@ class _Groups:
         self.group = group.astype(np.int32, copy=False) if len(need) < 1 << 31 else group
         self.need, self.n = need, len(need)
 
-    def placed(self, ranks: int, width: int) -> tuple[Optional[np.ndarray], np.ndarray, np.ndarray]:
+    @functools.cached_property
+    def short(self) -> np.ndarray:
+        """bool [n]: the groups with fewer members than they need (incomplete)."""
+        return np.bincount(self.group, minlength=self.n) < self.need
+
+    @functools.cached_property
+    def index(self) -> np.ndarray:
+        """:attr:`group` as intp, numpy's index type (an int32 index is converted on every use)."""
+        return self.group.astype(np.intp)
+
+    def placed(self, ranks: int, width: int) -> Optional[np.ndarray]:
         """For ``ranks`` rows of ``width`` columns, viewed flat (rank-major): int64 [E] each entry's
-        row (None where the entries are every row in order, as in a job whose ranks all shard every
-        parameter alike), bool [n] the groups with fewer members than they need, and
-        :attr:`group` as intp (numpy's index type: an int32 index is converted on every use).
-        Kept: a job's rounds repeat their groups (:class:`~.reconcile.Layout` keeps them)."""
-        got = self._placed.get((ranks, width))
-        if got is None:
+        row, or None where the entries are every row in order (a job whose ranks all shard every
+        parameter alike). Kept: a job's rounds repeat their groups (:class:`~.reconcile.Layout`
+        keeps them)."""
+        if (ranks, width) not in self._placed:
             at = self.rank.astype(np.int64) * width + self.col
-            if len(at) == ranks * width and np.array_equal(at, np.arange(len(at))):
-                at = None
-            short = np.bincount(self.group, minlength=self.n) < self.need
-            got = self._placed[ranks, width] = (at, short, self.group.astype(np.intp))
-        return got
+            self._placed[ranks, width] = None if len(at) == ranks * width and np.array_equal(at, np.arange(len(at))) else at
+        return self._placed[ranks, width]
 
 
 _KINDS: dict[tuple, tuple] = {}  # the dims of a rank's grad_sq classes -> (them, their columns)
@@ -288,13 +294,12 @@ def norms_of(meshes: list, kinds: list, values: list) -> tuple[np.ndarray, np.nd
         widths = np.array([len(k[0]) for k in kinds], np.int64)
         starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64)
         staged = any(wire.stage_dims(m) for m in {(m.names, m.sizes): m for m in meshes}.values())
-        short = np.bincount(g.group, minlength=g.n)[g.group] < g.need[g.group]
-        complete = np.bincount(g.rank, short, minlength=R) == 0
+        complete = np.bincount(g.rank, g.short[g.group], minlength=R) == 0
         hit = _NORM_GROUPS[key] = (meshes, kinds, g, starts[g.rank] + g.col, int(widths.sum()), staged, complete)
     _, _, g, at, width, staged, complete = hit
     with np.errstate(invalid="ignore", over="ignore"):
         v = np.fromiter(itertools.chain.from_iterable(values), np.float64, count=width)[at]
-        share = np.bincount(g.group, v, minlength=g.n)[g.group]
+        share = np.bincount(g.index, v, minlength=g.n)[g.index]
         total = np.bincount(g.rank, share, minlength=R)
     if not staged:  # no pipeline stages (the usual mesh): the totals' roots
         with np.errstate(invalid="ignore"):
@@ -377,7 +382,7 @@ def combine(g: "_Groups", param: np.ndarray) -> np.ndarray:
     if not g.n:
         return param.copy()
     src = param.reshape(-1, param.shape[2])  # rank-major rows
-    at, short, group = g.placed(*param.shape[:2])
+    at, group = g.placed(*param.shape[:2]), g.index
     total = np.empty((g.n, src.shape[1]))
     with np.errstate(invalid="ignore", over="ignore"):
         for f in range(src.shape[1]):  # a field at a time, contiguous (a 16,384-rank round has ~3 million entries)
@@ -386,7 +391,7 @@ def combine(g: "_Groups", param: np.ndarray) -> np.ndarray:
                 np.multiply(x, x, out=x)  # squares (field 2 is a count: summed as it is)
             total[:, f] = np.bincount(group, x, minlength=g.n)  # in entry order: members in rank order
         np.sqrt(total[:, :2], out=total[:, :2])
-    total[short] = np.nan
+    total[g.short] = np.nan
     if at is None:  # every row is an entry
         return np.take(total, group, axis=0).reshape(param.shape)
     out = param.copy()

@@ -880,7 +880,10 @@ class State:
                 sq.append(i)
                 s = schemas.get(e[0])  # the record's place, also when its schema came after it
                 if s is not None and s.mesh is not None:
-                    at.append(i), meshes.append(s.mesh), kinds.append(e[1]), values.append(e[2])
+                    at.append(i)
+                    meshes.append(s.mesh)
+                    kinds.append(e[1])
+                    values.append(e[2])
             v.grad_norm[sq] = math.nan  # until its shard groups are complete
             if at:
                 v.grad_norm[at] = norms_of(meshes, kinds, values)[0]

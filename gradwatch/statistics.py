@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -315,25 +315,37 @@ STATISTICS: tuple[Statistic, ...] = declare(
 
 def of(array: str) -> tuple[Statistic, ...]:
     """The rows of ``array`` in column order."""
-    return _by_array(STATISTICS)[0].get(array, ())
+    return _index(STATISTICS).rows.get(array, ())
 
 
 def fields(array: str) -> tuple[str, ...]:
     """Column names of ``array``, in order (``wire.ACT_FIELDS`` and friends)."""
-    return _by_array(STATISTICS)[1].get(array, ())
+    return _index(STATISTICS).fields.get(array, ())
 
 
-_BY_ARRAY: list = [None, ({}, {})]  # (the table, its rows and fields per array): a round asks often
+class _TableIndex(NamedTuple):
+    """What readers look up in a table of statistics, derived from it once."""
+
+    rows: dict  # array -> its rows, in column order
+    fields: dict  # array -> its fields, in column order
+    by_name: dict  # statistic name -> its row
+    observing: tuple  # the rows grouped by (array, observed_by), in order of first appearance
 
 
-def _by_array(table) -> tuple[dict, dict]:
-    if _BY_ARRAY[0] is not table:  # the table may be replaced (tests add a row)
+_INDEX: list = [None, None]  # (the table, its _TableIndex): a round asks often
+
+
+def _index(table) -> _TableIndex:
+    if _INDEX[0] is not table:  # the table may be replaced (tests add a row)
         rows: dict[str, list] = {}
+        observing: dict[tuple, list] = {}
         for s in table:
             rows.setdefault(s.array, []).append(s)
-        _BY_ARRAY[:] = [table, ({k: tuple(v) for k, v in rows.items()},
-                                {k: tuple(s.field for s in v) for k, v in rows.items()})]
-    return _BY_ARRAY[1]
+            observing.setdefault((s.array, s.observed_by), []).append(s)
+        _INDEX[:] = [table, _TableIndex({k: tuple(v) for k, v in rows.items()},
+                                        {k: tuple(s.field for s in v) for k, v in rows.items()},
+                                        {s.name: s for s in table}, tuple(tuple(g) for g in observing.values()))]
+    return _INDEX[1]
 
 
 def records(array: str) -> tuple[str, ...]:
@@ -438,18 +450,18 @@ class _Reducer:
       member.
     """
 
-    def __init__(self, plan: MergePlan, rows: int):
-        self.plan, self.rows = plan, rows
+    def __init__(self, plan: MergePlan):
+        self.plan = plan
 
     def _at(self, ufunc, x: np.ndarray, empty, dtype=None) -> np.ndarray:
         p = self.plan
         if len(p.starts):
             got = ufunc.reduceat(x, p.starts, axis=1, dtype=dtype)
         else:
-            got = np.zeros((self.rows, 0), dtype or x.dtype)
+            got = np.zeros((x.shape[0], 0), dtype or x.dtype)
         if p.filled is None:
             return got
-        out = np.full((self.rows, p.sizes.shape[1]), empty, got.dtype)
+        out = np.full((x.shape[0], p.sizes.shape[1]), empty, got.dtype)
         out[:, p.filled] = got
         return out
 
@@ -503,15 +515,14 @@ def merge(array: str, values: np.ndarray, present: Optional[np.ndarray], groups)
     inplace = plan.ascending and len(plan.order) == values.shape[1]
     vals = values if inplace else np.take(values, plan.order, axis=1)
     here = present if present is None or inplace else np.take(present, plan.order, axis=1)
-    red = _Reducer(plan, R)
+    red = _Reducer(plan)
     empty = plan.filled is not None  # a group without members: NaN where observed
     masks, counts = {}, {}
     for s in rows:
         if s.observed_by not in masks:
             m = observed(s, vals) if here is None else observed(s, vals) & here
             # observed everywhere (the healthy round): the members as they are, counted by the plan
-            masks[s.observed_by] = np.True_ if m.all() else m
-            counts[s.observed_by] = plan.sizes if m.all() else red.count(m)
+            masks[s.observed_by], counts[s.observed_by] = (np.True_, plan.sizes) if m.all() else (m, red.count(m))
     members = {s.field: vals[..., s.column] for s in rows}
     done: dict[str, np.ndarray] = {}
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -562,7 +573,7 @@ def aggregate_all(arrays: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, 
     over zeros of both signs is aggregated again by :func:`aggregate`, as it always was.
     """
     out = {}
-    for stats in _observing_groups(STATISTICS):
+    for stats in _index(STATISTICS).observing:
         a = arrays[stats[0].array]
         seen = observed(stats[0], a)  # bool [R, n], shared by the group
         cols = seen.any(axis=0)
@@ -604,7 +615,7 @@ class LazyAggregates(Mapping):
     def __getitem__(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         got = self._done.get(name)
         if got is None:
-            stat = _by_name(STATISTICS).get(name)
+            stat = _index(STATISTICS).by_name.get(name)
             if stat is None:
                 raise KeyError(name)
             with self._lock:
@@ -619,15 +630,6 @@ class LazyAggregates(Mapping):
 
     def __len__(self) -> int:
         return len(STATISTICS)
-
-
-_BY_NAME: list = [None, {}]  # (the table, its rows by name): the table may be replaced (tests add a row)
-
-
-def _by_name(table) -> dict[str, Statistic]:
-    if _BY_NAME[0] is not table:
-        _BY_NAME[:] = [table, {s.name: s for s in table}]
-    return _BY_NAME[1]
 
 
 #: aggregate_all's reductions over ranks, as :data:`AGG_FUNCS` computes them (np.nanmin is
@@ -654,16 +656,3 @@ def _mixed_zeros(got: np.ndarray, names: tuple, masked: np.ndarray) -> np.ndarra
         mixed = (bits == 0).any(axis=0) & (bits == np.iinfo(np.int64).min).any(axis=0)
         out[np.nonzero(z)[1][mixed]] = True
     return out
-
-
-_GROUPS: list = [None, ()]  # (the table, its groups): the table may be replaced (tests add a row)
-
-
-def _observing_groups(table) -> tuple[tuple[Statistic, ...], ...]:
-    """The rows of ``table`` grouped by (array, observed_by), in order of first appearance."""
-    if _GROUPS[0] is not table:
-        groups: dict[tuple, list] = {}
-        for s in table:
-            groups.setdefault((s.array, s.observed_by), []).append(s)
-        _GROUPS[:] = [table, tuple(tuple(g) for g in groups.values())]
-    return _GROUPS[1]

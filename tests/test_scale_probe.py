@@ -391,7 +391,7 @@ def test_merge_equals_its_definition_bit_for_bit():
                 _same(statistics.merge(array, values, None, groups), want)
     assert _reduceat_sum([1.0, 1e16, -1e16]) == 1.0 != np.sum([1.0, 1e16, -1e16])
     plan = statistics.merge_plan([np.arange(3)])
-    assert statistics._Reducer(plan, 1).total(np.array([[1.0, 1e16, -1e16]]))[0, 0] == 1.0
+    assert statistics._Reducer(plan).total(np.array([[1.0, 1e16, -1e16]]))[0, 0] == 1.0
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 33])

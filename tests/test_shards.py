@@ -292,7 +292,7 @@ def test_a_job_sharding_every_parameter_alike_combines_every_row_in_place_of_a_g
         got = combine_groups(meshes, shards, pcols, param)
         np.testing.assert_array_equal(got, _ref_combine(meshes, shards, pcols, param))
         assert np.array_equal(param, before, equal_nan=True) and not np.shares_memory(got, param)
-        assert shard_groups(meshes, shards, pcols).placed(8, 5)[0] is None  # the rows, in order
+        assert shard_groups(meshes, shards, pcols).placed(8, 5) is None  # the rows, in order
         # one rank, one parameter: a one-element column is contiguous, and still not squared in place
         one = [wire.Mesh(("tp",), (1,), (0,))], [((0,),)], [np.arange(1, dtype=np.int64)]
         row = np.array([[[3.0, 4.0, 1.0]]])
@@ -300,7 +300,7 @@ def test_a_job_sharding_every_parameter_alike_combines_every_row_in_place_of_a_g
         assert row.tolist() == [[[3.0, 4.0, 1.0]]] and got.tolist() == [[[3.0, 4.0, 1.0]]]
         # a rank without a mesh: the entries no longer cover every row (gathered, the rest kept)
         meshes[3] = None
-        assert shard_groups(meshes, shards, pcols).placed(8, 5)[0] is not None
+        assert shard_groups(meshes, shards, pcols).placed(8, 5) is not None
         got = combine_groups(meshes, shards, pcols, param)
         np.testing.assert_array_equal(got, _ref_combine(meshes, shards, pcols, param))
         assert np.array_equal(got[3], param[3], equal_nan=True)
