@@ -263,6 +263,14 @@ def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float
     return dict(zip([ranks[k] for k in at.tolist()], norm[at].tolist()))
 
 
+def gradless(norm: np.ndarray, nonfinite: np.ndarray) -> np.ndarray:
+    """Which ranks had no gradient at a step, by their records: bool [R] from their own norms
+    (float64 [R]) and non-finite parameter counts (int [R]). The agent sends a NaN norm with no
+    non-finite parameter then (and 0.0 for each of its ``grad_sq`` classes), so a sharded rank's
+    global norm is NaN there, as a replica's is, not sqrt(0): no gradients is no finding."""
+    return np.isnan(norm) & (nonfinite == 0)
+
+
 def norms_of(meshes: list, kinds: list, values: list) -> tuple[np.ndarray, np.ndarray]:
     """Global gradient norms of ranks from their sums of squared gradient elements.
 

@@ -74,7 +74,7 @@ from gradwatch import wire
 from gradwatch.statistics import ARRAYS, STATISTICS
 
 from .reconcile import LayoutCache, RoundResult, group_layers, reconcile, reconcile_in_slices
-from .shards import fits, norms_of, place, sq_kind, unplace
+from .shards import fits, gradless, norms_of, place, sq_kind, unplace
 from .steps import COLUMNS as TABLE_COLUMNS
 from .steps import StepTable
 
@@ -884,9 +884,12 @@ class State:
                     meshes.append(s.mesh)
                     kinds.append(e[1])
                     values.append(e[2])
+            none = gradless(v.grad_norm[sq], v.grad_nonfinite[sq])
             v.grad_norm[sq] = math.nan  # until its shard groups are complete
             if at:
                 v.grad_norm[at] = norms_of(meshes, kinds, values)[0]
+            if none.any():
+                v.grad_norm[np.asarray(sq)[none]] = math.nan
             step = v.step
             for k, x, y in zip([ranks[i] for i in sq], v.grad_norm[sq].tolist(), v.grad_nonfinite[sq].tolist()):
                 r = states.get(k)

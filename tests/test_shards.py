@@ -89,15 +89,17 @@ class PipelineFrames:
         st = self.state
         self.state.apply(wire.decode(wire.encode(msg), schema_sizes=st.schema_sizes))
 
-    def step(self, step: int, local: list[float], compute: list[float], grad_sq: list[float]) -> None:
+    def step(self, step: int, local: list[float], compute: list[float], grad_sq: list[float],
+             grads: bool = True) -> None:
         """Every rank's probed report of ``step``: its local gradient norm, compute time (s), and
-        the sum of squares of its stage's gradient (equal within a stage: replicas)."""
+        the sum of squares of its stage's gradient (equal within a stage: replicas); its own norm
+        the sum's root, as the agent sends, or (``grads`` False) NaN: no gradient this step."""
         self.now[0] += 0.1
         for r in range(6):
             n = len(PP_PARAMS[r // 3])
             g = np.float32(local[r] / np.sqrt(n))
             self.apply(wire.Report(
-                self.header(r), self.hash[r], step, 0.1, math.nan, 0, probe=True,
+                self.header(r), self.hash[r], step, 0.1, math.sqrt(grad_sq[r // 3]) if grads else math.nan, 0, probe=True,
                 act=np.tile(np.array([0.0, 1.0 + r // 3, -1.0, 1.0, 0.1, 0.0], np.float32), (2, 1)),
                 act_grad=np.tile(np.array([0.5, 0.0], np.float32), (2, 1)),
                 param=np.tile(np.array([g, 2.0, 0.0], np.float32), (n, 1)),
@@ -142,6 +144,26 @@ def test_pipeline_stages_with_different_norms_and_times_are_not_outliers_or_stra
     assert j.findings() == [("outlier_rank", "raised", 4), ("straggler", "raised", 1)]
     (f,) = j.runner.active[("pp", "outlier_rank")].values()
     assert f.details["peers"] == [3, 4, 5] and f.details["statistic"] == "local_grad_norm"
+
+
+def test_a_sharded_step_without_gradients_has_no_global_norm_and_is_not_vanishing():
+    # with no gradient at a step the agent sends a NaN norm, no non-finite parameter and 0.0 for
+    # each grad_sq class. A replica's NaN is not judged; a sharded rank's global norm (from the
+    # classes) was sqrt(0) = 0.0, a false "vanishing" finding. Zero gradients are vanishing.
+    j = PipelineFrames(["vanishing", "explosion"])
+    ones = [1.0] * 6
+    for step in range(3):
+        j.step(step, ones, [0.1] * 6, [4.0, 1.0])
+    j.step(3, ones, [0.1] * 6, [0.0, 0.0], grads=False)
+    job = j.state.jobs["pp"]
+    assert job.last_round.step == 3 and np.isnan(job.last_round.grad_norm).all()  # the probed round
+    assert all(math.isnan(job.ranks[r].grad_norm) for r in range(6))  # the released step's gauges
+    j.step(4, ones, [0.1] * 6, [4.0, 1.0])
+    assert job.last_round.grad_norm.tolist() == [math.sqrt(5.0)] * 6
+    assert j.findings() == []
+    j.step(5, ones, [0.1] * 6, [0.0, 0.0])  # gradients present, all zero
+    assert job.last_round.grad_norm.tolist() == [0.0] * 6 and job.ranks[0].grad_norm == 0.0
+    assert j.findings() == [("vanishing", "raised", None)]
 
 
 def test_pipeline_stage_of_two_ranks_has_no_outlier_data():
@@ -368,7 +390,7 @@ def test_a_jobs_released_steps_share_one_set_of_norm_groups_whatever_order_their
     for step in range(6):
         sums = rng.uniform(0.1, 4.0, world)
         for r in rng.permutation(world).tolist():
-            st.apply(wire.Report(hdr(r), sch.hash, step, 0.01, math.nan, 0, grad_sq=(((1,), float(sums[r])),)))
+            st.apply(wire.Report(hdr(r), sch.hash, step, 0.01, math.sqrt(sums[r]), 0, grad_sq=(((1,), float(sums[r])),)))
         job = st.jobs["j"]
         for r in range(world):
             group = [k for k in range(world) if k // tp == r // tp]
