@@ -382,8 +382,8 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
     if sq:
         norms = global_norms({k: (lay.schemas[which[k]].mesh, reps[k].grad_sq) for k in sq
                               if lay.schemas[which[k]].mesh is not None})
-        none = gradless(grad_norm[sq], np.array([reps[k].grad_nonfinite for k in sq]))
-        grad_norm[sq] = [math.nan if n else norms.get(k, math.nan) for k, n in zip(sq, none.tolist())]
+        grad_norm[sq] = gradless(np.array([norms.get(k, math.nan) for k in sq], np.float64), grad_norm[sq],
+                                 np.array([reps[k].grad_nonfinite for k in sq]))
     # parameters merge into their module as layers merge into a group (statistics.merge: each module's sum in one order)
     module = statistics.merge("param", param, present, lay.module_plan)
     yield

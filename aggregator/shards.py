@@ -263,12 +263,13 @@ def global_norms(entries: dict[int, tuple[wire.Mesh, tuple]]) -> dict[int, float
     return dict(zip([ranks[k] for k in at.tolist()], norm[at].tolist()))
 
 
-def gradless(norm: np.ndarray, nonfinite: np.ndarray) -> np.ndarray:
-    """Which ranks had no gradient at a step, by their records: bool [R] from their own norms
-    (float64 [R]) and non-finite parameter counts (int [R]). The agent sends a NaN norm with no
-    non-finite parameter then (and 0.0 for each of its ``grad_sq`` classes), so a sharded rank's
-    global norm is NaN there, as a replica's is, not sqrt(0): no gradients is no finding."""
-    return np.isnan(norm) & (nonfinite == 0)
+def gradless(norm: np.ndarray, own: np.ndarray, nonfinite: np.ndarray) -> np.ndarray:
+    """Global gradient norms (float64 [R]) with NaN where there was no gradient at all: the
+    rank had none (its own norm, float64 [R], NaN with no non-finite parameter, int [R] counts:
+    the agent then sends 0.0 for each ``grad_sq`` class) and nor had the ranks its norm adds up
+    (it is 0.0). A replica's norm is NaN there; sqrt(0) would read as a vanishing gradient. A
+    pipeline rank of a frozen stage keeps the other stages' norm."""
+    return np.where(np.isnan(own) & (nonfinite == 0) & (norm == 0.0), np.nan, norm)
 
 
 def norms_of(meshes: list, kinds: list, values: list) -> tuple[np.ndarray, np.ndarray]:

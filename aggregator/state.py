@@ -884,12 +884,11 @@ class State:
                     meshes.append(s.mesh)
                     kinds.append(e[1])
                     values.append(e[2])
-            none = gradless(v.grad_norm[sq], v.grad_nonfinite[sq])
+            own = v.grad_norm[sq]
             v.grad_norm[sq] = math.nan  # until its shard groups are complete
             if at:
                 v.grad_norm[at] = norms_of(meshes, kinds, values)[0]
-            if none.any():
-                v.grad_norm[np.asarray(sq)[none]] = math.nan
+            v.grad_norm[sq] = gradless(v.grad_norm[sq], own, v.grad_nonfinite[sq])
             step = v.step
             for k, x, y in zip([ranks[i] for i in sq], v.grad_norm[sq].tolist(), v.grad_nonfinite[sq].tolist()):
                 r = states.get(k)

@@ -90,16 +90,16 @@ class PipelineFrames:
         self.state.apply(wire.decode(wire.encode(msg), schema_sizes=st.schema_sizes))
 
     def step(self, step: int, local: list[float], compute: list[float], grad_sq: list[float],
-             grads: bool = True) -> None:
+             frozen: tuple = ()) -> None:
         """Every rank's probed report of ``step``: its local gradient norm, compute time (s), and
         the sum of squares of its stage's gradient (equal within a stage: replicas); its own norm
-        the sum's root, as the agent sends, or (``grads`` False) NaN: no gradient this step."""
+        the sum's root, as the agent sends, or NaN on the ``frozen`` stages: no gradient there."""
         self.now[0] += 0.1
         for r in range(6):
             n = len(PP_PARAMS[r // 3])
             g = np.float32(local[r] / np.sqrt(n))
             self.apply(wire.Report(
-                self.header(r), self.hash[r], step, 0.1, math.sqrt(grad_sq[r // 3]) if grads else math.nan, 0, probe=True,
+                self.header(r), self.hash[r], step, 0.1, math.nan if r // 3 in frozen else math.sqrt(grad_sq[r // 3]), 0, probe=True,
                 act=np.tile(np.array([0.0, 1.0 + r // 3, -1.0, 1.0, 0.1, 0.0], np.float32), (2, 1)),
                 act_grad=np.tile(np.array([0.5, 0.0], np.float32), (2, 1)),
                 param=np.tile(np.array([g, 2.0, 0.0], np.float32), (n, 1)),
@@ -154,14 +154,16 @@ def test_a_sharded_step_without_gradients_has_no_global_norm_and_is_not_vanishin
     ones = [1.0] * 6
     for step in range(3):
         j.step(step, ones, [0.1] * 6, [4.0, 1.0])
-    j.step(3, ones, [0.1] * 6, [0.0, 0.0], grads=False)
+    j.step(3, ones, [0.1] * 6, [0.0, 0.0], frozen=(0, 1))
     job = j.state.jobs["pp"]
     assert job.last_round.step == 3 and np.isnan(job.last_round.grad_norm).all()  # the probed round
     assert all(math.isnan(job.ranks[r].grad_norm) for r in range(6))  # the released step's gauges
     j.step(4, ones, [0.1] * 6, [4.0, 1.0])
     assert job.last_round.grad_norm.tolist() == [math.sqrt(5.0)] * 6
+    j.step(5, ones, [0.1] * 6, [4.0, 0.0], frozen=(1,))  # stage 1 frozen: its ranks show the model's norm
+    assert job.last_round.grad_norm.tolist() == [2.0] * 6 and job.ranks[5].grad_norm == 2.0
     assert j.findings() == []
-    j.step(5, ones, [0.1] * 6, [0.0, 0.0])  # gradients present, all zero
+    j.step(6, ones, [0.1] * 6, [0.0, 0.0])  # gradients present, all zero
     assert job.last_round.grad_norm.tolist() == [0.0] * 6 and job.ranks[0].grad_norm == 0.0
     assert j.findings() == [("vanishing", "raised", None)]
 
