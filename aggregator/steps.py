@@ -13,9 +13,11 @@ assignment per column, whatever its length. A step is *released*, once and in st
   can die or a record be lost);
 * when the steps waiting would span more rows than the table holds: the capacity grows (powers of
   two) up to ``max_cells`` / world steps, so memory is bounded per job whatever its ranks send, and
-  beyond it the oldest steps are released first.
+  beyond it the oldest steps are released first (the span runs from the oldest step waiting or
+  arriving to the newest: a step's row is ``step % capacity``).
 
-A record of a step already released is left out (the rank's gauges still took it). The checks that
+A record of a step already released, or of one older than the table spans back from the newest
+step, is left out (the rank's gauges still took it). The checks that
 judge a step as a whole read the views (``Check.on_steps``): after all-reduce every rank holds the
 same gradient norm, so a step is judged once, with every rank's local (pre-all-reduce) norm and
 own compute time at hand.
@@ -87,6 +89,7 @@ class StepTable:
         self.max_rows = max(MIN_ROWS, 1 << max(0, (max_cells // max(world, 1)).bit_length() - 1))
         self.released = -1  # highest step released so far
         self.oldest = -1  # lowest step waiting, -1 when none
+        self.newest = -1  # highest step waiting, -1 when none
         self._alloc(min(MIN_ROWS, self.max_rows))
         self.norms: dict[int, dict[int, tuple]] = {}  # step -> rank -> (schema, row)
         self.grad_sq: dict[int, dict[int, tuple]] = {}  # step -> rank -> grad_sq
@@ -132,7 +135,7 @@ class StepTable:
             return out
         first, last = int(steps[0]), int(steps[-1])
         out = self._room(first, last)
-        if out:  # the room it took may have released some of these steps' peers' records
+        if first <= self.released:  # making room released these steps' peers' records, or left them behind
             steps, values, norms, grad_sq, guard = _only(steps > self.released, steps, values, norms, grad_sq, guard)
             if not len(steps):
                 return out
@@ -148,6 +151,7 @@ class StepTable:
         for name in COLUMNS:
             self.cols[name][idx, rank] = values[name]
         self.oldest = first if self.oldest < 0 else min(self.oldest, first)
+        self.newest = max(self.newest, last)
         if norms is not None:
             schema, rows = norms
             for s, row in zip(steps.tolist(), rows):
@@ -183,6 +187,7 @@ class StepTable:
         for name in COLUMNS:
             self.cols[name][i, rank] = values[name]
         self.oldest = step if self.oldest < 0 else min(self.oldest, step)
+        self.newest = max(self.newest, step)
         if norms is not None:
             self.norms.setdefault(step, {})[rank] = norms
         if grad_sq is not None:
@@ -214,18 +219,22 @@ class StepTable:
                 d.pop(rank, None)
 
     def _room(self, first: int, last: int) -> list[StepView]:
-        """Make the rows span ``first..last`` together with the steps waiting: grow, else release
-        the oldest."""
-        lo = first if self.oldest < 0 else min(first, self.oldest)
-        span = last - lo + 1
+        """Make the rows span ``first..last`` together with the steps waiting (a step's row is
+        ``step % rows``: two steps a table's rows or more apart would share one): grow, else the
+        steps that many rows or more behind the newest go: those waiting are released, and
+        records of older ones are late (``released`` moves up to them)."""
+        lo, hi = (first, last) if self.oldest < 0 else (min(first, self.oldest), max(last, self.newest))
+        span = hi - lo + 1
         if span <= self.rows:
             return []
-        held = self.step_of[self.step_of >= 0]
-        if span > self.rows and self.rows < self.max_rows:
+        if self.rows < self.max_rows:
             self._grow(min(self.max_rows, 1 << (span - 1).bit_length()))
         if span <= self.rows:
             return []
-        return self._release(held[held <= last - self.rows])
+        held = self.step_of[self.step_of >= 0]
+        out = self._release(held[held <= hi - self.rows])
+        self.released = max(self.released, hi - self.rows)
+        return out
 
     def _grow(self, rows: int) -> None:
         step_of, have, count, seen, cols = self.step_of, self.have, self.count, self.seen, self.cols
@@ -249,7 +258,7 @@ class StepTable:
             self.released = max(self.released, s)
         if out:
             held = self.step_of[self.step_of >= 0]
-            self.oldest = int(held.min()) if held.size else -1
+            self.oldest, self.newest = (int(held.min()), int(held.max())) if held.size else (-1, -1)
         return out
 
 

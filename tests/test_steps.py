@@ -76,6 +76,51 @@ def test_memory_is_bounded_per_job_the_oldest_steps_go_first():
     assert t.have.nbytes + sum(a.nbytes for a in t.cols.values()) <= 1024 * MIN_ROWS * (1 + 8 * len(COLUMNS))
 
 
+def test_a_batch_older_than_the_steps_waiting_never_shares_their_rows():
+    # rank 0 is ahead (steps 100..130 wait); rank 1's batch of 36..99 comes: a step's row is
+    # step % rows, so 36 and 100 would share one of 64 rows. The table grows to span them all.
+    t = StepTable(2)
+    add(t, 0, range(100, 131))
+    assert add(t, 1, range(36, 100)) == []
+    out = add(t, 1, range(100, 131)) + t.tick(0.0) + t.tick(10 * WAIT_S)
+    assert [v.step for v in out] == list(range(36, 131))
+    for v in out:
+        assert v.ranks.tolist() == ([1] if v.step < 100 else [0, 1])
+        assert v.grad_norm.tolist() == [v.step * 10.0 + k for k in v.ranks.tolist()]
+    # at its largest, records a table's rows or more behind the newest step waiting are late
+    t = StepTable(1024, max_cells=1024 * MIN_ROWS)
+    add(t, 0, range(100, 131))
+    assert add(t, 1, range(36, 100)) == [] and t.released == 130 - MIN_ROWS
+    out = add(t, 1, range(100, 131)) + t.tick(0.0) + t.tick(10 * WAIT_S)
+    assert [v.step for v in out] == list(range(67, 131))
+    for v in out:
+        assert v.ranks.tolist() == ([1] if v.step < 100 else [0, 1])
+        assert v.grad_norm.tolist() == [v.step * 10.0 + k for k in v.ranks.tolist()]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ranks_far_apart_in_a_table_at_its_largest_never_mix_steps(seed):
+    """Ranks first heard at steps far apart (an aggregator restarted mid-run) drift further
+    apart, in batches of random length: every step released once, ascending, each value the
+    record of its own step and rank."""
+    rng = np.random.default_rng(seed)
+    world = 4
+    t = StepTable(world, max_cells=world * MIN_ROWS)
+    nxt, released = rng.integers(0, 3 * MIN_ROWS, world).tolist(), []
+    for _ in range(3000):
+        k = int(rng.integers(world))
+        if rng.random() < 0.3 * (k + 1) / world:  # the higher ranks run ahead
+            continue
+        m = int(rng.integers(1, 20))
+        released += add(t, k, range(nxt[k], nxt[k] + m))
+        nxt[k] += m
+    released += t.tick(0.0) + t.tick(10 * WAIT_S)
+    steps = [v.step for v in released]
+    assert steps == sorted(set(steps)) and max(nxt) - min(nxt) > 2 * MIN_ROWS
+    for v in released:
+        assert v.grad_norm.tolist() == [v.step * 10.0 + k for k in v.ranks.tolist()]
+
+
 def test_a_restarted_ranks_waiting_records_are_forgotten():
     t = StepTable(2)
     add(t, 0, [0, 1])
