@@ -55,7 +55,7 @@ class AggregatorConfig(BaseSettings):
     max_label_len: int = Field(200, ge=32, le=4096, description="Longest module path (or host name) exported as a label value, characters; longer ones are cut, keeping a digest of the whole so they stay distinct.")
     max_step_jump: int = Field(1000, ge=1, description="Steps a rank may advance at once beyond max_step_jump's floor of 10x what its observed step rate explains; larger jumps are rejected (step_jump).")
     boot_takeover_s: float = Field(3.0, gt=0, description="Seconds a rank's agent must have been silent (or have said goodbye) before a message under another boot id may take the rank over; earlier ones are rejected (boot_conflict).")
-    restart_grace_s: float = Field(30.0, gt=0, description="Seconds a rank's vote to restart its job (a report from a new boot at an earlier step, or another world size) counts; a restart needs votes from half the world, or the other ranks silent this long.")
+    restart_grace_s: float = Field(30.0, gt=0, description="Seconds a rank's vote to restart its job (a report from a new boot at an earlier step, or another world size) counts; a restart needs votes from half the world's ranks (ranks past the job's world have none), or the other ranks silent this long.")
     max_world: int = Field(65_536, ge=1, description="Largest world size accepted; larger claims are rejected (world_too_large), bounding per-rank state.")
     rank_ttl_s: float = Field(600.0, gt=0, description="Seconds after which a silent rank's series are no longer exported (case C34).")
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 30, description="Largest accepted message, bytes; larger ones are rejected as too_large.")

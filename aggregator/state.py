@@ -22,8 +22,9 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   (silent) or closed its agent (goodbye); a forged frame for a live rank changes nothing.
 * **Restart by majority.** A job's state starts over only when at least half of its world's
   ranks vote for it from new boot ids (a report resuming at an earlier step, or a frame of
-  another world size; votes agree on the world and expire after ``restart_grace_s``), or when
-  one rank votes and every other rank has been silent for ``restart_grace_s``. A lone frame is
+  another world size; votes agree on the world and expire after ``restart_grace_s``; ranks past
+  the job's world have no vote), or when one of its ranks votes and every other rank has been
+  silent for ``restart_grace_s``. A lone frame is
   rejected (``world_mismatch``, ``restart_unconfirmed``), and so is a goodbye from a boot the rank
   does not speak under (``foreign_goodbye``). A report or heartbeat whose step runs ahead of the
   rank's latest (or its peers', if ahead) by more than ``max(max_step_jump, 10 x the steps the
@@ -620,13 +621,17 @@ class State:
 
     def _vote(self, job: JobState, h: wire.Header, now: float) -> bool:
         """Record rank ``h.rank``'s vote, from a new boot, for restarting the job with world
-        ``h.world``; True when the votes carry it (module docstring)."""
+        ``h.world``; True when the votes carry it (module docstring). Only the job's own ranks
+        (below its world) vote: ranks past it are free to invent, so half a doubled world of them
+        would restart a live job without claiming one live rank."""
+        if h.rank >= job.world:
+            return False
         job.votes[h.rank] = (h.boot, h.world, now)
         for rank, (_, _, when) in list(job.votes.items()):
             if now - when > self.restart_grace_s:
                 del job.votes[rank]
         agree = sum(1 for _, w, _ in job.votes.values() if w == h.world)
-        if 2 * agree >= max(job.world, h.world):
+        if 2 * agree >= job.world:
             return True
         # the old incarnation is gone: every rank still under an old boot (not the boot it voted
         # with) has been silent for restart_grace_s

@@ -662,6 +662,42 @@ def test_a_forged_majority_restart_of_a_live_job_changes_nothing():
     assert st.rejected["retired_boot"] == 4 and st.rejected["step_jump"] == 0
 
 
+def test_ranks_past_a_live_jobs_world_have_no_restart_vote():
+    """A forger who knows the key claims a doubled world from ranks the job does not have (no
+    live boot to conflict with): half of the doubled world once restarted the job, retired the
+    real ranks' boots and named a rank that does not exist silent. Only the job's own ranks vote;
+    an elastic growth is still believed when half of them restart under the new world."""
+    clock = Clock()
+    st = State(clock=clock, restart_grace_s=5, boot_takeover_s=3)
+    seq = [0] * 3
+
+    def real(step):
+        for r in range(3):
+            seq[r] += 1
+            st.apply(_rep(r, step, f"real{r}", world=3, seq=seq[r]))
+
+    for s in range(30):
+        real(s)
+        clock.t += 0.1
+    for r in range(3, 6):
+        st.apply(_rep(r, 0, f"forged{r}", world=6))
+    job = st.jobs["j"]
+    assert job.world == 3 and job.restarts == 0 and st.rejected["world_mismatch"] == 3 and not job.votes
+    real(30)
+    assert {r: x.step for r, x in job.ranks.items()} == {0: 30, 1: 30, 2: 30} and st.rejected["retired_boot"] == 0
+    # the job itself grows to 6 (an elastic restart): its old ranks restart under the new world
+    clock.t += 3.5
+    st.apply(_rep(3, 0, "grown3", world=6))  # a new rank first: no vote
+    st.apply(_rep(0, 0, "grown0", world=6))
+    assert job.restarts == 0
+    st.apply(_rep(1, 0, "grown1", world=6))  # 2 of 3: believed
+    job = st.jobs["j"]
+    assert job.world == 6 and job.restarts == 1
+    for r in range(6):
+        st.apply(_rep(r, 1, f"grown{r}", world=6, seq=1))
+    assert sorted(job.ranks) == list(range(6)) and all(x.step == 1 for x in job.ranks.values())
+
+
 def test_memory_under_overload_is_bounded_for_all_agents_together():
     """The writer stalls (a slow disk, a huge scrape) while 16 agents flood it: received frames
     wait in the intake, which never holds more than max_intake_bytes whatever the number of
