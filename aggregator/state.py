@@ -37,7 +37,7 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   and a flood of them without schemas cannot push a starting job out; a pending job holds at most
   ``max_pending_ranks`` ranks (``pending_ranks``) and twice as many schemas (its ranks' placed
   copies among them): those of ranks it has no room for are kept for them to use once the job
-  has its slot.
+  has its slot; its step table holds at most ``steps.PENDING_CELLS`` cells.
 * **Series.** Module paths longer than ``max_label_len`` are cut, keeping a digest of the whole
   path so that labels stay distinct; a job's latest round exports at most
   ``max_series_per_job`` per-layer series (the first layers in forward order), and all jobs
@@ -77,7 +77,7 @@ from gradwatch.statistics import ARRAYS, STATISTICS
 from .reconcile import LayoutCache, RoundResult, group_layers, reconcile, reconcile_in_slices
 from .shards import fits, gradless, norms_of, place, sq_kind, unplace
 from .steps import COLUMNS as TABLE_COLUMNS
-from .steps import StepTable
+from .steps import MAX_CELLS, PENDING_CELLS, StepTable
 
 
 def _per(kind: str) -> int:
@@ -808,7 +808,11 @@ class State:
         r.last_report_at = now
         table = job.table
         if table is None or table.world != job.world:
-            table = job.table = StepTable(job.world)
+            # a pending job (no schema its records use yet, its world only what its frames claim)
+            # gets a small table: one frame claiming 65,536 ranks took ~240 MB
+            table = job.table = StepTable(job.world, MAX_CELLS if job.admitted else PENDING_CELLS)
+        elif job.admitted and table.max_cells < MAX_CELLS:
+            table.allow(MAX_CELLS)
         norms = None
         if m.grad_norms is not None:
             norms = (m.schema, m.grad_norms.reshape(n, -1))

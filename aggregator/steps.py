@@ -34,8 +34,11 @@ import numpy as np
 
 #: seconds (aggregator clock) an incomplete step waits for its missing ranks
 WAIT_S = 2.0
-#: rows a table starts with
+#: rows a table starts with (fewer where ``max_cells`` / world is less)
 MIN_ROWS = 64
+#: cells a pending job's table holds at most (a job without a slot: its world is only what its
+#: frames claim): ~4 MB, 4 steps of 16,384 ranks
+PENDING_CELLS = 1 << 16
 #: cells (rows x world) a table holds at most: with :data:`COLUMNS` about 60 bytes each
 MAX_CELLS = 1 << 20
 
@@ -86,7 +89,7 @@ class StepTable:
 
     def __init__(self, world: int, max_cells: int = MAX_CELLS):
         self.world = world
-        self.max_rows = max(MIN_ROWS, 1 << max(0, (max_cells // max(world, 1)).bit_length() - 1))
+        self.allow(max_cells)
         self.released = -1  # highest step released so far
         self.oldest = -1  # lowest step waiting, -1 when none
         self.newest = -1  # highest step waiting, -1 when none
@@ -94,6 +97,12 @@ class StepTable:
         self.norms: dict[int, dict[int, tuple]] = {}  # step -> rank -> (schema, row)
         self.grad_sq: dict[int, dict[int, tuple]] = {}  # step -> rank -> grad_sq
         self.guard: dict[int, dict[int, tuple]] = {}  # step -> rank -> (schema, slot), slots >= 0 only
+
+    def allow(self, max_cells: int) -> None:
+        """Hold at most ``max_cells`` cells from now on (``max_rows``: a power of two, at least
+        one row; 16 at 65,536 ranks by :data:`MAX_CELLS`)."""
+        self.max_cells = max_cells
+        self.max_rows = 1 << max(0, (max_cells // max(self.world, 1)).bit_length() - 1)
 
     def _alloc(self, rows: int) -> None:
         self.rows = rows

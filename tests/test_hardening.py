@@ -552,6 +552,32 @@ def test_placed_copies_count_toward_the_schema_cap_and_a_pending_job_keeps_its_r
     assert st.rejected["unknown_schema"] == 0
 
 
+def test_a_pending_jobs_step_table_is_small_whatever_world_its_frames_claim():
+    """A record without a schema, under an invented id claiming 65,536 ranks, made a step table
+    of 64 x 65,536 cells (~240 MB, four times MAX_CELLS) for a frame of ~300 bytes; sixteen such
+    ids held ~3.8 GB. A pending job's table holds PENDING_CELLS; once admitted, MAX_CELLS, and
+    its records from before the schema are still judged (tests/test_checks_consistency.py)."""
+    from gradwatch.aggregator.steps import MAX_CELLS, PENDING_CELLS
+
+    st = State(clock=Clock())
+    for i in range(16):
+        st.apply(wire.Report(wire.Header(f"ghost{i}", 0, 65536, "b", 0, 0.0, ""), "nope", 0, 0.01, 1.0, 0))
+    tables = [j.table for j in st.jobs.values()]
+    assert len(tables) == 16 and all(not j.admitted for j in st.jobs.values())
+    held = sum(t.have.nbytes + sum(a.nbytes for a in t.cols.values()) for t in tables)
+    assert all(t.max_rows * t.world <= PENDING_CELLS for t in tables) and held < 16 * 5 * 2**20
+    # a job of 1,024 ranks: its records before its schema wait in a small table, which takes the
+    # full size once the job is admitted
+    sch = wire.Schema(wire.Header("big", 0, 1024, "b0", 0, 0.0, "k"), "n", 0, 1, (("w", (4,), "float32"),), SLOTS)
+    st.apply(wire.Report(wire.Header("big", 1, 1024, "b1", 0, 0.0, "k"), sch.hash, 0, 0.01, 1.0, 0))
+    job = st.jobs["big"]
+    assert job.table.max_rows == PENDING_CELLS // 1024
+    st.apply(sch)
+    st.apply(wire.Report(wire.Header("big", 0, 1024, "b0", 1, 0.0, "k"), sch.hash, 0, 0.01, 1.0, 0))
+    assert job.admitted and job.table.max_rows == MAX_CELLS // 1024 and job.table.pending == 1
+    assert job.table.count[0] == 2  # both ranks' records of step 0 wait together
+
+
 def test_the_job_key_tells_jobs_apart_and_survives_restarts(monkeypatch):
     cfg = AgentConfig()
     for var in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
