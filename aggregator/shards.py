@@ -20,10 +20,12 @@ Pure functions; no torch.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import math
 from typing import Optional
 
+import msgspec
 import numpy as np
 
 from gradwatch import wire
@@ -63,7 +65,9 @@ def unplace(key: str) -> str:
 
 
 _PARTS: dict[tuple, tuple] = {}  # (schema hash, stage) -> part: straggler asks per rank per step
-_NAMES: dict[tuple, int] = {}  # parameter names -> a small number (parts compare in O(1))
+# a digest of the parameter names -> a small number (parts compare in O(1)); the digest, not the
+# names: held past their schemas, 16,384 entries of up to max_names names grew without bound
+_NAMES: dict[bytes, int] = {}
 _PARTS_MAX = 1 << 14
 
 
@@ -80,7 +84,8 @@ def part(schema: wire.Schema) -> tuple:
         if len(_PARTS) >= _PARTS_MAX or len(_NAMES) >= _PARTS_MAX:
             _PARTS.clear()
             _NAMES.clear()
-        names = _NAMES.setdefault(tuple(p[0] for p in schema.params), len(_NAMES))
+        digest = hashlib.blake2b(msgspec.msgpack.encode([p[0] for p in schema.params]), digest_size=16).digest()
+        names = _NAMES.setdefault(digest, len(_NAMES))
         got = _PARTS[(unplace(schema.hash), stage)] = (stage, names)
     return got
 

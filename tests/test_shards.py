@@ -398,3 +398,23 @@ def test_a_jobs_released_steps_share_one_set_of_norm_groups_whatever_order_their
             group = [k for k in range(world) if k // tp == r // tp]
             assert job.ranks[r].grad_norm == math.sqrt(sum(float(sums[k]) for k in group))  # summed in rank order
     assert len(shards._NORM_GROUPS) == 1
+
+
+def test_parts_cache_keeps_a_digest_of_the_parameter_names_not_the_names():
+    """shards.part numbers each schema's parameter names; its process-wide cache kept the names
+    themselves, past their schemas and outside every schema bound (an attack grew it ~0.5 MB a
+    new schema). It keeps 16 bytes per distinct set of names, and tells sets apart exactly."""
+    from gradwatch.aggregator import shards
+
+    shards._PARTS.clear()
+    shards._NAMES.clear()
+
+    def schema(names, width=2):
+        return wire.Schema(wire.Header("j", 0, 1, "b", 0, 0.0), "n", 0, 1, tuple((n, (width,), "float32") for n in names), ())
+
+    long = [f"model.layers.{i}.{'x' * 200}.weight" for i in range(2000)]
+    a, b = schema(long), schema(long, width=3)  # the same names, another hash
+    assert a.hash != b.hash and shards.part(a) == shards.part(b)
+    assert shards.part(schema(long[:-1] + ["other"])) != shards.part(a)
+    assert shards.part(schema(["a\0b", "c"])) != shards.part(schema(["a", "b\0c"]))  # names containing the separator
+    assert all(isinstance(k, bytes) and len(k) == 16 for k in shards._NAMES) and len(shards._NAMES) == 4
