@@ -92,7 +92,8 @@ class NoiseScale(Check):
         glob = np.asarray(r.grad_norm, np.float64)
         if job.world >= 2 and len(batch) > 0 and batch[0] > 0 and (batch == batch[0]).all():
             b = float(batch[0])
-            g2, trace = estimates(float(np.mean(local**2)), float(np.median(glob)) ** 2, b, b * job.world)
+            with np.errstate(over="ignore", invalid="ignore"):  # a norm past 1.3e154 squares to Inf: no estimate
+                g2, trace = estimates(float(np.mean(local**2)), float(np.median(glob) ** 2), b, b * job.world)
             if math.isfinite(g2) and math.isfinite(trace):  # a NaN or Inf norm never enters an EMA (C36)
                 a = self.t.noise_ema
                 st.g2 = g2 if st.rounds == 0 else a * st.g2 + (1 - a) * g2
