@@ -782,14 +782,21 @@ class State:
         counters, the job's step table (the checks judge the steps it releases), a probe's round."""
         probe = isinstance(m, wire.Report) and m.probe
         one = isinstance(m, wire.Report) or len(m.step) == 1  # 1 step/s and slower: no numpy per record
+        # the counters take each step once: records of steps the rank sent before (a batch sent
+        # again, or overlapping the last) are not counted again
         if one:
             rec = _record(m)
-            last, n, skipped = rec["step"], 1, rec["skipped"]
-            nonfinite = rec["grad_nonfinite"] > 0 or math.isinf(rec["grad_norm"])
+            last, n = rec["step"], 1
+            fresh = last > r.step
+            skipped = rec["skipped"] if fresh else 0
+            nonfinite = fresh and (rec["grad_nonfinite"] > 0 or math.isinf(rec["grad_norm"]))
         else:
             rec = dict(zip(_NAMES, m.records[-1].item()))
-            last, n, skipped = rec["step"], len(m.step), int(m.skipped.sum())
-            nonfinite = int(((m.grad_nonfinite > 0) | np.isinf(m.grad_norm)).sum())
+            last, n = rec["step"], len(m.step)
+            new = m.step > r.step
+            fresh = int(new.sum())
+            skipped = int(m.skipped[new].sum())
+            nonfinite = int((((m.grad_nonfinite > 0) | np.isinf(m.grad_norm)) & new).sum())
         r.boot_step = -1
         if r.steps == 0:
             r.first_report_at = now
@@ -802,7 +809,7 @@ class State:
             r.grad_norm, r.grad_nonfinite = rec["grad_norm"], int(rec["grad_nonfinite"])
         r.skipped_steps += skipped
         r.agent_drops = max(r.agent_drops, m.drops)
-        r.steps += n
+        r.steps += int(fresh)
         # a NaN norm with no non-finite parameter means "no gradients this step", not a fault
         r.nonfinite_steps += int(nonfinite)
         r.last_report_at = now

@@ -578,6 +578,28 @@ def test_a_pending_jobs_step_table_is_small_whatever_world_its_frames_claim():
     assert job.table.count[0] == 2  # both ranks' records of step 0 wait together
 
 
+def test_records_of_steps_sent_before_count_once():
+    """A batch sent again, or overlapping the rank's last one, counted its steps, non-finite steps
+    and skipped steps again, while the step table kept each step once: 15 steps sent, 20 counted."""
+    st = State(clock=Clock())
+    seq = iter(range(100))
+
+    def hdr():
+        return wire.Header("j", 0, 1, "b0", next(seq), 0.0, "k")
+
+    sch = wire.Schema(hdr(), "n", 0, 1, (("w", (4,), "float32"),), SLOTS)
+    st.apply(sch)
+
+    def rec(step):  # step 7 had a non-finite gradient, step 8 was skipped (AMP)
+        return wire.Report(hdr(), sch.hash, step, 0.01, 1.0, int(step == 7), skipped=int(step == 8))
+
+    st.apply(wire.Steps.of([rec(s) for s in range(10)]))
+    st.apply(wire.Steps.of([rec(s) for s in range(5, 15)]))
+    st.apply(rec(14))  # one record, sent again
+    r = st.jobs["j"].ranks[0]
+    assert (r.step, r.steps, r.nonfinite_steps, r.skipped_steps) == (14, 15, 1, 1)
+
+
 def test_the_job_key_tells_jobs_apart_and_survives_restarts(monkeypatch):
     cfg = AgentConfig()
     for var in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
