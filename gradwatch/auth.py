@@ -55,10 +55,20 @@ def _z85_key(value: str) -> Optional[bytes]:
     return value.encode("ascii") if len(raw) == 32 else None
 
 
+#: the Z85 alphabet (ZeroMQ RFC 32): a secret key's characters, "/" among them
+_Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
+
+
 def _describe(value: str, secret: bool) -> str:
-    # a mistyped secret must not reach a log; a path is fine to show
-    looks_like_path = os.sep in value or value.endswith((".key", ".key_secret"))
-    return repr(value) if looks_like_path or not secret else "the value given (not shown: it may be a secret)"
+    # a mistyped secret must not reach a log; a path is fine to show. "/" is a Z85 character (in
+    # ~38 % of keys), so whatever could be a key, mistyped or cut, is not shown
+    maybe_key = 30 <= len(value) <= 50 and _Z85.issuperset(value)
+    return "the value given (not shown: it may be a secret)" if secret and maybe_key else repr(value)
+
+
+def _clean(value: str) -> str:
+    """A key setting's value without the whitespace around it (a secret store's trailing newline)."""
+    return value.strip()
 
 
 def _certificate(value: str, secret: bool) -> tuple[bytes, Optional[bytes]]:
@@ -88,6 +98,7 @@ def load_public(value: str) -> bytes:
     Raises:
         KeyMaterialError: neither a readable certificate nor a Z85 key.
     """
+    value = _clean(value)
     key = _z85_key(value) if not os.path.isfile(value) else None
     return key if key is not None else _certificate(value, secret=False)[0]
 
@@ -99,6 +110,7 @@ def load_pair(value: str) -> tuple[bytes, bytes]:
     Raises:
         KeyMaterialError: not a certificate holding a secret key, nor a Z85 key.
     """
+    value = _clean(value)
     key = _z85_key(value) if not os.path.isfile(value) else None
     if key is not None:
         return zmq.curve_public(key), key
@@ -115,6 +127,7 @@ def load_allowed(value: str) -> frozenset[bytes]:
     Raises:
         KeyMaterialError: unreadable, or no key found.
     """
+    value = _clean(value)
     if os.path.isdir(value):
         try:
             keys = frozenset(zmq.auth.load_certificates(value))
@@ -122,6 +135,10 @@ def load_allowed(value: str) -> frozenset[bytes]:
             raise KeyMaterialError(f"cannot read the certificates in {value!r}: {e}") from None
         if not keys:
             raise KeyMaterialError(f"directory {value!r} holds no .key file")
+        if any(name.endswith(".key_secret") for name in os.listdir(value)):
+            # gradwatch keys' own directory: its server.key would be admitted as a client's
+            raise KeyMaterialError(f"directory {value!r} holds secret keys: give the directory of the clients' "
+                                   f"public keys only (gradwatch keys writes it as DIR/clients)")
         bad = [k for k in keys if _z85_key(k.decode("ascii", "replace")) is None]
         if bad:
             raise KeyMaterialError(f"directory {value!r}: a public-key is not a 40-character Z85 key")

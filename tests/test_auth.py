@@ -269,7 +269,25 @@ def test_agent_missing_key_file_fails_at_attach_naming_the_setting(keys, tmp_pat
     with pytest.raises(agent.ConfigError, match=r"agent\.client_key \(GRADWATCH_CLIENT_KEY\): ") as e:
         agent.attach(model, opt, server_key=good["server_key"])
     assert bad_secret not in str(e.value)
+    # "/" is a Z85 character (in ~38 % of keys): such a secret, cut short, was shown as if a path
+    while b"/" not in (pair := zmq.curve_keypair())[1]:
+        pass
+    cut = pair[1].decode()[:39]
+    monkeypatch.setenv("GRADWATCH_CLIENT_KEY", cut)
+    with pytest.raises(agent.ConfigError, match=r"agent\.client_key \(GRADWATCH_CLIENT_KEY\): ") as e:
+        agent.attach(model, opt, server_key=good["server_key"])
+    assert cut not in str(e.value) and cut[:20] not in str(e.value)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # nothing attached
+
+
+def test_a_key_with_whitespace_around_it_is_the_key(keys):
+    """A secret store's value often ends in a newline: the key is read without it."""
+    from gradwatch import auth
+
+    public, secret = zmq.curve_keypair()
+    assert auth.load_pair(f" {secret.decode()}\n") == (public, secret)
+    assert auth.load_public(public.decode() + "\n") == public
+    assert auth.load_allowed(f"{keys / 'clients'}\n") == auth.load_allowed(str(keys / "clients"))
 
 
 def test_aggregator_key_errors_fail_at_start_naming_the_setting(keys, tmp_path):
@@ -278,6 +296,8 @@ def test_aggregator_key_errors_fail_at_start_naming_the_setting(keys, tmp_path):
         (dict(server_key=str(tmp_path / "nope.key_secret"), client_keys=str(keys / "clients")), r"aggregator\.server_key: .*nope"),
         (dict(server_key=str(keys / "server.key_secret"), client_keys=str(tmp_path)), r"aggregator\.client_keys: .*no \.key file"),
         (dict(server_key=str(keys / "server.key_secret")), r"aggregator\.client_keys: needed with server_key"),
+        # gradwatch keys' own directory: its server.key would be the one client admitted
+        (dict(server_key=str(keys / "server.key_secret"), client_keys=str(keys)), r"aggregator\.client_keys: .*secret keys.*DIR/clients"),
     ]
     for settings, match in cases:
         with pytest.raises(ConfigError, match=match):
