@@ -155,10 +155,9 @@ class Monitor:
         if not self._forked:
             try:
                 self.sender.close()
-                if self.sender.refused:  # wrong keys must not go unnoticed
-                    warnings.warn(f"gradwatch: the aggregator at {self.cfg.endpoint} refused this agent's CURVE "
-                                  f"handshake {self.sender.refused} time(s): no report reached it (check "
-                                  "GRADWATCH_SERVER_KEY and GRADWATCH_CLIENT_KEY)", RuntimeWarning, stacklevel=2)
+                if self.sender.refused and not self.sender.connected:  # wrong keys or port must not go unnoticed
+                    warnings.warn(f"gradwatch: {self.sender.refusal()} ({self.sender.refused} failed handshakes)",
+                                  RuntimeWarning, stacklevel=2)
                 elif not self.sender.connected:  # a wrong endpoint must not go unnoticed
                     warnings.warn(f"gradwatch: never connected to {self.cfg.endpoint}: no report reached an "
                                   "aggregator (is it running, and is GRADWATCH_ENDPOINT right?)", RuntimeWarning, stacklevel=2)

@@ -27,7 +27,7 @@ never touches the socket, never waits and never sees an exception from here. The
   is alive), when the error count changed since the last one (only a heartbeat carries it; at
   most one per ``heartbeat_s``), after a (re)connection, and always when stopping (the goodbye);
 * sends the full schema on demand (it changed), whenever the connection (re)establishes (socket
-  monitor ``EVENT_CONNECTED``), so a late or restarted aggregator learns it (case C24), and again
+  monitor ``EVENT_HANDSHAKE_SUCCEEDED``), so a late or restarted aggregator learns it (case C24), and again
   after ``schema_every_s``, the gap doubling after each resend up to ``32 x schema_every_s``, each
   resend up to its gap late at random (spread further past :data:`SCHEMA_RANKS` ranks,
   :func:`schema_spread`); the heartbeats carry its hash in between;
@@ -188,7 +188,7 @@ class Sender:
         self.sent = 0  # messages handed to ZeroMQ, and the step records among them
         self.reports = 0
         self.batches = 0  # steps messages handed to ZeroMQ
-        self.connected = False  # the socket reached a peer at least once
+        self.connected = False  # a ZMTP handshake with a peer completed at least once
         self.errors = 0
         # one counter per writing thread: a shared += from two threads can lose counts
         self._queue_drops = 0
@@ -218,14 +218,20 @@ class Sender:
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # ms, exponential in between
         self._sock.setsockopt(zmq.CONNECT_TIMEOUT, 2000)  # a SYN into a partition is given up
+        # a peer that accepts TCP but never speaks ZMTP (an HTTP port) fails the handshake after
+        # 5 s, not ZeroMQ's 30 s: counted and said like a refused one
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
         # ZMTP heartbeats: a peer silent for 3 s (partition, SIGSTOP) is dropped and reconnected,
         # instead of waiting out TCP's retransmission backoff after the network heals
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        # connections, and with CURVE the handshakes the aggregator refuses (said once, counted)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | (auth.REFUSED_EVENTS if keys is not None else 0))
+        # completed handshakes (a TCP connection alone is not one: a CURVE aggregator refuses a
+        # keyless agent, an HTTP port answers no ZMTP) and failed ones (said once, counted)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | auth.REFUSED_EVENTS)
         self._endpoint = endpoint
-        self.refused = 0  # CURVE handshakes the aggregator refused
+        self._curve = keys is not None
+        self.refused = 0  # handshakes that failed: refused keys, no CURVE keys, not an aggregator
+        self._told = False
         self._sock.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name="gradwatch-sender", daemon=True)
 
@@ -340,24 +346,33 @@ class Sender:
         return True
 
     def _reconnected(self) -> bool:
-        """Whether the socket (re)connected since the last turn; counts refused CURVE handshakes
-        in ``refused`` and warns at the first one (nothing this agent sends would arrive)."""
+        """Whether the socket (re)connected, its handshake complete, since the last turn; counts
+        failed handshakes in ``refused`` and warns at the first one before any succeeded (nothing
+        this agent sends would arrive)."""
         seen = False
         while self._monitor.poll(0):
             try:
                 event = zmq.utils.monitor.parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
             except (zmq.ZMQError, ValueError, KeyError):
                 break
-            if event == zmq.EVENT_CONNECTED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 seen = self.connected = True
             elif event & auth.REFUSED_EVENTS:
                 self.refused += 1
-                if self.refused == 1:
-                    log.warning(
-                        "gradwatch: the aggregator at %s refused this agent's CURVE handshake: no report "
-                        "reaches it (is GRADWATCH_SERVER_KEY the aggregator's public key, and this agent's "
-                        "client key among its --client-keys?)", self._endpoint)
+                if not self.connected and not self._told:  # (once connected, a failure is transient: a peer killed mid-handshake)
+                    self._told = True
+                    log.warning("gradwatch: %s", self.refusal())
         return seen
+
+    def refusal(self) -> str:
+        """What a failed handshake with the endpoint means, and the settings to check."""
+        if self._curve:
+            return (f"the aggregator at {self._endpoint} refused this agent's CURVE handshake: no report reaches "
+                    "it (is GRADWATCH_SERVER_KEY the aggregator's public key, and this agent's client key "
+                    "among its --client-keys?)")
+        return (f"the ZeroMQ handshake with {self._endpoint} failed: no report reaches it (an aggregator with "
+                "CURVE on needs GRADWATCH_SERVER_KEY and GRADWATCH_CLIENT_KEY; is GRADWATCH_ENDPOINT its "
+                "ZeroMQ --listen port, not its HTTP one?)")
 
     def _blocked(self, now: float) -> None:
         """ZeroMQ takes nothing now: no attempt before ``now + backoff``; the backoff doubles from

@@ -386,3 +386,27 @@ def test_a_refused_agent_says_so_once_and_at_close(keys, curve_aggregator, caplo
     with pytest.warns(RuntimeWarning, match="refused this agent's CURVE handshake"):
         monitor.close()
     assert monitor.step == 5 and "refused" not in agg.state.jobs
+
+
+@pytest.mark.parametrize("where", ["curve", "http"])
+def test_an_agent_whose_handshake_never_completes_says_so(where, curve_aggregator, caplog):
+    """A keyless agent pointed at an aggregator with CURVE on, or at its HTTP port: TCP connects,
+    no ZMTP handshake completes, nothing arrives. The agent took the TCP connection for one and
+    said nothing at all; it now counts the failed handshakes, warns once naming the settings to
+    check, and again at close."""
+    agg = curve_aggregator
+    endpoint = agg.endpoint if where == "curve" else f"tcp://127.0.0.1:{agg.metrics_port}"
+    model, opt = small_model()
+    caplog.set_level("WARNING", logger="gradwatch.agent")
+    monitor = agent.attach(model, opt, endpoint=endpoint, every=1, job="keyless", heartbeat_s=0.05)
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    wait_for(lambda: monitor.sender.refused >= 1, what="the failed handshake counted")
+    said = [r.getMessage() for r in caplog.records if "handshake with" in r.getMessage()]
+    assert len(said) == 1 and "GRADWATCH_SERVER_KEY" in said[0] and "ZeroMQ --listen port" in said[0]
+    assert not monitor.sender.connected
+    with pytest.warns(RuntimeWarning, match="handshake with .* failed"):
+        monitor.close()
+    assert monitor.step == 5 and "keyless" not in agg.state.jobs
