@@ -773,7 +773,7 @@ class State:
         )
         self.jobs[job.job] = new
         if self.runner is not None:
-            self.runner.forget(job.job)
+            self.runner.forget(job.job, "job restarted")
         self.version += 1
         return new
 

@@ -463,6 +463,43 @@ def test_rank_silent_names_a_rank_without_messages_but_not_one_that_said_goodbye
     assert j.events("rank_silent") == [("raised", 1), ("resolved", 1)]
 
 
+def test_a_forgotten_or_restarted_jobs_active_findings_are_resolved_saying_why():
+    """A job forgotten (every rank silent past rank_ttl_s) dropped its active findings without an
+    event: the event log and /api/findings showed them raised forever. They are resolved, each
+    saying why; a restarted job's likewise."""
+    j = Job(["rank_silent"], silent_after_s=5)
+    j.state.rank_ttl_s = 20
+    for r in range(3):
+        j.heartbeat(r)
+    for _ in range(6):
+        j.tick(1)
+        j.heartbeat(0)
+        j.heartbeat(2)
+    for _ in range(25):  # every rank silent; rank 1 forgotten first (its finding resolves), then the job
+        j.tick(1)
+    assert "j" not in j.state.jobs and not j.runner.active.get(("j", "rank_silent"))
+    assert [(e.event, e.rank, e.details.get("resolved_because")) for e in j.runner.events] == [
+        ("raised", 1, None), ("raised", 0, None), ("raised", 2, None),
+        ("resolved", 1, None), ("resolved", 0, "job forgotten"), ("resolved", 2, "job forgotten")]
+    # a restart: ranks 0 and 2 resume from step 0 under new boots while rank 1 is named silent
+    j = Job(["rank_silent"], silent_after_s=5)
+    for step in range(3):
+        for r in range(3):
+            j.report(r, step)
+    for _ in range(6):
+        j.tick(1)
+        j.heartbeat(0)
+        j.heartbeat(2)
+    assert j.named("rank_silent") == [1]
+    j.tick(4)  # the old boots fall silent past boot_takeover_s
+    for r in (0, 2):
+        j.boot[r] = f"new{r}"
+        j.report(r, 0)
+    assert j.state.jobs["j"].restarts == 1
+    assert [(e.event, e.rank, e.details.get("resolved_because")) for e in j.runner.events] == [
+        ("raised", 1, None), ("resolved", 1, "job restarted")]
+
+
 def test_silence_while_the_intake_drops_the_jobs_frames_names_no_rank():
     """Overload (issue 9/14): the aggregator's intake dropped frames of this job. A rank it did
     not hear from may have spoken: rank_silent, step_skew and training_stalled name nobody new for

@@ -619,8 +619,14 @@ class Runner:
                 except Exception as err:  # a dashboard being down must not stop the checks
                     log.debug("gradwatch: event sink failed: %r", err)
 
-    def forget(self, job: str) -> None:
+    def forget(self, job: str, why: str = "job forgotten") -> None:
+        """Drop everything kept for ``job``; its active findings are resolved first, each event's
+        details saying ``why`` (``details["resolved_because"]``): the event log and
+        /api/findings must not show them raised forever."""
         self._ready.discard(job)
+        for name, c in self.checks.items():
+            for f in list(self.active.get((job, name), {}).values()):
+                self._emit("resolved", c, replace(f, details={**f.details, "resolved_because": why}))
         for name, c in self.checks.items():
             c.forget(job)
             self.status.pop((job, name), None)
