@@ -27,7 +27,7 @@ never touches the socket, never waits and never sees an exception from here. The
   is alive), when the error count changed since the last one (only a heartbeat carries it; at
   most one per ``heartbeat_s``), after a (re)connection, and always when stopping (the goodbye);
 * sends the full schema on demand (it changed), whenever the connection (re)establishes (socket
-  monitor ``EVENT_HANDSHAKE_SUCCEEDED``), so a late or restarted aggregator learns it (case C24), and again
+  monitor ``EVENT_CONNECTED``), so a late or restarted aggregator learns it (case C24), and again
   after ``schema_every_s``, the gap doubling after each resend up to ``32 x schema_every_s``, each
   resend up to its gap late at random (spread further past :data:`SCHEMA_RANKS` ranks,
   :func:`schema_spread`); the heartbeats carry its hash in between;
@@ -227,7 +227,8 @@ class Sender:
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         # completed handshakes (a TCP connection alone is not one: a CURVE aggregator refuses a
         # keyless agent, an HTTP port answers no ZMTP) and failed ones (said once, counted)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | auth.REFUSED_EVENTS)
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | auth.REFUSED_EVENTS)
         self._endpoint = endpoint
         self._curve = keys is not None
         self.refused = 0  # handshakes that failed: refused keys, no CURVE keys, not an aggregator
@@ -346,17 +347,20 @@ class Sender:
         return True
 
     def _reconnected(self) -> bool:
-        """Whether the socket (re)connected, its handshake complete, since the last turn; counts
-        failed handshakes in ``refused`` and warns at the first one before any succeeded (nothing
-        this agent sends would arrive)."""
+        """Whether the socket (re)connected since the last turn (TCP: the schema and a heartbeat
+        go out at once, sent as soon as the handshake lets them); ``connected`` once a handshake
+        completed. Counts failed handshakes in ``refused`` and warns at the first one before any
+        succeeded (nothing this agent sends would arrive)."""
         seen = False
         while self._monitor.poll(0):
             try:
                 event = zmq.utils.monitor.parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
             except (zmq.ZMQError, ValueError, KeyError):
                 break
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                seen = self.connected = True
+            if event == zmq.EVENT_CONNECTED:
+                seen = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected = True
             elif event & auth.REFUSED_EVENTS:
                 self.refused += 1
                 if not self.connected and not self._told:  # (once connected, a failure is transient: a peer killed mid-handshake)

@@ -14,7 +14,8 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   torchrun's run id, master address and port and world size, or a configured key), so two jobs
   under one id (torchrun's default ``none``) stay two jobs. Labels stay ``job_id``: the first
   live job under an id is labelled with the id, a later one with ``id~`` and the first 4 (8, 16
-  on a clash) hex chars of its key; ``State.jobs`` is keyed by that label. (With CURVE on, the
+  on a clash) hex chars of its key, unless every rank of the job holding the id said goodbye: a
+  relaunch takes the id over; ``State.jobs`` is keyed by that label. (With CURVE on, the
   authenticated client key belongs in the same tuple: :meth:`State.identity`.)
 * **One boot per live rank.** A message for a rank under another boot id than the one it speaks
   under is rejected (``boot_conflict``) while that agent is alive: heard within
@@ -602,6 +603,11 @@ class State:
             self._drop(min(pending, key=lambda j: (bool(j.schemas), j.touched)))
             self.jobs_evicted += 1
         label = h.job
+        old = self.jobs.get(label)
+        if old is not None and old.ranks and all(r.closing for r in old.ranks.values()):
+            # every rank of the job under that id said goodbye: a relaunch under the same id (a new
+            # MASTER_PORT, so a new key) takes the id over rather than a suffixed label
+            self._drop(old, "job finished, its id taken by another")
         for n in (4, 8, 16):
             if label not in self.jobs:
                 break
@@ -612,11 +618,11 @@ class State:
         job = self.jobs[label] = JobState(label, h.world, name=h.job, key=h.key, touched=now)
         return job
 
-    def _drop(self, job: JobState) -> None:
+    def _drop(self, job: JobState, why: str = "job forgotten") -> None:
         del self.jobs[job.job]
         self.labels.pop((job.name, job.key), None)
         if self.runner is not None:
-            self.runner.forget(job.job)
+            self.runner.forget(job.job, why)
         self.version += 1
 
     def _vote(self, job: JobState, h: wire.Header, now: float) -> bool:
