@@ -141,8 +141,12 @@ class AggregatorConfig(BaseSettings):
     @field_validator("listen")
     @classmethod
     def _listen(cls, v: str) -> str:
-        if not v.startswith(("tcp://", "ipc://", "inproc://")):
+        if not v.startswith(("tcp://", "ipc://", "inproc://")) or v.endswith("://"):
             raise ValueError(f"must look like tcp://host:port or ipc://path, got {v!r}")
+        if v.startswith("tcp://"):
+            port = v.rpartition(":")[2]
+            if port != "*" and not (port.isdigit() and int(port) < 65536):  # 0 and *: a free port
+                raise ValueError(f"a tcp endpoint needs a port, tcp://host:port, got {v!r}")
         return v
 
     def curve_keys(self) -> Optional[auth.ServerKeys]:

@@ -18,6 +18,7 @@ can fail one frame, never the loop: every failure is counted in
 from __future__ import annotations
 
 import collections
+import errno
 import gc
 import json
 import logging
@@ -432,9 +433,12 @@ class Aggregator:
             )
         except OSError as e:
             self._close_sockets(sock)
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):  # the port is taken, or privileged
+                setting, hint = "metrics_port", "pick another with --metrics-port"
+            else:  # no such address here, or no address at all
+                setting, hint = "metrics_host", "give an address of this host with --metrics-host"
             raise ConfigError(
-                f"aggregator.metrics_port: cannot serve HTTP on {self.cfg.metrics_host}:{self.cfg.metrics_port}: {e} "
-                "(pick another with --metrics-port)"
+                f"aggregator.{setting}: cannot serve HTTP on {self.cfg.metrics_host}:{self.cfg.metrics_port}: {e} ({hint})"
             ) from None
         self.metrics_port = self._http.server_port
         if self.cfg.file_sd_path:  # announced once the port is bound: Prometheus may scrape at once

@@ -656,6 +656,14 @@ def test_C38_http_port_in_use_fails_at_start_naming_metrics_port():
 
 
 @pytest.mark.ddp
+def test_an_address_not_of_this_host_fails_at_start_naming_metrics_host():
+    # 192.0.2.1: TEST-NET-1 (RFC 5737), never this host's: the port was blamed
+    run = run_aggregator("--metrics-host", "192.0.2.1", "--metrics-port", str(free_port()), "--listen", f"tcp://127.0.0.1:{free_port()}")
+    assert run.returncode == 2, run.stderr
+    assert "aggregator.metrics_host" in run.stderr and "metrics_port" not in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.ddp
 def test_listen_endpoint_in_use_fails_at_start_naming_listen():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -665,7 +673,8 @@ def test_listen_endpoint_in_use_fails_at_start_naming_listen():
     assert "listen" in run.stderr and "Traceback" not in run.stderr
 
 
-@pytest.mark.parametrize("args, setting", [(["--round-grace-s", "0"], "round_grace_s"), (["--listen", "localhost:5555"], "listen")])
+@pytest.mark.parametrize("args, setting", [(["--round-grace-s", "0"], "round_grace_s"), (["--listen", "localhost:5555"], "listen"),
+                                           (["--listen", "tcp://127.0.0.1"], "listen")])
 @pytest.mark.ddp
 def test_invalid_settings_fail_naming_them(args, setting):
     run = run_aggregator(*args, "--metrics-port", str(free_port()))
