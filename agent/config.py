@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gradwatch import auth
 from gradwatch.errors import ConfigError  # the one config error; gradwatch.agent.ConfigError names it too
-from gradwatch.settings import describe
+from gradwatch.settings import describe, unknown_variables
 
 
 class AgentConfig(BaseSettings):
@@ -120,11 +120,9 @@ def load(**settings) -> AgentConfig:
     Raises:
         ConfigError: naming the first invalid or unknown setting.
     """
-    known = {f"GRADWATCH_{f.upper()}" for f in AgentConfig.model_fields}
-    for var in os.environ:
-        if var.startswith("GRADWATCH_") and var not in known and not var.startswith(_OTHER_PREFIXES):
-            warnings.warn(f"gradwatch: unknown setting {var} is ignored (agent settings: {', '.join(sorted(known))})",
-                          RuntimeWarning, stacklevel=3)
+    for var in unknown_variables("GRADWATCH_", AgentConfig, others=_OTHER_PREFIXES):
+        known = ", ".join(sorted(f"GRADWATCH_{f.upper()}" for f in AgentConfig.model_fields))
+        warnings.warn(f"gradwatch: unknown setting {var} is ignored (agent settings: {known})", RuntimeWarning, stacklevel=3)
     try:
         cfg = AgentConfig(**settings)
     except ValidationError as e:

@@ -19,11 +19,12 @@ def main(argv=None) -> int:
     from pydantic import ValidationError
     from pydantic_settings import CliApp
 
-    from .config import format_error
+    from .config import format_error, warn_unknown_variables
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = sys.argv[1:] if argv is None else list(argv)
     try:
+        warn_unknown_variables()
         cfg = CliApp.run(AggregatorConfig, cli_args=args)
         Aggregator(cfg).serve_forever()
     except ValidationError as e:

@@ -7,6 +7,7 @@ Field descriptions double as ``--help``. Invalid values fail at start-up with
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import re
 from functools import cached_property
@@ -17,11 +18,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gradwatch import auth, wire
 from gradwatch.errors import ConfigError  # the one config error; gradwatch.aggregator.ConfigError names it too
-from gradwatch.settings import describe
+from gradwatch.settings import describe, unknown_variables
 
 from .checks import Thresholds, resolve
 from .discovery import SUFFIXES
 
+log = logging.getLogger("gradwatch.aggregator")
 _LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
@@ -199,12 +201,23 @@ def format_error(e: ValidationError, prefix: str = "aggregator", given=()) -> st
     return describe(e, prefix, "GRADWATCH_AGGREGATOR_", given)
 
 
+def warn_unknown_variables() -> list[str]:
+    """Log a warning for each ``GRADWATCH_AGGREGATOR_*`` variable that names no setting (a typo
+    would be ignored without a word); returns them."""
+    unknown = unknown_variables("GRADWATCH_AGGREGATOR_", AggregatorConfig, nested="__")
+    for var in unknown:
+        log.warning("gradwatch: unknown setting %s is ignored (see gradwatch aggregator --help)", var)
+    return unknown
+
+
 def load(**settings) -> AggregatorConfig:
-    """Build the config from keyword arguments over environment variables.
+    """Build the config from keyword arguments over environment variables (unknown
+    ``GRADWATCH_AGGREGATOR_*`` variables are warned about).
 
     Raises:
         ConfigError: naming the first invalid or unknown setting.
     """
+    warn_unknown_variables()
     try:
         return AggregatorConfig(**settings)
     except ValidationError as e:

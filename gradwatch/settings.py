@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 
 def describe(e: ValidationError, prefix: str, env_prefix: str = "", given=(), skip: int = 0) -> str:
@@ -26,3 +26,24 @@ def describe(e: ValidationError, prefix: str, env_prefix: str = "", given=(), sk
     var = f"{env_prefix}{name.upper()}"
     source = f" ({var})" if env_prefix and name not in given and var in os.environ else ""
     return f"{prefix}.{name}{source}: {msg}"
+
+
+def unknown_variables(env_prefix: str, model: type[BaseModel], nested: str = "", others: tuple[str, ...] = ()) -> list[str]:
+    """The environment variables under ``env_prefix`` that name no setting of ``model`` (a typo is
+    otherwise ignored without a word), sorted; names under ``others`` (another component's
+    prefixes) are not ``model``'s to judge.
+
+    Args:
+        nested: the delimiter of a nested model's fields (``GRADWATCH_AGGREGATOR_CHECKS__SKEW_STEPS``),
+            '' for a flat model.
+    """
+    out = []
+    for var in os.environ:
+        if not var.startswith(env_prefix) or var.startswith(others):
+            continue
+        name, _, sub = var[len(env_prefix):].lower().partition(nested) if nested else (var[len(env_prefix):].lower(), "", "")
+        field = model.model_fields.get(name)
+        inner = getattr(field, "annotation", None) if field is not None else None
+        if field is None or (sub and not (isinstance(inner, type) and issubclass(inner, BaseModel) and sub in inner.model_fields)):
+            out.append(var)
+    return sorted(out)

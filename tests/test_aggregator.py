@@ -681,6 +681,20 @@ def test_invalid_settings_fail_naming_them(args, setting):
     assert run.returncode == 2 and setting in run.stderr, run.stderr
 
 
+def test_a_misspelled_aggregator_variable_is_warned_about(monkeypatch, caplog):
+    """GRADWATCH_AGGREGATOR_LISTN was ignored without a word (the agent warns about its own)."""
+    from gradwatch.aggregator.config import load
+
+    monkeypatch.setenv("GRADWATCH_AGGREGATOR_LISTN", "tcp://0.0.0.0:1")
+    monkeypatch.setenv("GRADWATCH_AGGREGATOR_CHECKS__SKEW_STEPS", "7")  # a nested setting, known
+    monkeypatch.setenv("GRADWATCH_AGGREGATOR_METRICS_PORT", "0")
+    with caplog.at_level("WARNING", logger="gradwatch.aggregator"):
+        cfg = load(listen="tcp://127.0.0.1:0")
+    said = [r.getMessage() for r in caplog.records if "unknown setting" in r.getMessage()]
+    assert len(said) == 1 and "GRADWATCH_AGGREGATOR_LISTN" in said[0]
+    assert cfg.checks.skew_steps == 7 and cfg.metrics_port == 0
+
+
 @pytest.mark.ddp
 def test_unknown_flag_fails():
     run = run_aggregator("--no-such-flag", "1", "--metrics-port", str(free_port()))
