@@ -90,6 +90,9 @@ _rank_metric("rank_restarts", "counter", "Times the rank's agent restarted (a ne
 _rank_metric("rank_last_seen_timestamp_seconds", "gauge", "When the aggregator last heard from the rank, seconds since the epoch.", "last_seen", "seconds")
 _rank_metric("agent_dropped_reports", "counter", "Reports the rank's agent dropped (full queue or ZeroMQ high-water mark), as the agent reports them.", "agent_drops")
 _rank_metric("agent_errors", "counter", "Internal failures of the rank's agent (a statistic skipped, a message that failed to build).", "agent_errors")
+_rank_metric("rank_agent_cost_ratio", "gauge", "The rank's agent cost (sentinel every step, probes at the interval in use, bursts excluded) over its training step time, as the agent measures it, in its latest message; NaN until measured.", "agent_cost")
+_rank_metric("rank_probe_interval_steps", "gauge", "Steps between the rank's probes, in its latest message (fixed by every=N, else chosen within the budget; 0 from older agents).", "probe_interval")
+_rank_metric("rank_agent_over_budget", "gauge", "1 when the rank's agent costs over 3 budgets even at its longest probe interval (max_probe_interval_s), in its latest message, else 0.", "over_budget")
 
 
 # --- per rank, totalled over layers at the latest probed step ------------------------------------
@@ -112,23 +115,6 @@ def _rank_total(col: int):
                 yield (j.job, str(rank)), float(rr.rank_totals[k, col])
 
     return fn
-
-
-def _rank_round(attr: str, cast=float):
-    def fn(s: Snapshot):
-        for j in s.jobs:
-            rr = j.last_round
-            if rr is None or getattr(rr, attr) is None:
-                continue
-            for k, rank in _round_ranks(j, rr):
-                yield (j.job, str(rank)), cast(getattr(rr, attr)[k])
-
-    return fn
-
-
-metric("rank_agent_cost_ratio", "gauge", "The rank's agent cost (sentinel every step, probes at the interval in use, bursts excluded) over its training step time, as the agent measures it, at the latest probed step; NaN until measured.", JR)(_rank_round("agent_cost"))
-metric("rank_probe_interval_steps", "gauge", "Steps between the rank's probes at the latest probed step (fixed by every=N, else chosen within the budget; 0 from older agents).", JR)(_rank_round("probe_interval", int))
-metric("rank_agent_over_budget", "gauge", "1 when the rank's agent costs over 3 budgets even at its longest probe interval (max_probe_interval_s), else 0.", JR)(_rank_round("over_budget", int))
 
 
 for _col, _stat in enumerate(s for s in statistics.STATISTICS if s.rank_total):

@@ -55,9 +55,6 @@ class RoundResult:
         grad_norm, local_grad_norm, compute_time: float64 [n_ranks] from each rank's report
             (global gradient norm after and before all-reduce; seconds of own work).
         batch, micro: int64 [n_ranks]: samples and forward passes of each rank this step.
-        agent_cost: float64 [n_ranks]: each rank's agent cost over its training step time (NaN unknown).
-        probe_interval: int64 [n_ranks]: each rank's probe interval in use, steps (0 unknown).
-        over_budget: bool [n_ranks]: the rank's agent cannot meet its budget.
         burst: any rank probed this step out of cadence.
         holders: int64 [n_ranks, n_params]: ranks with equal numbers in a column hold the same
             bytes of that parameter (all 0 under DDP; the replicas of one shard under FSDP/HSDP);
@@ -98,9 +95,6 @@ class RoundResult:
     micro: np.ndarray = None
     burst: bool = False
     act_count: np.ndarray = None
-    agent_cost: np.ndarray = None
-    probe_interval: np.ndarray = None
-    over_budget: np.ndarray = None
     holders: np.ndarray = None
     part: np.ndarray = None
     own_param: np.ndarray = None
@@ -403,9 +397,6 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
         batch=np.array([x.batch for x in reps], np.int64),
         micro=np.array([x.micro for x in reps], np.int64),
         burst=any(x.burst for x in reps), act_count=act_count,
-        agent_cost=np.array([x.agent_cost for x in reps], np.float64),
-        probe_interval=np.array([x.probe_interval for x in reps], np.int64),
-        over_budget=np.array([x.over_budget for x in reps], bool),
     )
     if group_depth > 0:
         yield
@@ -557,6 +548,9 @@ class RankView(NamedTuple):
     loss: float = math.nan
     loss_scale: float = math.nan
     skipped_steps: int = 0
+    agent_cost: float = math.nan
+    probe_interval: int = 0
+    over_budget: bool = False
 
 
 @dataclass(frozen=True)
@@ -604,7 +598,7 @@ def _rank_view(r, wall_now: float, mono_now: float) -> RankView:
         r.probes, r.nonfinite_steps, r.received, r.lost, r.restarts,
         wall_now - (mono_now - r.last_seen), r.drops_base + r.agent_drops, r.errors_base + r.agent_errors,
         r.local_grad_norm, r.compute_time, r.closing,
-        r.loss, r.loss_scale, r.skipped_steps,
+        r.loss, r.loss_scale, r.skipped_steps, r.agent_cost, r.probe_interval, r.over_budget,
     )
 
 

@@ -117,6 +117,11 @@ class RankState:
     loss: float = math.nan
     loss_scale: float = math.nan
     skipped_steps: int = 0  # steps the AMP loss scaler skipped (case C10): labelled, not alerted
+    # the agent's own cost as its latest records say (wire sender fields): every message, not
+    # only probed steps, carries them (a probe interval past the run's length is never probed)
+    agent_cost: float = math.nan
+    probe_interval: int = 0
+    over_budget: bool = False
     closing: bool = False  # the agent said goodbye: the rank finished, it is not silent
     in_step_s: float = 0.0  # from the latest heartbeat
     waiting: bool = False  # from the latest heartbeat: waiting on peers in all-reduce
@@ -815,6 +820,7 @@ class State:
             r.grad_norm, r.grad_nonfinite = rec["grad_norm"], int(rec["grad_nonfinite"])
         r.skipped_steps += skipped
         r.agent_drops = max(r.agent_drops, m.drops)
+        r.agent_cost, r.probe_interval, r.over_budget = m.agent_cost, m.probe_interval, m.over_budget
         r.steps += int(fresh)
         # a NaN norm with no non-finite parameter means "no gradients this step", not a fault
         r.nonfinite_steps += int(nonfinite)

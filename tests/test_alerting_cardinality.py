@@ -290,7 +290,8 @@ def test_a_huge_jobs_round_series_are_those_of_the_ranks_a_finding_names():
     text = generate_latest(reg).decode()
     got = [line for line in text.splitlines() if line.startswith("gradwatch_rank_activation_nonfinite{")]
     assert got == [f'gradwatch_rank_activation_nonfinite{{job_id="j",rank="{r}"}} {10.0 * r}' for r in (0, 5, 7)]
-    assert series(reg)["gradwatch_rank_probe_interval_steps"] == 3
+    # per rank, from its latest message (not the round): the named ranks of the world, 4 included
+    assert series(reg)["gradwatch_rank_probe_interval_steps"] == 4
 
 
 @pytest.mark.parametrize("rank_view_max", [None, 1])  # every rank's view, or a huge job's columns
@@ -347,3 +348,26 @@ def test_a_huge_jobs_snapshot_has_the_columns_totals_and_views_of_a_full_one():
     assert cut.totals == full.totals and dict(cut.totals)["steps"] == sum(r.steps for r in job.ranks.values()) + 11
     for attr in ("step", "last_seen"):
         np.testing.assert_array_equal(cut.rank_columns[attr], [getattr(v, attr) for v in full.ranks])
+
+
+def test_the_agents_cost_gauges_follow_its_latest_message_not_only_probed_steps():
+    """An agent over its budget probes every 16,384+ steps: a run shorter than that is never
+    probed after the agent knows, and the gauges, read from the latest probed round, said 0 and
+    8 while every rank warned. Every message carries them: the gauges show the latest."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gradwatch.aggregator.reconcile import snapshot
+    from gradwatch.aggregator.state import State
+
+    st = State(clock=lambda: 100.0)
+    sch = wire.Schema(wire.Header("j", 0, 1, "b", 0, 0.0), "n", 0, 1, (("w", (4,), "float32"),), ())
+    st.apply(sch)
+    recs = [wire.Report(wire.Header("j", 0, 1, "b", 1 + s, 0.0), sch.hash, s, 0.01, 1.0, 0, agent_cost=0.06,
+                        probe_interval=32768, over_budget=True) for s in range(3)]
+    st.apply(wire.Steps.of(recs))
+    reg = CollectorRegistry()
+    reg.register(SnapshotCollector(lambda: snapshot(st, 1000.0)))
+    text = generate_latest(reg).decode()
+    assert 'gradwatch_rank_agent_over_budget{job_id="j",rank="0"} 1.0' in text
+    assert 'gradwatch_rank_probe_interval_steps{job_id="j",rank="0"} 32768.0' in text
+    assert 'gradwatch_rank_agent_cost_ratio{job_id="j",rank="0"} 0.06' in text
