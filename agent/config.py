@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gradwatch import auth
 from gradwatch.errors import ConfigError  # the one config error; gradwatch.agent.ConfigError names it too
-from gradwatch.settings import describe, unknown_variables
+from gradwatch.settings import describe, endpoint, unknown_variables
 
 
 class AgentConfig(BaseSettings):
@@ -98,13 +98,7 @@ class AgentConfig(BaseSettings):
     @field_validator("endpoint")
     @classmethod
     def _endpoint(cls, v: str) -> str:
-        if not v.startswith(("tcp://", "ipc://", "inproc://")) or "://" == v[-3:]:
-            raise ValueError(f"must look like tcp://host:port or ipc://path, got {v!r}")
-        if v.startswith("tcp://"):
-            port = v.rpartition(":")[2]
-            if not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"a tcp endpoint needs a port, tcp://host:port, got {v!r}")
-        return v
+        return endpoint(v)
 
     @field_validator("job")
     @classmethod

@@ -47,3 +47,19 @@ def unknown_variables(env_prefix: str, model: type[BaseModel], nested: str = "",
         if field is None or (sub and not (isinstance(inner, type) and issubclass(inner, BaseModel) and sub in inner.model_fields)):
             out.append(var)
     return sorted(out)
+
+
+def endpoint(v: str) -> str:
+    """``v`` if it is a ZeroMQ endpoint an agent can connect to (``tcp://host:port`` with a port
+    in 1-65535, ``ipc://path``, ``inproc://name``).
+
+    Raises:
+        ValueError: saying what it should look like.
+    """
+    if not v.startswith(("tcp://", "ipc://", "inproc://")) or "://" == v[-3:]:
+        raise ValueError(f"must look like tcp://host:port or ipc://path, got {v!r}")
+    if v.startswith("tcp://"):
+        port = v.rpartition(":")[2]
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"a tcp endpoint needs a port, tcp://host:port, got {v!r}")
+    return v

@@ -49,6 +49,7 @@ _DEFAULTS = {
     "shard": {},
 }
 _KEYS = {"rank", "scale", "layer", "param", "seconds", "bit", "factor", "pass"}
+_NUMBERS = {"scale": float, "seconds": float, "factor": float, "bit": int}  # options read as numbers
 ALL = -1  # Fault.rank of a fault on every rank
 
 
@@ -82,6 +83,13 @@ def parse(spec: str, world_size: int) -> Fault:
         options[k] = v
     if options.get("pass", "forward") not in ("forward", "backward"):
         raise ValueError(f"inject {spec!r}: pass must be forward or backward")
+    for k, kind_of in _NUMBERS.items():
+        if k in options:
+            try:
+                kind_of(options[k])
+            except ValueError:
+                raise ValueError(f"inject {spec!r}: {k} must be {'an integer' if kind_of is int else 'a number'}, "
+                                 f"got {options[k]!r}") from None
     rank_s = options.pop("rank", str(world_size - 1))
     if rank_s == "all":
         return Fault(kind, step_i, ALL, options)
@@ -92,6 +100,25 @@ def parse(spec: str, world_size: int) -> Fault:
     if not 0 <= rank < world_size:
         raise ValueError(f"inject {spec!r}: rank must be in [0, {world_size}), got {rank}")
     return Fault(kind, step_i, rank, options)
+
+
+def check(fault: Fault, spec: str, modules: dict, params: dict, steps: int) -> None:
+    """What :func:`parse` cannot see without the model and the run: the module and parameter a
+    fault names exist (``modules``, ``params``: the model's named modules and parameters), and its
+    step comes within ``steps``.
+
+    Raises:
+        ValueError: naming what is wrong (it would fail in a spawned rank, or never fire).
+    """
+    if not 0 <= fault.step < steps:
+        raise ValueError(f"inject {spec!r}: STEP must be in [0, {steps}) (--steps {steps}): it would never fire")
+    layer, param = fault.options.get("layer"), fault.options.get("param")
+    if layer is not None and layer not in modules:
+        raise ValueError(f"inject {spec!r}: no module {layer!r} (e.g. {', '.join(list(modules)[1:4])})")
+    if fault.kind == "dead" and getattr(modules[layer], "bias", None) is None:
+        raise ValueError(f"inject {spec!r}: module {layer!r} has no bias to fill")
+    if param is not None and param not in params:
+        raise ValueError(f"inject {spec!r}: no parameter {param!r} (e.g. {', '.join(list(params)[:3])})")
 
 
 class Injector:

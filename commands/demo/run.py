@@ -13,8 +13,10 @@ import sys
 import time
 from typing import Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gradwatch.settings import endpoint
 
 
 class DemoConfig(BaseSettings):
@@ -49,6 +51,11 @@ class DemoConfig(BaseSettings):
         "(see gradwatch.commands.demo.inject).",
     )
     events_path: str = Field("", description="JSON-lines file the demo's own aggregator appends findings to.")
+
+    @field_validator("aggregator")
+    @classmethod
+    def _aggregator(cls, v: str) -> str:
+        return endpoint(v) if v else v  # else each spawned rank failed, naming agent.endpoint
 
 
 def free_port() -> int:
@@ -134,14 +141,18 @@ def _spawned(rank, cfg, master_port, endpoint, results):
 def run(cfg: DemoConfig) -> int:
     import torch.multiprocessing as mp
 
-    from .inject import parse
+    from .inject import check, parse
+    from .model import GPT, GPTConfig
 
+    model = GPT(GPTConfig(context=cfg.context, width=cfg.width, layers=cfg.layers, heads=cfg.heads))
+    modules, params = dict(model.named_modules()), dict(model.named_parameters())
     for spec in cfg.inject:
         try:
-            parse(spec, cfg.ranks)
+            check(parse(spec, cfg.ranks), spec, modules, params, cfg.steps)
         except ValueError as e:
             print(f"gradwatch: demo.inject: {e}", file=sys.stderr)
             return 2
+    del model, modules, params
 
     agg = None
     endpoint = cfg.aggregator

@@ -1,0 +1,60 @@
+"""``gradwatch demo``'s fault specs fail before any rank starts, naming what is wrong: a module or
+parameter the model lacks, a step past the run, an option that is no number, an endpoint that is
+none (each of these failed in a spawned rank with a traceback, or never fired)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gradwatch.commands.demo.inject import check, parse
+from gradwatch.commands.demo.model import GPT, GPTConfig
+
+
+@pytest.fixture(scope="module")
+def named():
+    model = GPT(GPTConfig(context=16, width=16, layers=1, heads=2))
+    return dict(model.named_modules()), dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("spec, steps, says", [
+    ("nan@10:layer=nosuch", 20, "no module 'nosuch'"),
+    ("desync@3:param=nope.weight", 20, "no parameter 'nope.weight'"),
+    ("dead@3:layer=blocks.0.attn", 20, "has no bias"),
+    ("nan@400", 20, "STEP must be in [0, 20)"),
+    ("nan@20", 20, "never fire"),
+])
+def test_a_fault_the_model_or_the_run_cannot_take_is_refused(named, spec, steps, says):
+    modules, params = named
+    with pytest.raises(ValueError) as e:
+        check(parse(spec, 2), spec, modules, params, steps)
+    assert says in str(e.value) and spec in str(e.value)
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("straggler@4:seconds=abc", "seconds must be a number"),
+    ("drift@4:bit=1.5", "bit must be an integer"),
+    ("explode@4:scale=big", "scale must be a number"),
+])
+def test_an_option_that_is_no_number_is_refused_at_parse(spec, says):
+    with pytest.raises(ValueError, match=says):
+        parse(spec, 2)
+
+
+def test_the_default_faults_fit_the_demos_model(named):
+    modules, params = named
+    for kind in ("explode", "nan", "desync", "drift", "straggler", "hang", "silent", "dead", "vanish", "shard"):
+        check(parse(f"{kind}@5", 2), kind, modules, params, 20)  # raises nothing
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--inject", "nan@10:layer=nosuch"], "demo.inject: inject 'nan@10:layer=nosuch': no module"),
+    (["--aggregator", "foo"], "demo.aggregator"),
+])
+def test_the_demo_command_exits_naming_the_setting_before_any_rank_starts(args, says):
+    run = subprocess.run([sys.executable, "-m", "gradwatch.commands", "demo", "--steps", "20", "--no-progress", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and says in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and "agent.endpoint" not in run.stderr
