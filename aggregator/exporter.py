@@ -26,6 +26,7 @@ from gradwatch import statistics
 
 from .checks import CHECKS
 from .reconcile import Snapshot, group_layers
+from .state import REJECT_REASONS
 
 PREFIX = "gradwatch_"
 
@@ -206,9 +207,12 @@ metric("jobs_evicted", "counter", "Jobs evicted before they sent a schema and a 
 metric("probes_shed", "counter", "Probe reports the aggregator had no room for under overload and kept as their step's record alone: counted as received reports; their rounds lack those ranks' arrays (incomplete).", ())(
     lambda s: (((), s.probes_shed),)
 )
-metric("messages_rejected", "counter", "Messages rejected, by reason (malformed, too_large, unknown_schema, ...).", ("reason",))(
-    lambda s: (((k,), v) for k, v in s.rejected)
-)
+def _rejected(s: Snapshot):
+    counts = dict(s.rejected)
+    return (((k,), counts.get(k, 0)) for k in REJECT_REASONS)  # each reason from the start: rate() sees 0, not nothing
+
+
+metric("messages_rejected", "counter", "Messages rejected, by reason (malformed, too_large, unknown_schema, ...).", ("reason",))(_rejected)
 
 
 # --- cross-rank checks -----------------------------------------------------------------------------

@@ -191,6 +191,17 @@ SCHEMAS_PER_RANK, SCHEMAS_MIN = 4, 64
 #: bytes a placed copy of a schema is counted as (a struct and a mesh; the lists are the schema's)
 PLACED_COST = 256
 
+#: every reason a message is rejected for (the module docstring says when), the label values of
+#: ``gradwatch_messages_rejected_total``, which shows each from the start (0 until the first): the
+#: decoder's, the state's, then the daemon's (dropped under overload, refused CURVE handshakes,
+#: a failure of the aggregator's own)
+REJECT_REASONS = wire.REJECT_REASONS + (
+    "world_too_large", "wrong_key", "retired_boot", "boot_conflict", "unknown_schema", "bad_coord",
+    "world_mismatch", "restart_unconfirmed", "foreign_goodbye", "step_jump", "too_many_jobs", "pending_ranks",
+    "schema_limit", "overload", "unauthenticated", "internal",
+)
+_REJECT_REASONS = frozenset(REJECT_REASONS)
+
 
 def schema_cost(s: wire.Schema) -> int:
     """Approximate bytes ``s`` holds as kept, for ``max_schema_bytes``: per parameter ~200 plus
@@ -395,7 +406,13 @@ class State:
     # --- inputs ---------------------------------------------------------------------------------
 
     def reject(self, reason: str, n: int = 1) -> None:
-        """Count ``n`` messages rejected for ``reason``."""
+        """Count ``n`` messages rejected for ``reason``, one of :data:`REJECT_REASONS`.
+
+        Raises:
+            ValueError: an undeclared reason (a label value no one iterates).
+        """
+        if reason not in _REJECT_REASONS:
+            raise ValueError(f"undeclared rejection reason {reason!r}")
         self.rejected[reason] += n
         self.version += 1
 
@@ -861,7 +878,7 @@ class State:
             return
         r.probes += 1
         if m.schema not in job.schemas:
-            self.rejected["unknown_schema"] += 1
+            self.reject("unknown_schema")
             return
         rnd = job.rounds.get(m.step)
         if rnd is None:

@@ -1188,3 +1188,31 @@ def test_schemas_of_all_jobs_stay_within_max_schema_bytes_and_pending_ones_withi
     assert st.rejected["schema_limit"] == 0 and st.jobs["real"].ranks[0].schema in st.jobs["real"].schemas
     st.apply(schema("big", 0, 4000))  # one schema past the pending quarter on its own: refused
     assert st.rejected["schema_limit"] == 1 and ("big" not in st.jobs or not st.jobs["big"].schemas)
+
+
+def test_every_rejection_reason_is_declared_and_shown_from_the_start():
+    """gradwatch_messages_rejected_total had no series until a first rejection (rate() and alerts
+    saw nothing, not 0). Every reason is declared once (state.REJECT_REASONS), each shown at 0 from
+    the start; every reason the code counts is among them, and an undeclared one is refused."""
+    import re
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gradwatch.aggregator.exporter import SnapshotCollector
+    from gradwatch.aggregator.reconcile import snapshot
+    from gradwatch.aggregator.state import REJECT_REASONS
+
+    from .conftest import ROOT
+
+    used = set()
+    for path in (ROOT / "aggregator").rglob("*.py"):
+        used.update(re.findall(r"reject\(\s*\"([a-z_]+)\"", path.read_text()))
+    assert used and used <= set(REJECT_REASONS), used - set(REJECT_REASONS)
+    assert len(set(REJECT_REASONS)) == len(REJECT_REASONS)
+    st = State(clock=Clock())
+    reg = CollectorRegistry()
+    reg.register(SnapshotCollector(lambda: snapshot(st, 1000.0)))
+    shown = re.findall(r'^gradwatch_messages_rejected_total\{reason="([a-z_]+)"\} 0\.0$', generate_latest(reg).decode(), re.M)
+    assert shown == list(REJECT_REASONS)
+    with pytest.raises(ValueError, match="undeclared"):
+        st.reject("made_up")
