@@ -696,7 +696,10 @@ class Aggregator:
         if path == "/metrics":
             return self._metrics_app(environ, start_response)
         if path == "/api/findings":
-            return self._json(start_response, self._findings(environ))
+            try:
+                return self._json(start_response, self._findings(environ))
+            except ValueError as e:  # a query it cannot answer: said, not ignored
+                return self._json(start_response, {"error": str(e)}, "400 Bad Request")
         if path == "/api/checks":
             view = self._snapshot.checks
             status = [dict(job_id=j, check=c, status=o) for j, c, o in (view.status if view else ())]
@@ -711,23 +714,38 @@ class Aggregator:
         return [b"not found: try /metrics\n"]
 
     @staticmethod
-    def _json(start_response, obj):
+    def _json(start_response, obj, status: str = "200 OK"):
         body = json.dumps(obj, allow_nan=False).encode()
-        start_response("200 OK", [("Content-Type", "application/json")])
+        start_response(status, [("Content-Type", "application/json")])
         return [body]
 
+    #: /api/findings' query parameters, and the values ``active`` takes (true, false)
+    FINDINGS_QUERY = ("job_id", "check", "active")
+    _ACTIVE = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False, "": False}
+
     def _findings(self, environ) -> dict:
-        """``/api/findings[?job_id=J][&check=C][&active=1]``: events newest first, or active findings."""
+        """``/api/findings[?job_id=J][&check=C][&active=1]``: events newest first, or active findings.
+
+        Raises:
+            ValueError: a parameter not in :data:`FINDINGS_QUERY`, or an ``active`` that is no
+                yes or no (``?active=yes`` had been ignored, answering with every event).
+        """
         from dataclasses import asdict
         from urllib.parse import parse_qs
 
         from .checks import _clean
 
-        q = {k: v[-1] for k, v in parse_qs(environ.get("QUERY_STRING", "")).items()}
+        q = {k: v[-1] for k, v in parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True).items()}
+        unknown = sorted(set(q) - set(self.FINDINGS_QUERY))
+        if unknown:
+            raise ValueError(f"unknown parameter {unknown[0]!r}: /api/findings takes {', '.join(self.FINDINGS_QUERY)}")
+        active = self._ACTIVE.get(q.get("active", "").lower())
+        if active is None:
+            raise ValueError(f"active={q['active']!r}: give 1 (active findings only) or 0")
         view = self._snapshot.checks
         if view is None:
             return {"findings": []}
-        if q.get("active") in ("1", "true"):
+        if active:
             items = [dict(asdict(f), severity=view.severity.get(f.check, "")) for f in view.active]
         else:
             items = [asdict(e) for e in reversed(view.events)]

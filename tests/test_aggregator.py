@@ -873,3 +873,36 @@ def test_C34_series_count_constant_across_steps_restarts_and_compiled_names(aggr
     for v in all_values:
         assert v not in pids and v not in boots and not address.search(v), f"unbounded label value {v!r}"
     assert not label_names & {"step", "pid", "boot", "seq", "host", "address", "endpoint", "instance_id"}
+
+
+def test_the_findings_api_says_when_it_cannot_answer_a_query():
+    """?active=yes was ignored (every event came back, as if no filter), and so was a misspelled
+    parameter: both now get a 400 naming what it takes; yes/true/1 and no/false/0 are understood."""
+    import requests
+
+    from gradwatch.aggregator import Aggregator, load
+    from gradwatch.aggregator.checks import Event, Finding, RunnerView
+    from gradwatch.aggregator.reconcile import Snapshot
+
+    agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0))
+    f = Finding("straggler", "j", 5, "slow", rank=1)
+    events = tuple(Event(k, 1.0 + i, "straggler", "warning", "j", 5, 1, None, "slow", {}) for i, k in enumerate(("raised", "resolved")))
+    agg._snapshot = Snapshot(checks=RunnerView(active=(f,), events=events))
+
+    def ask(q):
+        return [i.get("event", "active") for i in agg._findings({"QUERY_STRING": q})["findings"]]
+
+    for q in ("active=yes", "active=1", "active=TRUE", "active=1&job_id=j&check=straggler"):
+        assert ask(q) == ["active"], q
+    for q in ("", "active=no", "active=0", "active="):
+        assert ask(q) == ["resolved", "raised"], q
+    assert ask("active=1&job_id=other") == []
+    agg.start()  # over HTTP: a query it cannot answer is a 400 saying why
+    try:
+        base = agg.metrics_url.rsplit("/", 1)[0] + "/api/findings"
+        for q, says in (("?active=maybe", "active='maybe'"), ("?jobid=x", "unknown parameter 'jobid'")):
+            r = requests.get(base + q, timeout=5)
+            assert r.status_code == 400 and says in r.json()["error"], (q, r.text)
+        assert requests.get(base, timeout=5).status_code == 200
+    finally:
+        agg.stop()
