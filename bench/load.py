@@ -361,7 +361,7 @@ def scrape(url: str) -> Scrape:
             reporting[dict(_LABEL.findall(labels))["job_id"]] = int(float(value))
         elif name == "gradwatch_messages_received_total":
             received[dict(_LABEL.findall(labels))["kind"]] = float(value)
-        elif name == "gradwatch_messages_rejected_total":
+        elif name == "gradwatch_messages_rejected_total" and float(value):  # every reason is shown, 0 until seen
             rejected[dict(_LABEL.findall(labels))["reason"]] = float(value)
         elif name == "gradwatch_check_status" and 'status="finding"' in labels and float(value) == 1:
             findings += 1
