@@ -22,8 +22,9 @@ def describe(e: ValidationError, prefix: str, env_prefix: str = "", given=(), sk
     err = e.errors()[0]
     name = ".".join(str(p) for p in err["loc"][skip:]) or "?"
     got = repr(err.get("input"))
-    msg = err["msg"] if got in err["msg"] or err["type"] == "missing" else f"{err['msg']} (got {got})"
-    var = f"{env_prefix}{name.upper()}"
+    # the value, unless the message says it already ("... got 'foo'"; "greater than 0" is no "got 0")
+    msg = err["msg"] if f"got {got}" in err["msg"] or err["type"] == "missing" else f"{err['msg']} (got {got})"
+    var = f"{env_prefix}{name.upper().replace('.', '__')}"  # a nested setting's variable: CHECKS__SKEW_STEPS
     source = f" ({var})" if env_prefix and name not in given and var in os.environ else ""
     return f"{prefix}.{name}{source}: {msg}"
 
