@@ -55,15 +55,15 @@ def _z85_key(value: str) -> Optional[bytes]:
     return value.encode("ascii") if len(raw) == 32 else None
 
 
-#: the Z85 alphabet (ZeroMQ RFC 32): a secret key's characters, "/" among them
-_Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
-
-
 def _describe(value: str, secret: bool) -> str:
-    # a mistyped secret must not reach a log; a path is fine to show. "/" is a Z85 character (in
-    # ~38 % of keys), so whatever could be a key, mistyped or cut, is not shown
-    maybe_key = 30 <= len(value) <= 50 and _Z85.issuperset(value)
-    return "the value given (not shown: it may be a secret)" if secret and maybe_key else repr(value)
+    """How an error names a key setting's value: a public one as it is; a secret one only when it
+    is a path (in a directory that exists, or a ``.key_secret`` file's name: "_" is no Z85
+    character), else never, even in part (a key in quotes, cut, or pasted twice is still most of
+    a secret): its length."""
+    parent = os.path.dirname(value)  # ("/" itself is no sign: a key may start with "/")
+    if not secret or (len(value) < 4096 and (value.endswith(".key_secret") or (parent.strip("/") and os.path.isdir(parent)))):
+        return repr(value)
+    return f"the value given ({len(value)} characters, not shown: it may be a secret)"
 
 
 def _clean(value: str) -> str:
@@ -73,7 +73,7 @@ def _clean(value: str) -> str:
 
 def _certificate(value: str, secret: bool) -> tuple[bytes, Optional[bytes]]:
     path = Path(value)
-    if not path.is_file():
+    if not os.path.isfile(value):  # (Path.is_file raises on a name too long: a pasted certificate)
         raise KeyMaterialError(
             f"{_describe(value, secret)} is neither a certificate file nor a 40-character Z85 key"
         )

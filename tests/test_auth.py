@@ -272,11 +272,18 @@ def test_agent_missing_key_file_fails_at_attach_naming_the_setting(keys, tmp_pat
     # "/" is a Z85 character (in ~38 % of keys): such a secret, cut short, was shown as if a path
     while b"/" not in (pair := zmq.curve_keypair())[1]:
         pass
-    cut = pair[1].decode()[:39]
-    monkeypatch.setenv("GRADWATCH_CLIENT_KEY", cut)
-    with pytest.raises(agent.ConfigError, match=r"agent\.client_key \(GRADWATCH_CLIENT_KEY\): ") as e:
+    key = pair[1].decode()
+    cert = (keys / "a.key_secret").read_text()
+    for wrong in (key[:39], key[:24], f'"{key}"', f"{key} # client", f"GRADWATCH_CLIENT_KEY={key}", cert, "x" * 300):
+        # cut, quoted (an --env-file), commented, pasted with its name, a certificate's text, too long for a path
+        monkeypatch.setenv("GRADWATCH_CLIENT_KEY", wrong)
+        with pytest.raises(agent.ConfigError, match=r"agent\.client_key \(GRADWATCH_CLIENT_KEY\): the value given") as e:
+            agent.attach(model, opt, server_key=good["server_key"])
+        assert key[:20] not in str(e.value) and "secret-key" not in str(e.value), wrong
+    # a path to a secret's file is shown: it is no secret, and a typo in it must be seen
+    monkeypatch.setenv("GRADWATCH_CLIENT_KEY", str(keys / "typo.key_secret"))
+    with pytest.raises(agent.ConfigError, match="typo.key_secret"):
         agent.attach(model, opt, server_key=good["server_key"])
-    assert cut not in str(e.value) and cut[:20] not in str(e.value)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # nothing attached
 
 
