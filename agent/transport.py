@@ -72,6 +72,10 @@ SCHEMA_RANKS = 1024
 #: job's ranks start together, and at 0.25 a 16,384-rank job's first resends (~10 kB each at 100
 #: layers) reached the aggregator within 2.5 s, a burst that crowded out the steps' records there
 SCHEMA_JITTER = 1.0
+#: seconds failed handshakes (none succeeded) last before the agent says so, unless the aggregator
+#: refused its key (said at once): a peer killed or stopped mid-handshake, or a proxy before it
+#: starting, fails some handshakes of an agent that is rightly configured
+HANDSHAKE_WARN_S = 10.0
 _ROW_BYTES = 8 * len(wire.STEP_COLUMNS)
 
 
@@ -218,9 +222,11 @@ class Sender:
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # ms, exponential in between
         self._sock.setsockopt(zmq.CONNECT_TIMEOUT, 2000)  # a SYN into a partition is given up
-        # a peer that accepts TCP but never speaks ZMTP (an HTTP port) fails the handshake after
-        # 5 s, not ZeroMQ's 30 s: counted and said like a refused one
-        self._sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+        if keys is None:
+            # a peer that accepts TCP but never speaks ZMTP (an HTTP port) fails the handshake
+            # after 5 s, not ZeroMQ's 30 s. (With CURVE the aggregator's ZAP thread admits ~1,000
+            # handshakes a second: a large job connecting at once needs ZeroMQ's default.)
+            self._sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
         # ZMTP heartbeats: a peer silent for 3 s (partition, SIGSTOP) is dropped and reconnected,
         # instead of waiting out TCP's retransmission backoff after the network heals
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
@@ -233,6 +239,7 @@ class Sender:
         self._curve = keys is not None
         self.refused = 0  # handshakes that failed: refused keys, no CURVE keys, not an aggregator
         self._told = False
+        self._failing_since = math.nan  # clock of the first failed handshake, while none succeeded
         self._sock.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name="gradwatch-sender", daemon=True)
 
@@ -363,9 +370,15 @@ class Sender:
                 self.connected = True
             elif event & auth.REFUSED_EVENTS:
                 self.refused += 1
-                if not self.connected and not self._told:  # (once connected, a failure is transient: a peer killed mid-handshake)
-                    self._told = True
-                    log.warning("gradwatch: %s", self.refusal())
+                if math.isnan(self._failing_since):
+                    self._failing_since = self._clock()
+                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self._failing_since = -math.inf  # a refused key is final: said at once
+        # other failures may be a peer killed or stopped mid-handshake, or a proxy before one
+        # starting: said once they have lasted HANDSHAKE_WARN_S (checked every turn, events or not)
+        if not (self.connected or self._told) and self._clock() - self._failing_since >= HANDSHAKE_WARN_S:
+            self._told = True
+            log.warning("gradwatch: %s", self.refusal())
         return seen
 
     def refusal(self) -> str:

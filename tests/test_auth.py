@@ -396,11 +396,14 @@ def test_a_refused_agent_says_so_once_and_at_close(keys, curve_aggregator, caplo
 
 
 @pytest.mark.parametrize("where", ["curve", "http"])
-def test_an_agent_whose_handshake_never_completes_says_so(where, curve_aggregator, caplog):
+def test_an_agent_whose_handshake_never_completes_says_so(where, curve_aggregator, caplog, monkeypatch):
     """A keyless agent pointed at an aggregator with CURVE on, or at its HTTP port: TCP connects,
     no ZMTP handshake completes, nothing arrives. The agent took the TCP connection for one and
-    said nothing at all; it now counts the failed handshakes, warns once naming the settings to
-    check, and again at close."""
+    said nothing at all; it now counts the failed handshakes, warns once they have lasted
+    HANDSHAKE_WARN_S (2 s here) naming the settings to check, and again at close."""
+    from gradwatch.agent import transport
+
+    monkeypatch.setattr(transport, "HANDSHAKE_WARN_S", 2.0)
     agg = curve_aggregator
     endpoint = agg.endpoint if where == "curve" else f"tcp://127.0.0.1:{agg.metrics_port}"
     model, opt = small_model()
@@ -411,7 +414,8 @@ def test_an_agent_whose_handshake_never_completes_says_so(where, curve_aggregato
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
     wait_for(lambda: monitor.sender.refused >= 1, what="the failed handshake counted")
-    said = [r.getMessage() for r in caplog.records if "handshake with" in r.getMessage()]
+    said = wait_for(lambda: [r.getMessage() for r in caplog.records if "handshake with" in r.getMessage()],
+                    timeout=30, what="the warning, once the failures lasted 2 s")
     assert len(said) == 1 and "GRADWATCH_SERVER_KEY" in said[0] and "ZeroMQ --listen port" in said[0]
     assert not monitor.sender.connected
     with pytest.warns(RuntimeWarning, match="handshake with .* failed"):
