@@ -18,7 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gradwatch import auth, wire
 from gradwatch.errors import ConfigError  # the one config error; gradwatch.aggregator.ConfigError names it too
-from gradwatch.settings import describe, unknown_variables
+from gradwatch.settings import describe, endpoint, unknown_variables
 
 from .checks import Thresholds, resolve
 from .discovery import SUFFIXES
@@ -143,13 +143,7 @@ class AggregatorConfig(BaseSettings):
     @field_validator("listen")
     @classmethod
     def _listen(cls, v: str) -> str:
-        if not v.startswith(("tcp://", "ipc://", "inproc://")) or v.endswith("://"):
-            raise ValueError(f"must look like tcp://host:port or ipc://path, got {v!r}")
-        if v.startswith("tcp://"):
-            port = v.rpartition(":")[2]
-            if port != "*" and not (port.isdigit() and int(port) < 65536):  # 0 and *: a free port
-                raise ValueError(f"a tcp endpoint needs a port, tcp://host:port, got {v!r}")
-        return v
+        return endpoint(v, bind=True)
 
     def curve_keys(self) -> Optional[auth.ServerKeys]:
         """The CURVE keys for the PULL socket, or None for plain TCP (neither key set).

@@ -14,8 +14,9 @@ Hardening (issue 9: no foreign or malformed bytes reset, hide or flood a job):
   torchrun's run id, master address and port and world size, or a configured key), so two jobs
   under one id (torchrun's default ``none``) stay two jobs. Labels stay ``job_id``: the first
   live job under an id is labelled with the id, a later one with ``id~`` and the first 4 (8, 16
-  on a clash) hex chars of its key, unless every rank of the job holding the id said goodbye: a
-  relaunch takes the id over; ``State.jobs`` is keyed by that label. (With CURVE on, the
+  on a clash) hex chars of its key, unless every rank of the job holding the id said goodbye as
+  its process ended (:data:`ENDED`; with CURVE, from the same key): a relaunch takes the id
+  over; ``State.jobs`` is keyed by that label. (With CURVE on, the
   authenticated client key belongs in the same tuple: :meth:`State.identity`.)
 * **One boot per live rank.** A message for a rank under another boot id than the one it speaks
   under is rejected (``boot_conflict``) while that agent is alive: heard within
@@ -190,6 +191,10 @@ SCHEMAS_PER_RANK, SCHEMAS_MIN = 4, 64
 
 #: bytes a placed copy of a schema is counted as (a struct and a mesh; the lists are the schema's)
 PLACED_COST = 256
+
+#: goodbyes (wire.CLOSE_REASONS) of an agent whose process ended: training finished, the
+#: interpreter exited, or an exception left the monitored loop
+ENDED = frozenset({"finished", "exit", "other"})
 
 #: every reason a message is rejected for (the module docstring says when), the label values of
 #: ``gradwatch_messages_rejected_total``, which shows each from the start (0 until the first): the
@@ -478,7 +483,7 @@ class State:
             # grace were retired by a restart that did not happen (forged): they are heard again
             job.retired = frozenset()
         if job is None:
-            job = self._new_job(h, now)
+            job = self._new_job(h, now, peer_key)
             job.peer_key = peer_key
         r = job.ranks.get(h.rank)
         new_boot = r is None or h.boot != r.boot
@@ -613,7 +618,7 @@ class State:
                 r.schema, job.epoch = key, next(_EPOCHS)  # its schema came while the job had no room for the rank, or from a peer
             self._records(job, r, msg, now)
 
-    def _new_job(self, h: wire.Header, now: float) -> JobState:
+    def _new_job(self, h: wire.Header, now: float, peer_key: Optional[str] = None) -> JobState:
         """A pending job for a new identity, evicting, when ``max_pending_jobs`` are held, the
         least recently heard pending job without a schema, or else the least recently heard (a
         job's first frame is its schema: frames of invented ids without one churn among
@@ -626,9 +631,11 @@ class State:
             self.jobs_evicted += 1
         label = h.job
         old = self.jobs.get(label)
-        if old is not None and old.ranks and all(r.closing for r in old.ranks.values()):
-            # every rank of the job under that id said goodbye: a relaunch under the same id (a new
-            # MASTER_PORT, so a new key) takes the id over rather than a suffixed label
+        if (old is not None and old.ranks and old.peer_key in (None, peer_key)
+                and all(r.closing and r.close_reason in ENDED for r in old.ranks.values())):
+            # every process of the job under that id ended (not an agent switched off while its
+            # training goes on): a relaunch under the same id (a new MASTER_PORT, so a new key)
+            # takes the id over rather than a suffixed label; with CURVE, only under its key
             self._drop(old, "job finished, its id taken by another")
         for n in (4, 8, 16):
             if label not in self.jobs:

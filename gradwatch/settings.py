@@ -50,9 +50,10 @@ def unknown_variables(env_prefix: str, model: type[BaseModel], nested: str = "",
     return sorted(out)
 
 
-def endpoint(v: str) -> str:
+def endpoint(v: str, bind: bool = False) -> str:
     """``v`` if it is a ZeroMQ endpoint an agent can connect to (``tcp://host:port`` with a port
-    in 1-65535, ``ipc://path``, ``inproc://name``).
+    in 1-65535, ``ipc://path``, ``inproc://name``), or with ``bind`` one the aggregator can bind
+    (port 0 or ``*``: a free one).
 
     Raises:
         ValueError: saying what it should look like.
@@ -61,6 +62,7 @@ def endpoint(v: str) -> str:
         raise ValueError(f"must look like tcp://host:port or ipc://path, got {v!r}")
     if v.startswith("tcp://"):
         port = v.rpartition(":")[2]
-        if not port.isdigit() or not 0 < int(port) < 65536:
+        free = bind and port in ("0", "*")
+        if not free and not (port.isdigit() and 0 < int(port) < 65536):
             raise ValueError(f"a tcp endpoint needs a port, tcp://host:port, got {v!r}")
     return v

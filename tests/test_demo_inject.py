@@ -36,6 +36,8 @@ def test_a_fault_the_model_or_the_run_cannot_take_is_refused(named, spec, steps,
 @pytest.mark.parametrize("spec, says", [
     ("straggler@4:seconds=abc", "seconds must be a number"),
     ("drift@4:bit=1.5", "bit must be an integer"),
+    ("drift@4:bit=-1", r"bit must be in \[0, 32\)"),
+    ("drift@4:bit=40", r"bit must be in \[0, 32\)"),
     ("explode@4:scale=big", "scale must be a number"),
 ])
 def test_an_option_that_is_no_number_is_refused_at_parse(spec, says):

@@ -258,24 +258,41 @@ def test_two_honest_jobs_under_torchruns_default_id_stay_two_jobs(agg, sock):
 
 def test_a_relaunch_under_a_finished_jobs_id_takes_the_id_over():
     """GRADWATCH_JOB=x under a single-node torchrun: each launch picks a new MASTER_PORT, so a new
-    key. A relaunch within rank_ttl_s came up as "x~<hex>"; once every rank of the first said
-    goodbye, it is "x" again. While one rank of the first is still live, the two stay two."""
+    key. A relaunch within rank_ttl_s came up as "x~<hex>"; once every process of the first ended
+    (its ranks' goodbyes say so), it is "x" again. While one rank of the first is still live, or
+    its agent was switched off while training goes on ("disabled"), the two stay two."""
     st = State(clock=Clock())
 
     def rep(key, rank, step, seq, world=2):
         return wire.Report(wire.Header("x", rank, world, f"{key}{rank}", seq, 0.0, key), "", step, 0.01, 1.0, 0)
 
-    def bye(key, rank, seq):
-        return wire.Heartbeat(wire.Header("x", rank, 2, f"{key}{rank}", seq, 0.0, key), 5, seq, 0, 0, closing=True)
+    def bye(key, rank, seq, reason="finished"):
+        return wire.Heartbeat(wire.Header("x", rank, 2, f"{key}{rank}", seq, 0.0, key), 5, seq, 0, 0, closing=True,
+                              reason=reason)
+
+    def label(key):
+        return "x~" + hashlib.blake2b(key.encode(), digest_size=8).hexdigest()[:4]
 
     for r in range(2):
         st.apply(rep("first", r, 5, 0))
     st.apply(bye("first", 0, 1))
     st.apply(rep("second", 0, 0, 0))  # rank 1 of the first is still live: two jobs
-    assert sorted(st.jobs) == ["x", "x~" + hashlib.blake2b(b"second", digest_size=8).hexdigest()[:4]]
-    st.apply(bye("first", 1, 1))
-    st.apply(rep("third", 0, 0, 0))  # the first job finished: the relaunch is "x"
-    assert st.jobs["x"].key == "third" and st.labels[("x", "third")] == "x" and ("x", "first") not in st.labels
+    assert sorted(st.jobs) == ["x", label("second")]
+    st.apply(bye("first", 1, 1, reason="disabled"))  # its agent switched off, training goes on
+    st.apply(rep("third", 0, 0, 0))
+    assert st.jobs["x"].key == "first" and label("third") in st.jobs
+    st.apply(bye("first", 1, 2, reason="exit"))  # now its process ended too
+    st.apply(rep("fourth", 0, 0, 0))  # the first job finished: the relaunch is "x"
+    assert st.jobs["x"].key == "fourth" and st.labels[("x", "fourth")] == "x" and ("x", "first") not in st.labels
+    # with CURVE, only the key that created the finished job relaunches it under its id
+    st = State(clock=Clock())
+    for r in range(2):
+        st.apply(rep("first", r, 5, 0), peer_key="K1")
+        st.apply(bye("first", r, 1), peer_key="K1")
+    st.apply(rep("other", 0, 0, 0), peer_key="K2")
+    assert st.jobs["x"].key == "first" and label("other") in st.jobs
+    st.apply(rep("again", 0, 0, 0), peer_key="K1")
+    assert st.jobs["x"].key == "again" and st.jobs["x"].peer_key == "K1"
 
 
 def test_a_real_restart_of_most_ranks_is_believed_and_an_elastic_shrink_too(agg, sock):

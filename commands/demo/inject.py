@@ -90,6 +90,8 @@ def parse(spec: str, world_size: int) -> Fault:
             except ValueError:
                 raise ValueError(f"inject {spec!r}: {k} must be {'an integer' if kind_of is int else 'a number'}, "
                                  f"got {options[k]!r}") from None
+    if "bit" in options and not 0 <= int(options["bit"]) < 32:  # a bit of a float32's int32 view
+        raise ValueError(f"inject {spec!r}: bit must be in [0, 32), got {options['bit']!r}")
     rank_s = options.pop("rank", str(world_size - 1))
     if rank_s == "all":
         return Fault(kind, step_i, ALL, options)
