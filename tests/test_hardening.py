@@ -713,23 +713,30 @@ def test_a_rank_back_from_a_long_gap_or_catching_up_with_its_peers_is_no_step_ju
     assert st.rejected["step_jump"] == 2
 
 
+def _live_job(world: int, steps: int):
+    """A State (restart_grace_s 5, boot_takeover_s 3) whose ``world`` ranks reported steps
+    0..steps-1, 0.1 s apart: ``(clock, state, real)``, ``real(step)`` every rank's next report."""
+    clock = Clock()
+    st = State(clock=clock, restart_grace_s=5, boot_takeover_s=3)
+    seq = [0] * world
+
+    def real(step):
+        for r in range(world):
+            seq[r] += 1
+            st.apply(_rep(r, step, f"real{r}", world=world, seq=seq[r]))
+
+    for s in range(steps):
+        real(s)
+        clock.t += 0.1
+    return clock, st, real
+
+
 def test_a_forged_majority_restart_of_a_live_job_changes_nothing():
     """A forger who knows the key forges restart votes from half the ranks: the real ranks are
     alive, so every forged frame is a boot_conflict, no restart happens and the real ranks are
     never locked out. Should the forged votes come while the ranks are silent (but not dead for
     restart_grace_s), the ranks returning under their own boots are heard again after the grace."""
-    clock = Clock()
-    st = State(clock=clock, restart_grace_s=5, boot_takeover_s=3)
-    seq = [0, 0, 0, 0]
-
-    def real(step):
-        for r in range(4):
-            seq[r] += 1
-            st.apply(_rep(r, step, f"real{r}", world=4, seq=seq[r]))
-
-    for s in range(50):
-        real(s)
-        clock.t += 0.1
+    clock, st, real = _live_job(4, 50)
     st.apply(_rep(0, 0, "forged0", world=4))
     st.apply(_rep(1, 0, "forged1", world=4))
     assert st.jobs["j"].restarts == 0 and st.rejected["boot_conflict"] == 2
@@ -754,18 +761,7 @@ def test_ranks_past_a_live_jobs_world_have_no_restart_vote():
     live boot to conflict with): half of the doubled world once restarted the job, retired the
     real ranks' boots and named a rank that does not exist silent. Only the job's own ranks vote;
     an elastic growth is still believed when half of them restart under the new world."""
-    clock = Clock()
-    st = State(clock=clock, restart_grace_s=5, boot_takeover_s=3)
-    seq = [0] * 3
-
-    def real(step):
-        for r in range(3):
-            seq[r] += 1
-            st.apply(_rep(r, step, f"real{r}", world=3, seq=seq[r]))
-
-    for s in range(30):
-        real(s)
-        clock.t += 0.1
+    clock, st, real = _live_job(3, 30)
     for r in range(3, 6):
         st.apply(_rep(r, 0, f"forged{r}", world=6))
     job = st.jobs["j"]
