@@ -4,7 +4,8 @@ The training thread only appends to a bounded deque (drop-oldest, counted) and s
 never touches the socket, never waits and never sees an exception from here. The thread:
 
 * connects a PUSH socket (never binds: a bound PUSH blocks without peers, case C24) with
-  ``LINGER 0`` so process exit never waits on unsent data (case C26), ``IMMEDIATE`` so nothing is
+  ``LINGER 0`` so process exit never waits on unsent data (case C26; only the last messages at
+  close, the goodbye among them, get :data:`CLOSE_LINGER_MS` to leave), ``IMMEDIATE`` so nothing is
   queued to an aggregator that is not connected, and sends with ``NOBLOCK`` (case C25);
 * never spins, whatever the aggregator does (issue 9): it builds a message only when ZeroMQ can
   take it (``POLLOUT``); when it cannot, reports wait in the bounded queue (the oldest dropped and
@@ -72,6 +73,10 @@ SCHEMA_RANKS = 1024
 #: job's ranks start together, and at 0.25 a 16,384-rank job's first resends (~10 kB each at 100
 #: layers) reached the aggregator within 2.5 s, a burst that crowded out the steps' records there
 SCHEMA_JITTER = 1.0
+#: milliseconds the sender's last messages (the goodbye among them) may take to leave at close,
+#: when connected: with none, ZeroMQ dropped what it had taken but not yet written, now and then
+#: the goodbye, and a job that closed properly was named silent
+CLOSE_LINGER_MS = 200
 #: seconds failed handshakes (none succeeded) last before the agent says so, unless the aggregator
 #: refused its key (said at once): a peer killed or stopped mid-handshake, or a proxy before it
 #: starting, fails some handshakes of an agent that is rightly configured
@@ -574,9 +579,9 @@ class Sender:
                 self._sock.disable_monitor()
             except Exception:
                 pass
-            for s in (self._monitor, self._sock):
+            for s, linger in ((self._monitor, 0), (self._sock, CLOSE_LINGER_MS if self.connected else 0)):
                 try:
-                    s.close(linger=0)
+                    s.close(linger=linger)
                 except Exception:
                     pass
             try:

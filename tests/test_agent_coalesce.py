@@ -21,7 +21,7 @@ import zmq
 from gradwatch import agent, wire
 from gradwatch.agent.transport import BATCH_BYTES, SCHEMA_BACKOFF, SCHEMA_JITTER, SCHEMA_RANKS, Sender, schema_spread
 
-from .conftest import records
+from .conftest import free_port, records
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -602,3 +602,31 @@ def test_coalesce_s_0_sends_each_turns_records_at_once(collector):
     finally:
         s.close()
     assert layout(stream(collector)) == [("steps", 0, 0), ("steps", 1, 1), ("steps", 2, 2)]
+
+
+def test_the_last_messages_get_a_bounded_linger_at_close_and_none_without_an_aggregator(collector):
+    """With LINGER 0 at close ZeroMQ dropped what it had taken but not yet written: now and then
+    the goodbye, and a job that closed properly was named silent. A connected sender closes its
+    socket with CLOSE_LINGER_MS (bounded); one that never connected with none (exit never waits)."""
+    from gradwatch.agent.transport import CLOSE_LINGER_MS
+
+    def closing_linger(s) -> list:
+        seen, close = [], s._sock.close
+
+        def record(linger=None):
+            seen.append(linger)
+            close(linger=linger)
+
+        s._sock.close = record
+        s.close(timeout=5.0)
+        return seen
+
+    s = sender(collector)
+    s.start()
+    connected(s, collector)
+    assert closing_linger(s) == [CLOSE_LINGER_MS] and 0 < CLOSE_LINGER_MS <= 500
+    collector.pump(1.0)
+    assert any(isinstance(m, wire.Heartbeat) and m.closing for m in collector.msgs)  # the goodbye came
+    lonely = Sender(f"tcp://127.0.0.1:{free_port()}", header, lambda h: None, lambda h: wire.Heartbeat(h, 0, 0, 0, 0))
+    lonely.start()
+    assert closing_linger(lonely) == [0]
