@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .stats import SPLIT_MAX, chunk_norms, chunks_of, l2_norms
+from .stats import SPLIT_MAX, chunk_norms, chunks_of, dense_values, l2_norms
 
 log = logging.getLogger("gradwatch.agent")
 
@@ -143,6 +143,8 @@ class CommHook:
                 if ident != self._hook_ident:
                     self._hook_ident, self.hook_tid = ident, threading.get_native_id()
             t = bucket.buffer()
+            if t.layout != torch.strided:  # a sparse gradient's bucket (nn.Embedding(sparse=True)): its values
+                t = dense_values(t)
             k = chunks_of(t.numel())
             # up to SPLIT_MAX chunks, one foreach over their views: half the kernels of a norm taken
             # to one value; a larger bucket (DDP's default 25 MB) as one value, or its chunk norms

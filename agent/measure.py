@@ -21,42 +21,7 @@ import torch
 
 from .fingerprint import Fingerprints
 from .hooks import ProbeRecorder
-from .stats import chunk_norms, chunks_of, l2_norms, nonfinite_count
-
-_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
-
-
-def dense_values(g: torch.Tensor) -> torch.Tensor:
-    """The values a gradient's statistics are taken over, never densified, no host sync.
-
-    A strided tensor is returned as it is. A sparse COO tensor (``nn.Embedding(sparse=True)``)
-    gives its coalesced values: duplicate indices summed, as ``g.coalesce().values()`` would, but
-    without ``coalesce`` (whose output size depends on the data and costs a host sync on CUDA):
-    indices are linearised and sorted, each run of equal indices gets a segment number by a
-    cumulative sum, and ``index_add_`` sums each run into row ``segment`` of a zero tensor shaped
-    like ``g.values()``; rows past the last segment stay zero, which changes neither a norm, a
-    non-finite count nor a fingerprint. An already coalesced tensor gives ``g.values()``.
-    Compressed layouts (CSR, CSC, BSR, BSC) hold no duplicates and give ``g.values()``.
-
-    Returns:
-        A strided tensor of ``g``'s dtype: ``g`` itself, or [nnz, *dense dims] values.
-    """
-    if g.layout == torch.strided:
-        return g
-    if g.layout in _COMPRESSED:
-        return g.values()
-    if g.is_coalesced():
-        return g._values()
-    idx, vals = g._indices(), g._values()
-    lin = idx[0]
-    for d in range(1, idx.shape[0]):  # row-major linear index over the sparse dimensions
-        lin = lin * g.shape[d] + idx[d]
-    order, perm = torch.sort(lin, stable=True)
-    new = torch.ones_like(order, dtype=torch.bool)
-    new[1:] = order[1:] != order[:-1]
-    segment = torch.cumsum(new, 0) - 1
-    return torch.zeros_like(vals).index_add_(0, segment, vals[perm])
-
+from .stats import chunk_norms, chunks_of, dense_values, l2_norms, nonfinite_count
 
 def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], losses: Sequence[torch.Tensor],
              scale: Optional[torch.Tensor], probing: bool, fingerprints: Fingerprints) -> tuple[list[int], dict, tuple[int, ...]]:

@@ -48,12 +48,78 @@ def _eager_moments(x: torch.Tensor) -> torch.Tensor:
     )
 
 
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def dense_values(g: torch.Tensor) -> torch.Tensor:
+    """The values a gradient's statistics are taken over, never densified, no host sync.
+
+    A strided tensor is returned as it is. A sparse COO tensor (``nn.Embedding(sparse=True)``)
+    gives its coalesced values: duplicate indices summed, as ``g.coalesce().values()`` would, but
+    without ``coalesce`` (whose output size depends on the data and costs a host sync on CUDA):
+    indices are linearised and sorted, each run of equal indices gets a segment number by a
+    cumulative sum, and ``index_add_`` sums each run into row ``segment`` of a zero tensor shaped
+    like ``g.values()``; rows past the last segment stay zero, which changes neither a norm, a
+    non-finite count nor a fingerprint. An already coalesced tensor gives ``g.values()``.
+    Compressed layouts (CSR, CSC, BSR, BSC) hold no duplicates and give ``g.values()``.
+
+    Returns:
+        A strided tensor of ``g``'s dtype: ``g`` itself, or [nnz, *dense dims] values.
+    """
+    if g.layout == torch.strided:
+        return g
+    if g.layout in _COMPRESSED:
+        return g.values()
+    if g.is_coalesced():
+        return g._values()
+    idx, vals = g._indices(), g._values()
+    lin = idx[0]
+    for d in range(1, idx.shape[0]):  # row-major linear index over the sparse dimensions
+        lin = lin * g.shape[d] + idx[d]
+    order, perm = torch.sort(lin, stable=True)
+    new = torch.ones_like(order, dtype=torch.bool)
+    new[1:] = order[1:] != order[:-1]
+    segment = torch.cumsum(new, 0) - 1
+    return torch.zeros_like(vals).index_add_(0, segment, vals[perm])
+
+
 #: elements one float32 partial sum of squares covers in :func:`l2_norms` (see bench/norm_precision.py)
 NORM_CHUNK = 1 << 13
 
 
+#: dtypes torch takes a float32 norm of directly (``dtype=torch.float32``, no copy); a norm of
+#: another (float64: no narrowing; complex: by magnitude) is taken in its own precision, made float32
+_NARROW = frozenset((torch.float16, torch.bfloat16, torch.float32))
+
+
+def _foreach_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """float32 0-d L2 norm of each tensor (``torch._foreach_norm``; complex by magnitude). One
+    call where every tensor's dtype is in :data:`_NARROW`, the usual case (tried first: checking
+    each dtype would cost Python per tensor every step); otherwise those apart."""
+    try:
+        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    except RuntimeError:  # a float64 or complex tensor among them
+        out: list = [None] * len(tensors)
+        for narrow in (True, False):
+            idx = [i for i, t in enumerate(tensors) if (t.dtype in _NARROW) == narrow]
+            if idx:
+                norms = torch._foreach_norm([tensors[i] for i in idx], 2, **({"dtype": torch.float32} if narrow else {}))
+                for i, n in zip(idx, norms):
+                    out[i] = n if narrow else n.float()
+        return out
+
+
+def _row_norms(x: torch.Tensor, dim=None) -> torch.Tensor:
+    """float32 L2 norms of ``x`` (over ``dim``; complex by magnitude), in float32 for the
+    :data:`_NARROW` dtypes, else in ``x``'s own precision."""
+    if x.dtype in _NARROW:
+        return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float32)
+    return torch.linalg.vector_norm(x, dim=dim).float()
+
+
 def l2_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """float32 0-d L2 norm of each tensor (any floating dtype, any device), no host sync.
+    """float32 0-d L2 norm of each tensor (any floating or complex dtype, any device; complex by
+    magnitude; float64 normed in float64), no host sync.
 
     Precision (issue 11): a float32 accumulator drifts as tensors grow (on CPU rel 1e-5 at 2^20
     elements, 6e-3 at 2^26), and float64 accumulation costs ~50x on CPU. So the sum of squares is
@@ -65,7 +131,7 @@ def l2_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     out: list = [None] * len(tensors)
     small = [i for i, t in enumerate(tensors) if t.numel() <= NORM_CHUNK]
     if small:
-        for i, n in zip(small, torch._foreach_norm([tensors[i] for i in small], 2, dtype=torch.float32)):
+        for i, n in zip(small, _foreach_norms([tensors[i] for i in small])):
             out[i] = n
     for i, t in enumerate(tensors):
         if out[i] is None:
@@ -111,10 +177,10 @@ def chunk_norms(tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.T
         else:
             x = t.detach().reshape(-1)
             m = x.numel() // NORM_CHUNK * NORM_CHUNK
-            huge.append(torch.linalg.vector_norm(x[:m].view(-1, NORM_CHUNK), dim=1, dtype=torch.float32))
+            huge.append(_row_norms(x[:m].view(-1, NORM_CHUNK), dim=1))
             if m < x.numel():
-                huge.append(torch.linalg.vector_norm(x[m:], dtype=torch.float32).reshape(1))
-    out = _stack(torch._foreach_norm(views, 2, dtype=torch.float32)) if views else None
+                huge.append(_row_norms(x[m:]).reshape(1))
+    out = _stack(_foreach_norms(views)) if views else None
     if not huge:
         return out if out is not None else torch.empty(0)
     dev = out.device if out is not None else huge[0].device
@@ -177,9 +243,9 @@ def _segments(rows: tuple[int, ...]) -> Optional[np.ndarray]:
 def _chunked_norm(t: torch.Tensor) -> torch.Tensor:
     x = t.detach().reshape(-1)
     m = x.numel() // NORM_CHUNK * NORM_CHUNK
-    rows = torch.linalg.vector_norm(x[:m].view(-1, NORM_CHUNK), dim=1, dtype=torch.float32)
+    rows = _row_norms(x[:m].view(-1, NORM_CHUNK), dim=1)
     if m < x.numel():
-        rows = torch.cat((rows, torch.linalg.vector_norm(x[m:], dtype=torch.float32).reshape(1)))
+        rows = torch.cat((rows, _row_norms(x[m:]).reshape(1)))
     # float64 across the chunks in one kernel: sqrt of the sum of the squared chunk norms
     return torch.linalg.vector_norm(rows, dtype=torch.float64).float()
 

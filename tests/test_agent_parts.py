@@ -449,3 +449,38 @@ def test_sentinel_report_carries_each_parameters_gradient_norm_when_there_are_re
     empty, counts = frame.pack({})
     assert report.build(h, report.StepLayout(8, 0.5, math.nan, 0, "s", (), counts, n_params=3, norms=True),
                         empty.numpy(), drops=0).grad_norms is None
+
+
+def test_a_sparse_or_float64_or_complex_bucket_gives_its_norm(one_rank_group):
+    """A DDP job with nn.Embedding(sparse=True) hands the hook a sparse bucket: the dense norm
+    raised (NotImplementedError for SparseCPU) until the hook was switched off, and the aggregator
+    then took its NaN local norms for a fault. A float64 or complex bucket raised too (a float32
+    norm of them is a narrowing): each now gives its norm (a sparse one over its coalesced values,
+    duplicates summed; complex by magnitude), in a real 1-rank DDP and alone."""
+    class Bucket:
+        def __init__(self, t):
+            self.t = t
+
+        def buffer(self):
+            return self.t
+
+    errors = Errors()
+    comm = CommHook(errors, set())
+    idx = torch.tensor([[0, 2, 2, 5]])
+    sparse = torch.sparse_coo_tensor(idx, torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [0.5, 0.5]]), (8, 2))
+    wide, cplx = torch.randn(50, dtype=torch.float64), torch.randn(7, dtype=torch.complex64)
+    for t in (sparse, wide, cplx):
+        comm.observe(Bucket(t))
+    want = [float(sparse.to_dense().double().norm()), float(wide.norm()), float(cplx.abs().double().norm())]
+    got = [math.sqrt(sum(float(x.double().square().sum()) for x in sq)) for sq in comm.local_sq]
+    assert not errors and got == pytest.approx(want, rel=1e-6)
+    # the DDP job of the report: a sparse embedding's gradient through the hook, gradients as DDP leaves them
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 3, sparse=True)
+    ddp = nn.parallel.DistributedDataParallel(emb)
+    comm = CommHook(errors, set())
+    comm.install(ddp)
+    ddp(torch.tensor([1, 4, 4, 7])).sum().backward()
+    assert not errors and len(comm.local_sq) == 1
+    local = math.sqrt(sum(float(x.double().square().sum()) for x in comm.local_sq))
+    assert local == pytest.approx(float(emb.weight.grad.to_dense().double().norm()), rel=1e-6)

@@ -510,6 +510,39 @@ def test_c19_frozen_parameters_and_unfreezing(collector):
     assert_not_observed(p.act_grad("backbone.0"))
 
 
+class Complex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64) * 0.5)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head((x.to(torch.complex64) @ self.w).abs())
+
+
+@pytest.mark.parametrize("kind", ["float64", "complex"])
+def test_float64_and_complex_models_are_monitored_with_exact_norms(collector, kind):
+    """A float32 norm of a float64 or complex tensor is a narrowing torch refuses: the sentinel,
+    the output-gradient hooks and the probe raised every step until the agent switched itself
+    off. Both are monitored: each parameter's gradient norm (complex by magnitude) and the global
+    norm against float64 references."""
+    factory = seeded(3, lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).double()) if kind == "float64" \
+        else seeded(3, Complex)
+    model = factory()
+    x = torch.randn(5, 4, dtype=torch.float64 if kind == "float64" else torch.float32)
+    monitor, probes = train(collector, model, lambda s: model(x).square().sum().backward(), steps=2)
+    assert not monitor.disabled  # (train asserts no error was counted)
+    ref = twin(model, factory)
+    ref(x).square().sum().backward()
+    grads = {n: p.grad.detach() for n, p in ref.named_parameters()}
+    magnitude = {n: (g.abs() if g.is_complex() else g).double() for n, g in grads.items()}
+    for step in (0, 1):
+        p = probes[step]
+        for name, g in magnitude.items():
+            assert float(p.param(name)[0]) == pytest.approx(g.norm().item(), rel=RTOL), (step, name)
+        assert p.report.grad_norm == pytest.approx(torch.cat([g.reshape(-1) for g in magnitude.values()]).norm().item(), rel=RTOL)
+
+
 # --- (e) C06: identity module and a multi-input module with a constant mask ------------------------
 
 

@@ -449,6 +449,7 @@ def test_nonfinite_guard_slot_outside_the_schema_or_of_an_unknown_schema_is_left
         ([NAN] * 3, [NAN] * 3, NAN, None, "unknown"),  # no DDP hook: NaN local norms mean unknown
         ([1.0] * 3, [1.0, 2.0, 1.5], INF, None, "all-reduce"),  # finite locals, infinite reduction
         ([1.0] * 3, [1.0, INF, 1.5], INF, 1, "local"),
+        ([1.0] * 3, [1.0, NAN, 1.5], NAN, 1, "local"),  # a NaN local norm that the all-reduce spread
     ],
 )
 def test_nonfinite_origin_rank_only_from_local_norms_and_raised_after_hold_without_probes(
@@ -465,6 +466,20 @@ def test_nonfinite_origin_rank_only_from_local_norms_and_raised_after_hold_witho
     (f,) = job.active("nonfinite")
     assert f.details["where"] == where and f.details["located"] is False
     assert "not located" in f.summary
+
+
+def test_nonfinite_a_local_norm_no_longer_measured_is_not_an_event():
+    """A rank's communication hook switched off after errors (a sparse bucket it could not read)
+    leaves its local norm NaN from then on, after finite ones: a NaN spreads through the all-reduce,
+    so with the all-reduced gradient finite it was not measured. That raised a false critical."""
+    job = Job(["nonfinite"])
+    for s in range(3):
+        job.step(s, 1.0, locals=[1.0, 1.2, 0.9])
+    for s in range(3, 8):
+        job.step(s, 1.0, locals=[NAN, NAN, NAN], nonfinite=0)
+    job.tick(0.1)
+    job.tick(HOLD_S)
+    assert job.events("nonfinite") == [] and job.status("nonfinite") == "healthy"
 
 
 def test_nonfinite_step_without_gradients_is_not_an_event():

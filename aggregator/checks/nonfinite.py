@@ -257,7 +257,10 @@ class NonFinite(Check):
         has_grad = ~(np.isnan(v.grad_norm) & (v.grad_nonfinite == 0))
         known = np.fromiter((k in st.known_local for k in ranks), bool, len(ranks))
         local = v.local_grad_norm
-        local_bad = np.isinf(local) | (np.isnan(local) & known & has_grad)
+        # a NaN spreads through the all-reduce: with the rank's all-reduced gradient finite, its NaN
+        # local norm was not measured (its communication hook switched off after errors), no fault
+        spread = ~np.isfinite(v.grad_norm) | (v.grad_nonfinite > 0)
+        local_bad = np.isinf(local) | (np.isnan(local) & known & has_grad & spread)
         bad_grad = [k for k, b in zip(ranks, bad) if b]
         origin = [k for k, b in zip(ranks, local_bad) if b]
         if not bad_grad and not origin:
