@@ -6,14 +6,18 @@
     monitor.close()                                # removes every hook and thread
 
 Errors: :func:`attach` raises :class:`ConfigError` for an invalid setting (at start-up, naming
-it). Nothing else the agent does raises into the training loop: failures are counted and warned
+it), unless the agent is switched off (``enabled`` false, or ``GRADWATCH_ENABLED=0``): the off
+switch works whatever else is set, so an operator can get a job past a bad variable. Nothing else the agent does raises into the training loop: failures are counted and warned
 about once (``RuntimeWarning``), and the failing part is switched off.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
+
+from pydantic import TypeAdapter, ValidationError
 
 from .config import AgentConfig, ConfigError, load
 
@@ -43,8 +47,13 @@ def attach(model, optimizer, *, scaler=None, mesh=None, **settings):
         ``enabled`` is false or the agent could not start (warned, never raised).
 
     Raises:
-        ConfigError: a setting is invalid or unknown; the message names it.
+        ConfigError: a setting is invalid or unknown; the message names it (not when the agent is
+            switched off: :func:`switched_off`).
     """
+    if switched_off(settings):
+        from .null import NullMonitor
+
+        return NullMonitor()
     cfg = load(**settings)
     if mesh is not None and not (hasattr(mesh, "get_coordinate") and hasattr(mesh, "shape")):
         raise ConfigError(f"agent.mesh: must be a torch.distributed.DeviceMesh, got {type(mesh).__name__}")
@@ -61,6 +70,18 @@ def attach(model, optimizer, *, scaler=None, mesh=None, **settings):
     except Exception as e:  # the agent must never stop a training job from starting
         warnings.warn(f"gradwatch: agent disabled, could not attach: {e!r}", RuntimeWarning, stacklevel=2)
         return NullMonitor()
+
+
+def switched_off(settings: dict) -> bool:
+    """Whether ``enabled`` (the keyword, else ``GRADWATCH_ENABLED``) reads as false, read before and
+    apart from every other setting; an unreadable value is left to :func:`load` to name."""
+    raw = settings.get("enabled", os.environ.get("GRADWATCH_ENABLED"))
+    if raw is None:
+        return False
+    try:
+        return not TypeAdapter(bool).validate_python(raw)
+    except ValidationError:
+        return False
 
 
 def __getattr__(name):

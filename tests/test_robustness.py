@@ -147,6 +147,26 @@ def test_null_monitor_passes_a_comm_hook_through(monkeypatch):
     assert not monitor.active
 
 
+def test_the_off_switch_works_whatever_else_is_set(monkeypatch):
+    """GRADWATCH_ENABLED=0 beside an invalid GRADWATCH_EVERY=0 raised ConfigError: an operator
+    could not switch the agent off to get a job past a bad variable. Off is off; on, the bad
+    variable is named; an off switch that reads as nothing is named too."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setenv("GRADWATCH_EVERY", "0")
+    for off in ("0", "false", "off", "no"):
+        monkeypatch.setenv("GRADWATCH_ENABLED", off)
+        assert not gw.attach(model, opt).active
+    assert not gw.attach(model, opt, enabled=False, every=-3).active
+    monkeypatch.setenv("GRADWATCH_ENABLED", "1")
+    with pytest.raises(gw.ConfigError, match="agent.every"):
+        gw.attach(model, opt)
+    monkeypatch.setenv("GRADWATCH_ENABLED", "perhaps")
+    with pytest.raises(gw.ConfigError, match="agent.enabled"):
+        gw.attach(model, opt)
+    assert not model._forward_hooks and not opt._optimizer_step_pre_hooks
+
+
 def test_a_statistic_that_keeps_failing_is_switched_off_alone(pull):
     """A module whose output the agent cannot summarise (here: a reducer that raises on it) costs
     that part of the agent, after a few warnings, not the sentinel or the reports."""
@@ -304,8 +324,10 @@ def test_config_mistakes_are_named_where_they_come_from(monkeypatch):
         gw.attach(model, opt)
     monkeypatch.delenv("GRADWATCH_EVERY")
     monkeypatch.setenv("GRADWATCH_EVRY", "5")
+    from gradwatch.agent.config import load
+
     with pytest.warns(RuntimeWarning, match="unknown setting GRADWATCH_EVRY"):
-        gw.attach(model, opt, enabled=False)
+        load()  # what attach reads (switched off, it reads nothing else: test_the_off_switch_...)
     with pytest.raises(gw.ConfigError) as e:
         gw.attach(model, opt, endpoint="127.0.0.1:5599")
     assert str(e.value).count("127.0.0.1:5599") == 1
