@@ -7,8 +7,9 @@
 
 Errors: :func:`attach` raises :class:`ConfigError` for an invalid setting (at start-up, naming
 it), unless the agent is switched off (``enabled`` false, or ``GRADWATCH_ENABLED=0``): the off
-switch works whatever else is set, so an operator can get a job past a bad variable. Nothing else the agent does raises into the training loop: failures are counted and warned
-about once (``RuntimeWarning``), and the failing part is switched off.
+switch works whatever else is set, so an operator can get a job past a bad variable. Nothing else
+the agent does raises into the training loop: failures are counted and warned about once
+(``RuntimeWarning``), and the failing part is switched off.
 """
 
 from __future__ import annotations

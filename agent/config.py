@@ -114,8 +114,9 @@ def load(**settings) -> AgentConfig:
     Raises:
         ConfigError: naming the first invalid or unknown setting.
     """
-    for var in unknown_variables("GRADWATCH_", AgentConfig, others=_OTHER_PREFIXES):
-        known = ", ".join(sorted(f"GRADWATCH_{f.upper()}" for f in AgentConfig.model_fields))
+    unknown = unknown_variables("GRADWATCH_", AgentConfig, others=_OTHER_PREFIXES)
+    known = ", ".join(sorted(f"GRADWATCH_{f.upper()}" for f in AgentConfig.model_fields)) if unknown else ""
+    for var in unknown:
         warnings.warn(f"gradwatch: unknown setting {var} is ignored (agent settings: {known})", RuntimeWarning, stacklevel=3)
     try:
         cfg = AgentConfig(**settings)

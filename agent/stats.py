@@ -92,12 +92,12 @@ NORM_CHUNK = 1 << 13
 _NARROW = frozenset((torch.float16, torch.bfloat16, torch.float32))
 
 
-def _foreach_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _foreach_norms(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     """float32 0-d L2 norm of each tensor (``torch._foreach_norm``; complex by magnitude). One
     call where every tensor's dtype is in :data:`_NARROW`, the usual case (tried first: checking
     each dtype would cost Python per tensor every step); otherwise those apart."""
     try:
-        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        return torch._foreach_norm(tensors, 2, dtype=torch.float32)
     except RuntimeError:  # a float64 or complex tensor among them
         out: list = [None] * len(tensors)
         for narrow in (True, False):

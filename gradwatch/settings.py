@@ -42,7 +42,8 @@ def unknown_variables(env_prefix: str, model: type[BaseModel], nested: str = "",
     for var in os.environ:
         if not var.startswith(env_prefix) or var.startswith(others):
             continue
-        name, _, sub = var[len(env_prefix):].lower().partition(nested) if nested else (var[len(env_prefix):].lower(), "", "")
+        rest = var[len(env_prefix):].lower()
+        name, _, sub = rest.partition(nested) if nested else (rest, "", "")
         field = model.model_fields.get(name)
         inner = getattr(field, "annotation", None) if field is not None else None
         if field is None or (sub and not (isinstance(inner, type) and issubclass(inner, BaseModel) and sub in inner.model_fields)):
