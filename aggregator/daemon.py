@@ -50,6 +50,8 @@ log = logging.getLogger("gradwatch.aggregator")
 #: past this. Far more than the jobs :class:`~.state.State` holds at the defaults (``max_jobs`` 64 and
 #: ``max_pending_jobs`` 16); a drop past it goes untracked: its job's silence checks are not muted.
 MAX_DROPPED_JOBS = 1024
+#: the :class:`Intake` queue of every frame whose identity holds no slot (:meth:`Intake.admit`)
+PENDING = "pending"
 #: most share of the writer thread's time that ticks, and separately snapshots, may take: both walk
 #: every rank (25 ms and 50-100 ms at 16,384 ranks), so a huge job's come more rarely than every
 #: 0.1 s and every publish_interval_s. At 1/4 each, half the writer went to them at 16,384 ranks.
@@ -132,9 +134,12 @@ class _QuietHandler(WSGIRequestHandler):
 class Intake:
     """Received frames waiting for the writer: the intake thread puts, the writer takes.
 
-    Frames wait in one queue per job (the identity a frame's header claims,
-    :func:`gradwatch.wire.peek`, with the sender's CURVE key; frames without a readable header
-    share one queue), each in arrival order; the writer takes from the jobs in turn.
+    Frames wait in one queue per admitted job (the identity a frame's header claims,
+    :func:`gradwatch.wire.peek`, with the sender's CURVE key: :meth:`admit`), each in arrival
+    order; frames of every other identity (jobs without a slot yet, invented ids, frames without a
+    readable header) share one more queue, :data:`PENDING`, as one job: a flood of invented job
+    ids holds one share of the intake however many ids it claims, not one per id. The writer takes
+    from the queues in turn.
 
     Args:
         max_bytes: most bytes of frames held (memory).
@@ -176,8 +181,9 @@ class Intake:
         self.dropped_jobs: set = set()
         self.shed_jobs: set = set()
         self.ready = threading.Event()
-        self._queues: dict = {}  # job -> deque of (frame, user id), oldest first
+        self._queues: dict = {}  # job -> deque of (frame, user id), oldest first (PENDING: and its job)
         self._bytes: collections.Counter = collections.Counter()  # job -> bytes held
+        self._admitted: frozenset = frozenset()  # the identities with a queue of their own
         self._lock = threading.Lock()
 
     @staticmethod
@@ -197,9 +203,39 @@ class Intake:
 
     @property
     def held(self) -> dict:
-        """``{job: frames held}`` (a copy)."""
+        """``{job: frames held}`` (a copy); :data:`PENDING` for the frames of jobs not admitted."""
         with self._lock:
             return {job: len(q) for job, q in self._queues.items()}
+
+    @property
+    def admitted(self) -> frozenset:
+        """The identities given a queue of their own by the latest :meth:`admit`."""
+        return self._admitted
+
+    def admit(self, jobs: frozenset) -> None:
+        """Writer thread: ``jobs``, the ``(CURVE user id or None, (job id, key))`` identities of
+        the jobs holding a slot (:attr:`.state.State.admitted`), get a queue of their own from
+        now on; a newly admitted job's frames waiting in :data:`PENDING` move to it, in order
+        (one pass over the pending frames, once per admission)."""
+        with self._lock:
+            new = jobs - self._admitted
+            self._admitted = jobs
+            pending = self._queues.get(PENDING)
+            if not new or not pending:
+                return
+            rest: collections.deque = collections.deque()
+            for item in pending:
+                job = item[2]
+                if job in new:
+                    self._queues.setdefault(job, collections.deque()).append(item[:2])
+                    self._bytes[job] += len(item[0])
+                    self._bytes[PENDING] -= len(item[0])
+                else:
+                    rest.append(item)
+            if rest:
+                self._queues[PENDING] = rest
+            else:
+                del self._queues[PENDING], self._bytes[PENDING]
 
     def put(self, batch: list) -> None:
         """Intake thread: hold ``(frame bytes, CURVE user id or None)`` items while room lasts."""
@@ -211,8 +247,9 @@ class Intake:
 
     def _put(self, item, job) -> None:
         n = len(item[0])
-        q = self._queues.get(job)
-        held, held_bytes = (len(q), self._bytes[job]) if q is not None else (0, 0)
+        queue = job if job in self._admitted else PENDING
+        q = self._queues.get(queue)
+        held, held_bytes = (len(q), self._bytes[queue]) if q is not None else (0, 0)
         if n > self.max_bytes:
             self._drop(job)
             return
@@ -236,19 +273,19 @@ class Intake:
                 self._evict(max(self._queues, key=lambda j: (len(self._queues[j]), self._bytes[j])))
                 full = self.frames + 1 > self.max_frames or self.bytes + n > self.max_bytes
         if q is None:
-            q = self._queues[job] = collections.deque()
+            q = self._queues[queue] = collections.deque()
         if shed:
             self.shed += 1
             self._note(self.shed_jobs, job)
-        q.append(item)
+        q.append(item if queue is not PENDING else (*item, job))  # a pending frame keeps its job's name
         self.frames += 1
         self.bytes += n
-        self._bytes[job] += n
+        self._bytes[queue] += n
 
-    def _evict(self, job) -> None:
-        frame, _ = self._queues[job].popleft()
-        self._forget(job, len(frame))
-        self._drop(job)
+    def _evict(self, queue) -> None:
+        item = self._queues[queue].popleft()
+        self._forget(queue, len(item[0]))
+        self._drop(item[2] if queue is PENDING else queue)
 
     def _drop(self, job) -> None:
         self.dropped += 1
@@ -294,7 +331,7 @@ class Intake:
                     q = self._queues[job]
                     for _ in range(min(each, len(q), most - len(out))):
                         item = q.popleft()
-                        out.append(item)
+                        out.append(item if job is not PENDING else item[:2])
                         self._forget(job, len(item[0]))
                         if job not in self._queues:
                             break
@@ -372,6 +409,7 @@ class Aggregator:
         self._intake_thread: Optional[threading.Thread] = None
         self.intake = Intake(cfg.max_intake_bytes, cfg.max_intake_frames)
         self._overload_counted = 0
+        self._slots = 0  # State.slots when the intake last learnt which jobs hold a slot
         self._ctx: Optional[zmq.Context] = None
         self._sock = None
         self._auth = None  # zmq.auth.thread.ThreadAuthenticator with CURVE
@@ -598,6 +636,9 @@ class Aggregator:
                 if intake.ready.wait(min(interval, 0.1) if not self.state.closing else 0):
                     for frame, key in intake.take(1000):
                         self.handle(frame, key)
+                    if self.state.slots != self._slots:  # a job took or left a slot: its own queue
+                        self._slots = self.state.slots
+                        intake.admit(self.state.admitted)
                 # a large round's reconciliation, a slice between batches (SliceGate: frames first)
                 if self.state.closing and gate.ready(self.state.closing[0], intake.frames > 0, time.perf_counter()):
                     t0 = time.perf_counter()

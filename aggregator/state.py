@@ -406,6 +406,7 @@ class State:
         self.decode_seconds = 0.0
         self.decode_count = 0
         self.version = 0  # bumped on every change; the publisher compares it
+        self.slots = 0  # bumped whenever a job takes or leaves a slot (:attr:`admitted` changes)
         self._ttl_scan = -math.inf  # clock of the latest scan for ranks past rank_ttl_s
 
     # --- inputs ---------------------------------------------------------------------------------
@@ -440,6 +441,13 @@ class State:
     def identity(h: wire.Header) -> tuple[str, str]:
         """What a job is: its id and the key its ranks share. (A CURVE client key goes here.)"""
         return (h.job, h.key)
+
+    @property
+    def admitted(self) -> frozenset:
+        """The ``(CURVE key or None, (job id, key))`` identities of the jobs holding a slot, as
+        the daemon's intake names the frames it holds (:meth:`.daemon.Intake.admit`); changes
+        only when :attr:`slots` does."""
+        return frozenset((j.peer_key, (j.name, j.key)) for j in self.jobs.values() if j.admitted)
 
     @property
     def job_keys(self) -> dict[str, str]:
@@ -538,6 +546,7 @@ class State:
                 self.reject("too_many_jobs")
                 return
             job.admitted = True
+            self.slots += 1
         if r is None and not job.admitted and len(job.ranks) >= self.max_pending_ranks:
             # a job without a slot holds few ranks (state and series); the others are heard
             # again, each within a heartbeat, once it has one. Their schemas are kept (content-
@@ -649,6 +658,7 @@ class State:
 
     def _drop(self, job: JobState, why: str = "job forgotten") -> None:
         del self.jobs[job.job]
+        self.slots += job.admitted
         self.labels.pop((job.name, job.key), None)
         if self.runner is not None:
             self.runner.forget(job.job, why)

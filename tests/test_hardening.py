@@ -23,7 +23,7 @@ from gradwatch import wire
 from gradwatch.agent.config import AgentConfig, job_key
 from gradwatch.aggregator.checks import Thresholds
 from gradwatch.aggregator.config import load
-from gradwatch.aggregator.daemon import BULK_SHARE, MAX_DROPPED_JOBS, Aggregator, Intake
+from gradwatch.aggregator.daemon import BULK_SHARE, MAX_DROPPED_JOBS, PENDING, Aggregator, Intake
 from gradwatch.aggregator.state import SERIES_PER_LAYER, SERIES_PER_MODULE, State
 
 from .conftest import samples, wait_for
@@ -853,8 +853,10 @@ def test_a_job_flooding_the_intake_loses_its_own_frames_not_another_jobs():
     """Issue 9: the intake's room is shared among jobs once it is half full. A job sending ten
     times what fits keeps at most its share; jobs arriving after it, however full the intake, get
     theirs (the flooder's oldest frames make room), and so do frames without a readable header,
-    as one identity of their own. The writer takes from the jobs in turn, each in order."""
+    in the queue of every frame of no admitted job (PENDING). The writer takes from the jobs in
+    turn, each in order."""
     intake = Intake(1 << 30, 1000)
+    intake.admit(frozenset((None, job) for job in [("flood", ""), ("quiet", ""), ("late", ""), ("flood", "other")]))
     intake.put(_frames("flood", 10_000))
     assert intake.held == {(None, ("flood", "")): 500} and intake.dropped == 9_500
     intake.put(_frames("quiet", 200))
@@ -863,7 +865,7 @@ def test_a_job_flooding_the_intake_loses_its_own_frames_not_another_jobs():
     intake.put(_frames("flood", 50, key="other"))  # the same id under another key is another job
     held = intake.held
     assert held[(None, ("quiet", ""))] == 200 and held[(None, ("late", ""))] == 150
-    assert held[(None, ("flood", "other"))] == 50 and 0 < held[(None, None)] < 500
+    assert held[(None, ("flood", "other"))] == 50 and 0 < held[PENDING] < 500
     assert sum(held.values()) <= 1000 and held[(None, ("flood", ""))] < 500
     first = intake.take(10)
     assert len({wire.peek(f) for f, _ in first}) == 5  # the jobs in turn
@@ -872,6 +874,57 @@ def test_a_job_flooding_the_intake_loses_its_own_frames_not_another_jobs():
     assert quiet == list(range(200))  # a job's frames in order
     assert intake.bytes == intake.frames == 0 and not intake.held and not intake.ready.is_set()
     assert intake.dropped + len(first + rest) == 10_000 + 200 + 150 + 500 + 50  # each frame taken or counted
+
+
+def test_invented_job_ids_share_one_queue_of_the_intake_and_cannot_starve_an_admitted_job():
+    """Issue 9: every identity holding no slot (a job not admitted yet, an invented id, a frame
+    without a readable header) shares the intake's PENDING queue. Before, each invented id was a
+    job of its own: 10,000 ids each sending a frame divided the intake into 10,001 shares, and an
+    admitted job under overload kept almost none of its frames (here 2 of 300). A job's frames
+    that waited in PENDING move to its own queue, in order, once it is admitted."""
+    intake = Intake(1 << 30, 1000)
+    real = (None, ("real", ""))
+    intake.put(_frames("real", 10))  # the job's first frames, before it holds a slot
+    assert intake.held == {PENDING: 10}
+    intake.admit(frozenset({real}))
+    assert intake.held == {real: 10}
+    intake.put([f for i in range(10_000) for f in _frames(f"sybil{i}", 1)])
+    assert intake.held[PENDING] <= 500 and intake.dropped >= 9_500
+    before = intake.dropped
+    intake.put(_frames("real", 300)[10:])
+    assert intake.dropped == before and intake.held[real] == 300  # within its share: nothing of its own lost
+    taken = intake.take(10**6)
+    seqs = [wire.decode(f).header.seq for f, _ in taken if wire.peek(f) == ("real", "")]
+    assert seqs == list(range(300)) and all(len(item) == 2 for item in taken)
+    # a job admitted while its frames wait beside others' in PENDING: its own move, in order
+    intake.put(_frames("b", 5) + _frames("c", 5) + _frames("b", 8)[5:])
+    intake.admit(frozenset({real, (None, ("b", ""))}))
+    assert intake.held == {PENDING: 5, (None, ("b", "")): 8} and intake.bytes == sum(map(len, (f for f, _ in _frames("b", 8) + _frames("c", 5))))
+    got = intake.take(100)
+    assert [wire.decode(f).header.seq for f, _ in got if wire.peek(f) == ("b", "")] == list(range(8))
+    assert intake.frames == intake.bytes == 0 and not intake.held
+
+
+def test_the_daemon_tells_its_intake_which_jobs_hold_a_slot():
+    """The writer hands the intake the admitted jobs (State.admitted) when one takes or leaves a
+    slot: a job's frames then wait in a queue of their own, not in PENDING with invented ids'."""
+    cfg = load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05)
+    agg = Aggregator(cfg)
+    agg.start()
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(agg.endpoint)
+        a = Agent(s, "admitted", 0, 1, "")
+        a.schema()
+        a.report(0)
+        wait_for(lambda: agg.intake.admitted == frozenset({(None, ("admitted", ""))}), what="the intake told of the slot")
+        assert agg.state.admitted == agg.intake.admitted and agg.state.slots == 1
+        s.close(0)
+    finally:
+        ctx.destroy(0)
+        agg.stop()
 
 
 WIDE_PARAMS = tuple((f"l{i}.weight", (4, 4), "float32") for i in range(300))
@@ -1007,12 +1060,14 @@ def test_an_intake_too_small_for_a_jobs_probed_step_says_which_settings_would_ho
         sock.connect(agg.endpoint)
         big = [Agent(sock, "big", r, 64, "") for r in range(64)]  # 8 x 64 frames > 200
         small = [Agent(sock, "small", r, 2, "") for r in range(2)]
-        for a in big + small:
-            a.schema()
-            a.report(0)
-        wait_for(lambda: agg.state.jobs.get("big") is not None and agg.state.jobs["big"].admitted
-                 and agg.state.jobs.get("small") is not None and agg.state.jobs["small"].admitted,
-                 what="both jobs admitted")
+        # one after the other: until a job holds a slot its frames share the intake's PENDING
+        # queue with every other such job's, and big's start alone fills that share
+        for jobs, name in ((big, "big"), (small, "small")):
+            for a in jobs:
+                a.schema()
+                a.report(0)
+            wait_for(lambda: agg.state.jobs.get(name) is not None and agg.state.jobs[name].admitted,
+                     what=f"job {name} admitted")
         dropped_before, t_stall = agg.intake.dropped, agg.state.clock()
         stalled.set()
         for a in small:
