@@ -66,11 +66,6 @@ def _describe(value: str, secret: bool) -> str:
     return f"the value given ({len(value)} characters, not shown: it may be a secret)"
 
 
-def _clean(value: str) -> str:
-    """A key setting's value without the whitespace around it (a secret store's trailing newline)."""
-    return value.strip()
-
-
 def _certificate(value: str, secret: bool) -> tuple[bytes, Optional[bytes]]:
     path = Path(value)
     if not os.path.isfile(value):  # (Path.is_file raises on a name too long: a pasted certificate)
@@ -98,7 +93,7 @@ def load_public(value: str) -> bytes:
     Raises:
         KeyMaterialError: neither a readable certificate nor a Z85 key.
     """
-    value = _clean(value)
+    value = value.strip()  # a secret store's trailing newline
     key = _z85_key(value) if not os.path.isfile(value) else None
     return key if key is not None else _certificate(value, secret=False)[0]
 
@@ -110,7 +105,7 @@ def load_pair(value: str) -> tuple[bytes, bytes]:
     Raises:
         KeyMaterialError: not a certificate holding a secret key, nor a Z85 key.
     """
-    value = _clean(value)
+    value = value.strip()  # a secret store's trailing newline
     key = _z85_key(value) if not os.path.isfile(value) else None
     if key is not None:
         return zmq.curve_public(key), key
@@ -127,7 +122,7 @@ def load_allowed(value: str) -> frozenset[bytes]:
     Raises:
         KeyMaterialError: unreadable, or no key found.
     """
-    value = _clean(value)
+    value = value.strip()  # a secret store's trailing newline
     if os.path.isdir(value):
         try:
             keys = frozenset(zmq.auth.load_certificates(value))
