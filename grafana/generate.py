@@ -332,7 +332,7 @@ def gradient_flow(t: Thresholds) -> dict:
                    [target(f"gradwatch_layer_weight_norm{{{JL}, {agg}}}", "{{layer}}")]),
         timeseries("Activation zero ratio by layer",
                    f"Fraction of each layer's output activations that are exactly zero, worst rank. Dashed line: "
-                   f"dead_ratio ({t.dead_ratio:g}), above which ReLU-family units count as dead.",
+                   f"dead_ratio ({t.dead_ratio:g}), above which an activation's units count as dead.",
                    [target(f'gradwatch_layer_activation_zero_ratio{{{JL}, agg="max"}}', "{{layer}}")],
                    unit="percentunit", minimum=0, maximum=1, lines=((t.dead_ratio, "red"),), w=24),
         timeseries("Non-finite activations by layer", "NaN/Inf elements in each layer's output activations, worst rank.",

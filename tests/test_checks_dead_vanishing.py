@@ -1,6 +1,6 @@
 """Dead units and vanishing gradients on a real 2-rank gloo DDP job against a real aggregator
-process. The fault is injected by this harness: a ReLU layer whose preceding Linear has a large
-negative bias (its units never fire), and a loss scaled by 1e-12 from one step on (the gradients
+process. The fault is injected by this harness: a ReLU and a GELU layer whose preceding Linear has a
+large negative bias (their units never fire; GELU's tail rounds to exact zeros), and a loss scaled by 1e-12 from one step on (the gradients
 all but vanish on every rank)."""
 
 from __future__ import annotations
@@ -33,11 +33,13 @@ def _rank(rank: int, endpoint: str, master_port: int, dead: bool) -> None:
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(
-            torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+            torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+            torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 1)
         )
         if dead:
             with torch.no_grad():
                 model[2].bias.fill_(-100.0)  # the second ReLU's units never fire
+                model[4].bias.fill_(-100.0)  # nor the GELU's
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(rank)
@@ -69,8 +71,9 @@ def test_dead_relu_layer_and_vanishing_gradients_are_named_and_a_healthy_job_rai
                      == STEPS - EVERY, 20, what=f"the last probe of {job}")
         raised = sorted((e["check"], e["layer"], e["rank"]) for e in agg.findings("dead")
                         if e["event"] == "raised" and e["check"] in ("dead_units", "vanishing"))
-        # layer "3" is the second ReLU (module paths of the Sequential); vanishing names no rank
-        assert raised == [("dead_units", "3", None), ("vanishing", None, None)]
+        # layers "3" and "5" are the second ReLU and the GELU (module paths of the Sequential);
+        # vanishing names no rank
+        assert raised == [("dead_units", "3", None), ("dead_units", "5", None), ("vanishing", None, None)]
         vanish = next(e for e in agg.findings("dead") if e["check"] == "vanishing")
         assert vanish["step"] == VANISH_FROM
         assert [e for e in agg.findings("alive") if e["check"] in ("dead_units", "vanishing")] == []

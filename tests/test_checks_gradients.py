@@ -511,11 +511,34 @@ def test_dead_units_named_after_dead_probes_consecutive_probes_median_over_ranks
     assert job.events("dead_units") == [("raised", 30, None, "act"), ("resolved", 30, None, "act")]
 
 
-def test_dead_units_no_data_without_relu_family_layers():
-    gelu = tuple((m, o, "GELU" if t == "ReLU" else t, d) for m, o, t, d in SLOTS)
-    job = Job(["dead_units"], slots=gelu, dead_probes=1)
+@pytest.mark.parametrize("typ,judged", [("GELU", True), ("SiLU", True), ("Mish", True), ("LeakyReLU", False),
+                                         ("ELU", False), ("Hardtanh", False), ("Dropout", False)])
+def test_dead_units_judges_the_activations_whose_tails_round_to_exact_zeros(typ, judged):
+    """GELU, SiLU and Mish round to an exact 0 far in their negative tails (the transformers'
+    activations: before, a dead GELU layer was no_data); activations with a negative slope or
+    constant, Hardtanh and Dropout are not judged."""
+    slots = tuple((m, o, typ if t == "ReLU" else t, d) for m, o, t, d in SLOTS)
+    job = Job(["dead_units"], slots=slots, dead_probes=1)
     job.step(0, arrays=probe(act={"act": {4: 1.0}}))
-    assert job.status("dead_units") == "no_data" and job.events("dead_units") == []
+    if judged:
+        assert job.status("dead_units") == "finding" and job.events("dead_units") == [("raised", 0, None, "act")]
+    else:
+        assert job.status("dead_units") == "no_data" and job.events("dead_units") == []
+
+
+def test_the_judged_activations_tails_are_exact_zeros_with_zero_gradient():
+    """The premise of the list above, measured: far in the negative tail GELU, its tanh form,
+    SiLU and Mish give exactly 0 in float32 and bfloat16, with a gradient of at most 3e-8."""
+    import torch
+
+    x = -torch.tensor([6.0, 10.0, 50.0, 110.0, 1e3])
+    for f, beyond in [(torch.nn.GELU(), 6.0), (torch.nn.GELU("tanh"), 5.5), (torch.nn.SiLU(), 89.0), (torch.nn.Mish(), 103.0)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            xx = x[x <= -beyond].to(dtype).requires_grad_()
+            y = f(xx)
+            y.sum().backward()
+            assert (y == 0).all() and xx.grad.abs().max().item() <= 3e-8, (f, dtype)
+            assert f(torch.tensor([-1.0], dtype=dtype)).item() != 0  # no zero where a live unit works
 
 
 # --- (a) noise scale ---------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Dead units: a ReLU-family layer whose output is (almost) all exact zeros, probe after probe.
+"""Dead units: an activation layer whose output is (almost) all exact zeros, probe after probe.
 
 A unit is dead when its output is exactly zero for every input *and* its gradient there is zero,
 so it never learns its way back. The agent measures each layer's zero ratio: the fraction of
@@ -9,13 +9,18 @@ exact zeros with a zero gradient over a whole input region:
 * ``Threshold``: its ``value`` (gradient 0) at or below its threshold: zeros when value is 0,
   otherwise no zeros at all, so the ratio stays low and it is never named;
 * ``Hardsigmoid``, ``Hardswish``: 0 (gradient 0) for inputs <= -3;
-* ``Hardshrink``, ``Softshrink``: 0 (gradient 0) for inputs within [-lambda, lambda].
+* ``Hardshrink``, ``Softshrink``: 0 (gradient 0) for inputs within [-lambda, lambda];
+* ``GELU``, ``SiLU``, ``Mish`` (the transformers' activations): smooth, but their tails round to
+  an exact 0 in float32 and bfloat16 below an input of about -6 (GELU; its gradient there at most
+  3e-8), -5.5 (GELU with ``approximate="tanh"``, gradient 0), -89 (SiLU, gradient 0) and -98
+  (Mish, gradient 0), measured with torch 2.13 on the CPU. A live layer's inputs rarely reach so
+  far, so its zero ratio stays near 0; a bias pushed far negative puts its units there for good.
 
-Left out: ``LeakyReLU``, ``PReLU``, ``RReLU``, ``ELU``, ``CELU``, ``SELU``, ``GELU``, ``SiLU``
-(no exact zeros: a negative slope or a smooth tail keeps the gradient alive), ``Hardtanh`` (it
-saturates at ``min_val``, -1 by default, not at 0, so the zero ratio cannot see it), ``Dropout``
-(zeros by design). A ReLU applied functionally (``F.relu`` inside another module's forward) has
-no layer of its own and is not seen.
+Left out: ``LeakyReLU``, ``PReLU``, ``RReLU``, ``ELU``, ``CELU``, ``SELU`` (no exact zeros: a
+negative slope or a tail towards a negative constant keeps the output, and the gradient, alive),
+``Hardtanh`` (it saturates at ``min_val``, -1 by default, not at 0, so the zero ratio cannot see
+it), ``Dropout`` (zeros by design). An activation applied functionally (``F.relu`` inside another
+module's forward) has no layer of its own and is not seen.
 
 A layer is named when the median over ranks of its zero ratio exceeds ``dead_ratio`` at
 ``dead_probes`` consecutive probed steps that observed it (a probe that did not run the layer
@@ -35,8 +40,9 @@ from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
 
-#: leaf module types whose output has exact zeros with zero gradient (see the module docstring)
-RELU_FAMILY = frozenset({"ReLU", "ReLU6", "Threshold", "Hardsigmoid", "Hardswish", "Hardshrink", "Softshrink"})
+#: leaf module types whose output has exact zeros with (near) zero gradient (see the module docstring)
+DEAD_TYPES = frozenset({"ReLU", "ReLU6", "Threshold", "Hardsigmoid", "Hardswish", "Hardshrink", "Softshrink",
+                        "GELU", "SiLU", "Mish"})
 
 
 @dataclass
@@ -50,14 +56,14 @@ class DeadUnits(Check):
     name = "dead_units"
     severity = "warning"
     description = (
-        "Zero ratio of ReLU-family layer outputs (ReLU, ReLU6, Threshold, Hardsigmoid, Hardswish, Hardshrink, "
-        "Softshrink: exact zeros with zero gradient), median over ranks, above dead_ratio for dead_probes "
+        "Zero ratio of activation layer outputs (ReLU, ReLU6, Threshold, Hardsigmoid, Hardswish, Hardshrink, "
+        "Softshrink, and GELU, SiLU, Mish, whose tails round to exact zeros: exact zeros with zero gradient), median over ranks, above dead_ratio for dead_probes "
         "consecutive probed steps: the layer's units are dead. Names at most max_layers layers."
     )
     dashboard = "gradient_flow"
 
     class Thresholds(Check.Thresholds):
-        dead_ratio: float = Field(0.99, gt=0, le=1, description="Zero ratio of a ReLU-family layer's output above which its units are dead.")
+        dead_ratio: float = Field(0.99, gt=0, le=1, description="Zero ratio of an activation layer's output (of the types judged) above which its units are dead.")
         dead_probes: int = Field(3, ge=1, description="Consecutive probed steps a layer must look dead before it is named.")
 
     def __init__(self, t):
@@ -73,7 +79,7 @@ class DeadUnits(Check):
         judged = False
         dead = []
         for i, (layer, typ) in enumerate(zip(r.layers, r.layer_types)):
-            if typ not in RELU_FAMILY:
+            if typ not in DEAD_TYPES:
                 continue
             judged = True
             if not observed[i]:

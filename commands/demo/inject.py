@@ -1,7 +1,7 @@
 """Fault injection for the demo and the tests: ``KIND@STEP[:key=value...]``. Never used by the agent.
 
-Kinds (``rank`` defaults to the last rank; a fault acts on that one rank only, or on every rank
-with ``rank=all``):
+Kinds (``rank`` defaults to the last rank, ``all`` for ``dead`` and ``vanish``; a fault acts on
+that one rank only, or on every rank with ``rank=all``):
 
     explode    multiply the loss by ``scale`` (default 1e6) at STEP: a gradient spike
     nan        replace the output of module ``layer`` (default ``blocks.0.mlp.fc``) with NaN at STEP
@@ -21,9 +21,12 @@ with ``rank=all``):
     silent     stop the whole rank process (SIGSTOP to itself) at STEP: nothing is sent any more,
                as from a frozen host or a lost network; SIGCONT resumes it
     dead       fill the bias of module ``layer`` (default ``blocks.0.mlp.fc``) with ``scale``
-               (default -1e3) after the optimizer step at STEP: the units after it stop firing
-               (ReLU) and, without gradient, stay dead
-    vanish     multiply the loss by ``scale`` (default 1e-12) from STEP on: gradients vanish
+               (default -1e3) after the optimizer step at STEP: the units of the activation
+               after it (the demo's GELU) stop firing and, without gradient, stay dead. On every
+               rank unless ``rank=`` says otherwise (on one rank it is a drifted replica)
+    vanish     multiply the loss by ``scale`` (default 1e-12) from STEP on: gradients vanish.
+               On every rank unless ``rank=`` says otherwise (on one rank all-reduce averages
+               it away)
     shard      replace the rank's input batch with noise from STEP on (random values of the same
                dtype and range): a bad data shard
 
@@ -44,8 +47,8 @@ _DEFAULTS = {
     "straggler": {"seconds": "0.2"},
     "hang": {"seconds": "60"},
     "silent": {},
-    "dead": {"layer": "blocks.0.mlp.fc", "scale": "-1e3"},
-    "vanish": {"scale": "1e-12"},
+    "dead": {"layer": "blocks.0.mlp.fc", "scale": "-1e3", "rank": "all"},  # job-wide faults
+    "vanish": {"scale": "1e-12", "rank": "all"},
     "shard": {},
 }
 _KEYS = {"rank", "scale", "layer", "param", "seconds", "bit", "factor", "pass"}
