@@ -13,6 +13,7 @@ Counters only ever carry finite, non-decreasing values; NaN or Inf reach gauges 
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 import operator
 from dataclasses import dataclass, replace
@@ -242,6 +243,17 @@ def _folded(s: Snapshot):
 
 
 metric("findings_folded", "counter", "Findings of each check folded into their cause's finding as knock-ons (knock_on_of, within knock_on_window_s) instead of raised: listed in the cause's details.knock_on, not in findings_total or check_rank_flagged.", ("job_id", "check"))(_folded)
+def _active(s: Snapshot):
+    v = s.checks
+    if not v:
+        return
+    n = collections.Counter((f.job, f.check) for f in v.active)
+    # 0 for every check with a status: "finding" there may be a knock-on folded into its cause's
+    for k in sorted({*n, *((j, c) for j, c, _ in v.status)}):
+        yield k, float(n.get(k, 0))
+
+
+metric("check_findings_active", "gauge", "Active findings of each check, knock-ons folded into their cause's finding not counted (check_status says finding for those too): what the job-level alerts read.", ("job_id", "check"))(_active)
 metric("check_errors", "counter", "Exceptions raised inside a check (each is isolated; the check is skipped for that event).", ("check",))(
     lambda s: (((c,), n) for c, n in (s.checks.errors if s.checks else ()))
 )

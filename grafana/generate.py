@@ -503,7 +503,9 @@ datasources:
     isDefault: false
     editable: false
     jsonData:
-      timeInterval: 5s
+      # the shipped scrape interval (deploy/prometheus/prometheus.yml): $__rate_interval is 4x
+      # this, and a shorter one left the rate panels windows holding one sample, hence gaps
+      timeInterval: 15s
 """
 
 

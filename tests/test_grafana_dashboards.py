@@ -228,6 +228,10 @@ def test_provisioning_files_point_at_the_datasource_and_folder():
     assert (provider["type"], provider["folderUid"]) == ("file", generate.FOLDER_UID)
     for d in DASHBOARDS.values():  # the dashboards preselect the provisioned datasource
         assert d["templating"]["list"][0]["current"]["value"] == source["uid"]
+    # Grafana's $__rate_interval is 4x the datasource's timeInterval: at 5s against the shipped
+    # 15s scrape a rate window held one sample, and the rate panels had gaps (SRE helper)
+    prom = yaml.safe_load((generate.PROVISIONING_DIR.parents[1] / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    assert source["jsonData"]["timeInterval"] == prom["global"]["scrape_interval"]
 
 
 def test_build_does_not_share_state_between_calls():

@@ -7,7 +7,9 @@ or a rank's local gradient norm (before all-reduce, from the DDP communication h
 non-finite. After all-reduce every rank's gradient is non-finite, so only the local norms tell the
 *origin* rank(s): those whose local norm was non-finite. A NaN local norm also means "unknown"
 (no communication hook), so a rank's NaN counts only once the rank has reported a finite local
-norm before. Local norms all finite but the all-reduced one not: the reduction itself overflowed
+norm before. A non-finite local norm counts only when the rank's all-reduced gradient is
+non-finite too (a NaN or Inf spreads through the all-reduce): otherwise the norm was not measured,
+or its float32 sum of squares overflowed on finite gradients (a loss scale grown past ~2^60). Local norms all finite but the all-reduced one not: the reduction itself overflowed
 (or a compressing communication hook did); no rank is named.
 
 Module and pass, from probed steps at or after the event, on the origin rank, in the order the
@@ -257,10 +259,13 @@ class NonFinite(Check):
         has_grad = ~(np.isnan(v.grad_norm) & (v.grad_nonfinite == 0))
         known = np.fromiter((k in st.known_local for k in ranks), bool, len(ranks))
         local = v.local_grad_norm
-        # a NaN spreads through the all-reduce: with the rank's all-reduced gradient finite, its NaN
-        # local norm was not measured (its communication hook switched off after errors), no fault
+        # a NaN or Inf spreads through the all-reduce: with the rank's all-reduced gradient finite,
+        # its NaN local norm was not measured (its communication hook switched off after errors),
+        # and its Inf one overflowed while finite gradients were measured (float32 sums of squares
+        # past 3.4e38: a GradScaler's scale grown past ~2^60 on gradients that never overflow,
+        # bf16 autocast), no fault
         spread = ~np.isfinite(v.grad_norm) | (v.grad_nonfinite > 0)
-        local_bad = np.isinf(local) | (np.isnan(local) & known & has_grad & spread)
+        local_bad = (np.isinf(local) | (np.isnan(local) & known & has_grad)) & spread
         bad_grad = [k for k, b in zip(ranks, bad) if b]
         origin = [k for k, b in zip(ranks, local_bad) if b]
         if not bad_grad and not origin:
