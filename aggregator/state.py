@@ -193,8 +193,10 @@ SCHEMAS_PER_RANK, SCHEMAS_MIN = 4, 64
 PLACED_COST = 256
 
 #: goodbyes (wire.CLOSE_REASONS) of an agent whose process ended: training finished, the
-#: interpreter exited, or an exception left the monitored loop
-ENDED = frozenset({"finished", "exit", "other"})
+#: interpreter exited, an exception left the monitored loop, or the script closed its monitor (the
+#: end of README's snippet: every rank of a job closing its agent is that job ending; an agent
+#: switched off after errors, ``disabled``, is not)
+ENDED = frozenset({"finished", "exit", "other", "closed"})
 
 #: every reason a message is rejected for (the module docstring says when), the label values of
 #: ``gradwatch_messages_rejected_total``, which shows each from the start (0 until the first): the

@@ -65,6 +65,25 @@ def test_replica_drift_reads_weight_fingerprints():
     assert (f.check, f.rank, f.details["params"]) == ("replica_drift", 2, ["p0"])
 
 
+@pytest.mark.parametrize("cls", [GradientAgreement, ReplicaDrift])
+def test_a_round_too_small_to_judge_leaves_the_findings_standing(cls):
+    """A burst of probes on the one rank whose own gradient norm spiked makes rounds of that rank
+    alone. Such a round cannot judge agreement; it answered no_data, the runner dropped the active
+    finding, and the next full round raised the same fault again: two findings for one fault
+    (false-finding helper: a 2-rank TP job, 3 of 3 runs). It now changes nothing; a check that
+    never judged the job still says no_data."""
+    check = cls(Thresholds())
+    assert check.on_round(JOB, _round([[1, 2]], ranks=(2,))).outcome == Outcome.NO_DATA  # nothing judged yet
+    full = _round([[1, 2], [1, 2], [8, 2]], step=10)
+    (f,) = check.on_round(JOB, full).findings
+    assert (f.rank, f.details["params"]) == (2, ["p0"])
+    for step in (11, 12):  # the burst: rank 2 alone
+        assert check.on_round(JOB, _round([[8, 2]], step=step, ranks=(2,))) is None
+    again = _round([[1, 2], [1, 2], [8, 2]], step=20)
+    (g,) = check.on_round(JOB, again).findings
+    assert g.key == f.key and g.step == 10  # the same finding, not a new one
+
+
 def _minority_per_set(fp, seen, holders, rtol):
     """The vote held set by set: each holders number over the whole matrix (the definition)."""
     out, tied = {}, set()
@@ -487,3 +506,61 @@ def test_replica_drift_without_history_lists_both_candidates():
     (f,) = check.on_round(JOB, _drift_round(0, [[3, 5], [4, 5]], [[1.8, 3.0], [0.5, 3.0]])).findings
     assert (f.rank, f.details["candidates"]) == (None, [0, 1])
     assert "2 needed" in f.details["norms"]["0,1"]["history"]
+
+
+def _tp_rank(rank: int, endpoint: str, master_port: int) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import gradwatch.agent as gw
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+        parallelize_module(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)),
+                           {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(7)  # tensor-parallel ranks share the batch
+        with gw.attach(model, opt, endpoint=endpoint, job="tpburst", every=10):
+            for step in range(45):
+                x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+                loss = F.mse_loss(model(x), y)
+                if step == 25 and rank == 1:
+                    loss = loss * 1e6  # rank 1's replicated head now differs for good
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ddp
+def test_a_one_rank_burst_does_not_raise_a_persistent_drift_twice(tmp_path):
+    """A 2-rank tensor-parallel job; rank 1's loss x 1e6 at step 25 leaves its replicated head's
+    weights different for good. Only rank 1's sentinel sees its spike, so only it bursts (probes
+    26-29: rounds of one rank). replica_drift names rank 1 once for the whole run; before, each
+    burst round dropped the finding and the next full round raised it again."""
+    import torch.multiprocessing as mp
+
+    from .conftest import free_port, samples
+
+    agg = start_aggregator(tmp_path, "--publish-interval-s", "0.05", "--round-grace-s", "1")
+    try:
+        mp.start_processes(_tp_rank, args=(agg.endpoint, free_port()), nprocs=2, start_method="spawn")
+        wait_for(lambda: samples(agg.scrape(), "gradwatch_job_probe_step").get((("job_id", "tpburst"),)) == 40,
+                 30, what="the last probe")
+        text = agg.scrape()
+        assert samples(text, "gradwatch_rounds_total")[(("job_id", "tpburst"), ("outcome", "incomplete"))] >= 1
+        drift = [(e["event"], e["rank"]) for e in agg.findings("tpburst") if e["check"] == "replica_drift"]
+        assert drift == [("raised", 1)]
+    finally:
+        agg.stop()

@@ -141,6 +141,23 @@ def test_outlier_rank_names_a_rank_only_after_k_consecutive_outlying_probes_and_
     assert j.events("outlier_rank") == [("raised", 3), ("resolved", 3)]
 
 
+def test_outlier_rank_a_round_of_one_rank_leaves_its_finding_standing():
+    """A burst of probes on one rank makes rounds of that rank alone: too few to score. It
+    answered no_data, which dropped the finding, and the next full round raised it again."""
+    j = Job(["outlier_rank"], world=5, outlier_probes=1)
+    for r in range(5):
+        j.schema(r)
+    bad = [1.0, 1.1, 0.9, 10.0, 0.95]
+    _outlier_round(j, 10, bad)
+    assert j.events("outlier_rank") == [("raised", 3)]
+    for step in (11, 12):  # rank 3 probes alone, its peers' records of the step close the round
+        j.report(3, step, local=10.0, probe=True)
+        for r in (0, 1, 2, 4):
+            j.report(r, step, local=1.0)
+    _outlier_round(j, 20, bad)
+    assert j.events("outlier_rank") == [("raised", 3)] and j.named("outlier_rank") == [3]
+
+
 def test_outlier_rank_scores_activation_scale_and_nonfinite_counts():
     j = Job(["outlier_rank"], world=4, outlier_probes=2)
     for r in range(4):

@@ -284,6 +284,13 @@ def test_a_relaunch_under_a_finished_jobs_id_takes_the_id_over():
     st.apply(bye("first", 1, 2, reason="exit"))  # now its process ended too
     st.apply(rep("fourth", 0, 0, 0))  # the first job finished: the relaunch is "x"
     assert st.jobs["x"].key == "fourth" and st.labels[("x", "fourth")] == "x" and ("x", "first") not in st.labels
+    # README's snippet ends with monitor.close(): every rank's "closed" ends the job too (it came
+    # up as "x~<hex>" until rank_ttl_s: false-finding helper)
+    for r in range(2):
+        st.apply(rep("fourth", r, 5, 1 + r))
+        st.apply(bye("fourth", r, 3 + r, reason="closed"))
+    st.apply(rep("fifth", 0, 0, 0))
+    assert st.jobs["x"].key == "fifth" and label("fifth") not in st.jobs
     # with CURVE, only the key that created the finished job relaunches it under its id
     st = State(clock=Clock())
     for r in range(2):

@@ -511,8 +511,8 @@ class _ReferenceOutlierRank(OutlierRank):
 
         jid = job.job
         groups = [g for g in mod.peer_groups(r) if len(g) >= 3]
-        if not groups:
-            return Evaluation.no_data()
+        if not groups:  # (as the check: once rounds were judged, a round too small changes nothing)
+            return None if jid in self._last_step else Evaluation.no_data()
         if r.step <= self._last_step.get(jid, -1):
             return None
         self._last_step[jid] = r.step

@@ -38,6 +38,7 @@ class _State:
     active: dict = field(default_factory=dict)  # finding key -> Finding (its first step's)
     last_bad: dict = field(default_factory=dict)  # finding key -> latest step that found it
     norms_judged: bool = False  # a step's gradient norms were judged: that path speaks for the check
+    judged: bool = False  # a round was judged: a later round too small to judge changes nothing
 
 
 class _Agreement(Check):
@@ -61,10 +62,11 @@ class _Agreement(Check):
         fp, seen = getattr(r, self.fingerprints[0]), getattr(r, self.fingerprints[1])
         st = self._state(job)
         if fp is None or len(r.ranks) < 2 or seen.sum(axis=0).max(initial=0) < 2:
-            if st.norms_judged:
-                return None
+            if st.norms_judged or (st.judged and fp is not None):
+                return None  # (a burst's round of one rank: its findings stand)
             st.active.clear(), st.last_bad.clear()  # no data: the runner drops the findings too
             return Evaluation.no_data()
+        st.judged = True
         bad, tied = minority(fp, seen, getattr(r, "holders", None))
         found = self._findings(job.job, r.step, r.ranks, r.params, bad, tied, "fingerprints")
         return self._judged(st, r.step, found)

@@ -142,8 +142,8 @@ class OutlierRank(Check):
     def on_round(self, job, r):
         jid = job.job
         groups = [g for g in peer_groups(r) if len(g) >= 3]
-        if not groups:
-            return Evaluation.no_data()
+        if not groups:  # a round too small once rounds were judged (a burst on one rank): nothing changes
+            return None if jid in self._last_step else Evaluation.no_data()
         if r.step <= self._last_step.get(jid, -1):
             return None  # an older round closed late: it must not break the consecutive count
         self._last_step[jid] = r.step

@@ -120,8 +120,14 @@ class ReplicaDrift(_Agreement):
         fp, seen = r.fp_weight, r.fp_weight_seen
         st = self._state(job)
         if fp is None or len(r.ranks) < 2 or seen.sum(axis=0).max(initial=0) < 2:
+            if st.judged and fp is not None:
+                # a round too small to judge, as a burst of probes on the one rank whose own norm
+                # spiked: its findings stand (no_data dropped them, and the next full round raised
+                # the same drift again: two findings for one fault)
+                return None
             st.active.clear(), st.last_bad.clear()  # no data: the runner drops the findings too
             return Evaluation.no_data()
+        st.judged = True
         holders = getattr(r, "holders", None)
         bad, tied = minority(fp, seen, holders)
         findings = self._findings(job.job, r.step, r.ranks, r.params, bad, [], "fingerprints")
