@@ -573,6 +573,7 @@ class JobView:
     #: for such a job, the RankView fields its job-level series read, over every rank heard from:
     #: ``{"step": float64 [reporting], "last_seen": float64 [reporting]}`` (None: read ``ranks``)
     rank_columns: Optional[dict] = None
+    ended: bool = False  # every rank said goodbye as its process ended (state.JobState.ended)
 
     @property
     def n_ranks(self) -> int:
@@ -629,11 +630,12 @@ def snapshot(state, wall_now: float) -> Snapshot:
             ranks = tuple(_rank_view(job.ranks[k], wall_now, mono_now) for k in sorted(named[job.job]) if k in job.ranks)
             columns = {"step": col["step"], "last_seen": wall_now - (mono_now - col["last_seen"])}
             jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete,
-                                job.restarts, job.series_dropped, totals, reporting=len(order), rank_columns=columns))
+                                job.restarts, job.series_dropped, totals, reporting=len(order), rank_columns=columns,
+                                ended=job.ended))
             continue
         ranks = tuple(_rank_view(r, wall_now, mono_now) for r in order)
         jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete,
-                            job.restarts, job.series_dropped, totals))
+                            job.restarts, job.series_dropped, totals, ended=job.ended))
     return Snapshot(
         tuple(jobs),
         checks,

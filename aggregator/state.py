@@ -250,6 +250,7 @@ class JobState:
     max_step: int = -1  # latest step any of its ranks reported
     last_report_at: float = 0.0  # aggregator clock of its latest report
     pending_bytes: int = 0  # array bytes of the reports its open rounds hold
+    ended: bool = False  # every rank said goodbye as its process ended, grace_s ago (State._maybe_ended)
     exported_series: int = 0  # per-layer series its last_round exports
     table: Optional[StepTable] = None  # every rank's records of the steps not yet judged
     #: aggregator clock when the intake last dropped a frame of this job (overload): silence since
@@ -974,6 +975,7 @@ class State:
             if self.runner is not None:
                 self._dispatch("on_tick", job, now)
                 self.version += 1  # checks may have raised or resolved findings
+            self._maybe_ended(job, now)
             scan = now - self._ttl_scan >= min(1.0, self.rank_ttl_s / 10)  # a second late in 600 s is no matter
             if scan:
                 order = job.in_order()
@@ -991,6 +993,22 @@ class State:
                 self._drop(job)
         if now - self._ttl_scan >= min(1.0, self.rank_ttl_s / 10):
             self._ttl_scan = now
+
+    def _maybe_ended(self, job: JobState, now: float) -> None:
+        """Mark a job :attr:`JobState.ended` once every rank said goodbye as its process ended
+        (:data:`ENDED`) ``grace_s`` ago and no round of it is left to judge; a rank heard again
+        (an agent attached anew) makes it live again. Its findings stay as the checks left them
+        (the truth about its end); the alert rules leave an ended job alone (gradwatch_job_ended),
+        where they fired on until ``rank_ttl_s`` forgot it."""
+        if not job.ranks or not job.columns().closing.all():
+            job.ended = False
+            return
+        if job.ended or job.rounds or any(c.job is job for c in self.closing):
+            return
+        ranks = job.ranks.values()
+        if all(r.close_reason in ENDED for r in ranks) and now - max(r.heartbeat_at for r in ranks) >= self.grace_s:
+            job.ended = True
+            self.version += 1
 
     def _close(self, job: JobState, rnd: Round, complete: bool) -> None:
         del job.rounds[rnd.step]

@@ -239,6 +239,41 @@ def test_straggler_starts_a_restarted_rank_over_though_its_peer_groups_are_kept_
     assert j.named("straggler") == [1]
 
 
+@pytest.mark.parametrize("reason, ends", [("finished", True), ("closed", True), ("disabled", False)])
+def test_a_job_every_rank_of_which_said_goodbye_is_marked_ended(reason, ends):
+    """A straggler named until the job's end: every rank's goodbye says its process ended, and
+    grace_s later (its last rounds judged) the job is ended (gradwatch_job_ended: the alert rules
+    leave it alone; its StragglerRank had fired on for rank_ttl_s after it finished, SRE helper).
+    The finding stays, the truth about the job's end. An agent switched off after errors (training
+    may go on) ends nothing; a rank heard again makes the job live again."""
+    from gradwatch.aggregator.checks import CHECKS
+    from gradwatch.aggregator.exporter import SnapshotCollector
+    from gradwatch.aggregator.reconcile import snapshot
+
+    def ended_metric():
+        (fam,) = [m for m in SnapshotCollector(lambda: snapshot(j.state, 0.0)).collect()
+                  if m.name == "gradwatch_job_ended"]
+        return {s.labels["job_id"]: s.value for s in fam.samples}
+
+    j = Job(list(CHECKS), world=2, straggler_window=3, straggler_min_s=0.01)
+    for step in range(1, 10):
+        j.report(0, step, step_time=0.10)
+        j.report(1, step, step_time=0.40)
+    assert j.named("straggler") == [1]
+    for r in range(2):
+        j.state.apply(wire.Heartbeat(j.header(r), 9, j.seq[r], 0, 0, closing=True, reason=reason))
+    j.tick(1.0)
+    assert not j.state.jobs["j"].ended and ended_metric() == {"j": 0.0}  # within grace_s
+    for _ in range(6):
+        j.tick(1.0)
+    assert j.state.jobs["j"].ended is ends and ended_metric() == {"j": float(ends)}
+    assert j.named("straggler") == [1]  # the finding stands
+    j.boot[0], j.seq[0] = "boot0-again", 0  # an agent attached anew: the job is live again
+    j.heartbeat(0, 10)
+    j.tick(1.0)
+    assert not j.state.jobs["j"].ended and ended_metric() == {"j": 0.0}
+
+
 def test_straggler_falls_back_to_step_time_and_ignores_jitter_below_min_seconds():
     j = Job(["straggler"], world=2, straggler_window=3, straggler_min_s=0.01)
     for step in range(1, 10):  # no compute time (no DDP comm hook): step times; straggler_windows (3) windows
