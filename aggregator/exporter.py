@@ -155,7 +155,7 @@ metric("job_ranks_reporting", "gauge", "Ranks of the job the aggregator currentl
 metric("job_restarts", "counter", "Times the job came back from an earlier step under the same job id (all ranks restarted from a checkpoint); its state and the checks' start over.", ("job_id",))(
     lambda s: (((j.job,), j.restarts) for j in s.jobs)
 )
-metric("job_ended", "gauge", "1 once every rank of the job said goodbye as its process ended (training finished, the interpreter exited, an exception left the loop, or its monitor was closed), round_grace_s ago: the alert rules leave it alone; its series and findings stay until rank_ttl_s. 0 while it runs.", ("job_id",))(
+metric("job_ended", "gauge", "1 once every rank of the job said goodbye as its process ended (training finished, the interpreter exited, an exception left the loop, or its monitor was closed), round_grace_s ago: the shipped alerts about its ranks at work (straggler, silent, stalled, skew, outlier) resolve; its series and findings stay until rank_ttl_s. 0 while it runs.", ("job_id",))(
     lambda s: (((j.job,), float(j.ended)) for j in s.jobs)
 )
 # --- per job, in place of per-rank series above rank_series_max ranks -----------------------------

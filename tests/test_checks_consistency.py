@@ -84,6 +84,24 @@ def test_a_round_too_small_to_judge_leaves_the_findings_standing(cls):
     assert g.key == f.key and g.step == 10  # the same finding, not a new one
 
 
+@pytest.mark.parametrize("cls", [GradientAgreement, ReplicaDrift])
+def test_a_named_rank_gone_for_good_does_not_keep_its_finding_through_rounds_too_small(cls):
+    """A 2-rank job whose named rank's agent closed while training goes on (or was forgotten):
+    every later round holds the other rank alone. Its finding must not stand for ever (review)."""
+    job = SimpleNamespace(job="j", ranks={0: SimpleNamespace(closing=False), 1: SimpleNamespace(closing=False),
+                                          2: SimpleNamespace(closing=False)})
+    check = cls(Thresholds())
+    (f,) = check.on_round(job, _round([[1, 2], [1, 2], [8, 2]], step=10)).findings
+    assert f.rank == 2
+    assert check.on_round(job, _round([[8, 2]], step=11, ranks=(2,))) is None  # live: it stands
+    job.ranks[2].closing = True  # its agent said goodbye, training goes on
+    assert check.on_round(job, _round([[1, 2]], step=12, ranks=(0,))).outcome == Outcome.NO_DATA
+    del job.ranks[2]
+    check = cls(Thresholds())
+    check.on_round(job, _round([[1, 2], [1, 2], [8, 2]], step=10, ranks=(0, 1, 3)))
+    assert check.on_round(job, _round([[1, 2]], step=11, ranks=(0,))).outcome == Outcome.NO_DATA  # rank 3: never heard
+
+
 def _minority_per_set(fp, seen, holders, rtol):
     """The vote held set by set: each holders number over the whole matrix (the definition)."""
     out, tied = {}, set()

@@ -158,6 +158,22 @@ def test_outlier_rank_a_round_of_one_rank_leaves_its_finding_standing():
     assert j.events("outlier_rank") == [("raised", 3)] and j.named("outlier_rank") == [3]
 
 
+def test_outlier_rank_a_named_rank_gone_for_good_does_not_keep_its_finding():
+    """A 3-rank job whose outlier rank's agent closes while training goes on: the rounds left hold
+    two ranks, too few to score; the finding resolves rather than stand for ever (review)."""
+    j = Job(["outlier_rank"], world=3, outlier_probes=1)
+    for r in range(3):
+        j.schema(r)
+    _outlier_round(j, 10, [1.0, 1.1, 10.0])
+    assert j.named("outlier_rank") == [2]
+    j.heartbeat(2, closing=True)
+    for step in (11, 12):
+        for r in (0, 1):
+            j.report(r, step, local=1.0, probe=True)
+    j.tick(10.0)
+    assert j.named("outlier_rank") == [] and j.events("outlier_rank") == [("raised", 2), ("resolved", 2)]
+
+
 def test_outlier_rank_scores_activation_scale_and_nonfinite_counts():
     j = Job(["outlier_rank"], world=4, outlier_probes=2)
     for r in range(4):

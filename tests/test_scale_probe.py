@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import math
 import statistics as pystats
+import types
 
 import msgspec
 import numpy as np
@@ -511,8 +512,12 @@ class _ReferenceOutlierRank(OutlierRank):
 
         jid = job.job
         groups = [g for g in mod.peer_groups(r) if len(g) >= 3]
-        if not groups:  # (as the check: once rounds were judged, a round too small changes nothing)
-            return None if jid in self._last_step else Evaluation.no_data()
+        if not groups:  # (as the check: once rounds were judged, a round too small changes nothing
+            named = [k for k, n in self._streak.get(jid, {}).items() if n >= self.t.outlier_probes]
+            if jid in self._last_step and all(k in job.ranks and not job.ranks[k].closing for k in named):
+                return None  # while the ranks named are live)
+            self._streak.pop(jid, None)
+            return Evaluation.no_data()
         if r.step <= self._last_step.get(jid, -1):
             return None
         self._last_step[jid] = r.step
@@ -568,7 +573,7 @@ class _ReferenceOutlierRank(OutlierRank):
 class _FakeJob:
     def __init__(self, world):
         self.job = "j"
-        self.ranks = dict.fromkeys(range(world))
+        self.ranks = {k: types.SimpleNamespace(closing=False) for k in range(world)}
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -11,10 +11,13 @@ exact zeros with a zero gradient over a whole input region:
 * ``Hardsigmoid``, ``Hardswish``: 0 (gradient 0) for inputs <= -3;
 * ``Hardshrink``, ``Softshrink``: 0 (gradient 0) for inputs within [-lambda, lambda];
 * ``GELU``, ``SiLU``, ``Mish`` (the transformers' activations): smooth, but their tails round to
-  an exact 0 in float32 and bfloat16 below an input of about -6 (GELU; its gradient there at most
-  3e-8), -5.5 (GELU with ``approximate="tanh"``, gradient 0), -89 (SiLU, gradient 0) and -98
-  (Mish, gradient 0), measured with torch 2.13 on the CPU. A live layer's inputs rarely reach so
-  far, so its zero ratio stays near 0; a bias pushed far negative puts its units there for good.
+  an exact 0 below an input of about -5.5 (GELU: its gradient there at most 5e-7, exactly 0 below
+  about -6.2), -5.06 (GELU with ``approximate="tanh"``), -88.7 (SiLU; -20.3 in float16) and -102.9
+  (Mish; -97.5 in bfloat16, -20.3 in float16), the gradient 0 there but in GELU's band; measured
+  with torch 2.13 on the CPU. A live layer's inputs rarely reach so far, so its zero ratio stays
+  near 0; a bias pushed far negative puts its units there for good. (Adam can amplify the tiny
+  gradient of GELU's band, so a unit just inside it may yet recover: the finding says what is
+  measured, a layer whose output was all zeros probe after probe.)
 
 Left out: ``LeakyReLU``, ``PReLU``, ``RReLU``, ``ELU``, ``CELU``, ``SELU`` (no exact zeros: a
 negative slope or a tail towards a negative constant keeps the output, and the gradient, alive),

@@ -41,6 +41,16 @@ class _State:
     judged: bool = False  # a round was judged: a later round too small to judge changes nothing
 
 
+def _named_live(job, st: _State) -> bool:
+    """Every rank ``st``'s active findings name is still heard and has not said goodbye: a round
+    too small to judge leaves them standing. A named rank gone for good (forgotten, or its agent
+    closed while training goes on) would otherwise never be judged again, nor its finding resolve."""
+    ranks = getattr(job, "ranks", None)
+    if ranks is None:
+        return True
+    return all(f.rank is None or (f.rank in ranks and not ranks[f.rank].closing) for f in st.active.values())
+
+
 class _Agreement(Check):
     """Majority vote over fingerprints at probed steps, one finding per fault (module docstring)."""
 
@@ -62,7 +72,7 @@ class _Agreement(Check):
         fp, seen = getattr(r, self.fingerprints[0]), getattr(r, self.fingerprints[1])
         st = self._state(job)
         if fp is None or len(r.ranks) < 2 or seen.sum(axis=0).max(initial=0) < 2:
-            if st.norms_judged or (st.judged and fp is not None):
+            if st.norms_judged or (st.judged and fp is not None and _named_live(job, st)):
                 return None  # (a burst's round of one rank: its findings stand)
             st.active.clear(), st.last_bad.clear()  # no data: the runner drops the findings too
             return Evaluation.no_data()

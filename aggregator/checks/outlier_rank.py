@@ -142,8 +142,15 @@ class OutlierRank(Check):
     def on_round(self, job, r):
         jid = job.job
         groups = [g for g in peer_groups(r) if len(g) >= 3]
-        if not groups:  # a round too small once rounds were judged (a burst on one rank): nothing changes
-            return None if jid in self._last_step else Evaluation.no_data()
+        if not groups:
+            # a round too small once rounds were judged (a burst on one rank) changes nothing while
+            # the ranks named are live; one gone for good (forgotten, or closed while training goes
+            # on) is never scored again: no data, its finding goes
+            named = [k for k, n in self._streak.get(jid, {}).items() if n >= self.t.outlier_probes]
+            if jid in self._last_step and all(k in job.ranks and not job.ranks[k].closing for k in named):
+                return None
+            self._streak.pop(jid, None)
+            return Evaluation.no_data()
         if r.step <= self._last_step.get(jid, -1):
             return None  # an older round closed late: it must not break the consecutive count
         self._last_step[jid] = r.step
