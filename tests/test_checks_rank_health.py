@@ -174,6 +174,21 @@ def test_outlier_rank_a_named_rank_gone_for_good_does_not_keep_its_finding():
     assert j.named("outlier_rank") == [] and j.events("outlier_rank") == [("raised", 2), ("resolved", 2)]
 
 
+def test_the_log_line_of_a_finding_names_its_job(caplog):
+    """One aggregator serves many jobs: its raised and resolved lines say whose (SRE helper)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="gradwatch")
+    j = Job(["outlier_rank"], world=3, outlier_probes=1, job="train-42")
+    for r in range(3):
+        j.schema(r)
+    _outlier_round(j, 10, [1.0, 1.1, 10.0])
+    _outlier_round(j, 20, [1.0, 1.1, 1.05])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gradwatch ")]
+    assert [line.split(":")[0] for line in lines] == ["gradwatch raised outlier_rank in job 'train-42'",
+                                                      "gradwatch resolved outlier_rank in job 'train-42'"]
+
+
 def test_outlier_rank_scores_activation_scale_and_nonfinite_counts():
     j = Job(["outlier_rank"], world=4, outlier_probes=2)
     for r in range(4):

@@ -4,8 +4,11 @@ none (each of these failed in a spawned rank with a traceback, or never fired)."
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -60,3 +63,42 @@ def test_the_demo_command_exits_naming_the_setting_before_any_rank_starts(args, 
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and says in run.stderr, run.stderr
     assert "Traceback" not in run.stderr and "agent.endpoint" not in run.stderr
+
+
+def test_stopping_the_demo_with_sigterm_stops_its_ranks():
+    """A scheduler or a user stopping the demo (SIGTERM) left its rank processes training, orphaned
+    (SRE helper): they now stop with it, and the demo exits as killed by the signal would."""
+    from .conftest import children, wait_for
+
+    demo = subprocess.Popen([sys.executable, "-m", "gradwatch.commands", "demo", "--steps", "100000", "--no-progress",
+                             "--metrics-port", "0", "--width", "16", "--layers", "1", "--heads", "2", "--context", "16"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    found: list = []
+    try:
+        def ranks():
+            return [k for k, cmd in children(demo.pid).items() if b"spawn_main" in cmd]
+
+        found[:] = wait_for(lambda: len(ranks()) == 2 and ranks(), 120, what="the demo's two ranks")
+        time.sleep(2.0)  # training
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(60) == 128 + signal.SIGTERM
+
+        def gone():
+            for k in found:
+                try:
+                    os.kill(k, 0)
+                except ProcessLookupError:
+                    continue
+                return False
+            return True
+
+        wait_for(gone, 20, what="the ranks stopped with the demo")
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        demo.wait()
+        for k in found:  # whatever the outcome, no rank outlives the test
+            try:
+                os.kill(k, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -602,7 +602,7 @@ class Runner:
     def _emit(self, kind: str, check: Check, f: Finding) -> None:
         e = Event(kind, self._wall(), f.check, check.severity, f.job, f.step, f.rank, f.layer, f.summary, _clean(f.details))
         self.events.append(e)
-        (log.warning if kind == "raised" else log.info)("gradwatch %s %s: %s", kind, f.check, f.summary)
+        (log.warning if kind == "raised" else log.info)("gradwatch %s %s in job %r: %s", kind, f.check, f.job, f.summary)
         if self._log is not None:
             try:
                 self._log.write(e.to_json() + "\n")

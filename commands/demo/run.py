@@ -8,6 +8,7 @@ identity exactly as it would under torchrun. Tests use :func:`train_rank` direct
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -138,6 +139,10 @@ def _spawned(rank, cfg, master_port, endpoint, results):
     os._exit(0)
 
 
+def _stop_by_signal(signum, _frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds run(): its finally stops the ranks
+
+
 def run(cfg: DemoConfig) -> int:
     import torch.multiprocessing as mp
 
@@ -175,7 +180,19 @@ def run(cfg: DemoConfig) -> int:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     t0 = time.perf_counter()
-    mp.start_processes(_spawned, args=(cfg, free_port(), endpoint, results), nprocs=cfg.ranks, start_method="spawn")
+    ranks = mp.start_processes(_spawned, args=(cfg, free_port(), endpoint, results), nprocs=cfg.ranks,
+                               start_method="spawn", join=False)
+    # a scheduler or a user stopping the demo (SIGTERM) stops its ranks too: they were left
+    # training, orphaned, when the demo's process died by the signal's default action
+    previous = signal.signal(signal.SIGTERM, _stop_by_signal)
+    try:
+        while not ranks.join():
+            pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for p in ranks.processes:
+            if p.is_alive():
+                p.terminate()
     wall = time.perf_counter() - t0
     per_rank = sorted((results.get() for _ in range(cfg.ranks)), key=lambda r: r["rank"])
     print(f"\ntrained {cfg.steps} steps on {cfg.ranks} ranks in {wall:.1f} s")
