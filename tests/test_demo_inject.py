@@ -65,6 +65,7 @@ def test_the_demo_command_exits_naming_the_setting_before_any_rank_starts(args, 
     assert "Traceback" not in run.stderr and "agent.endpoint" not in run.stderr
 
 
+@pytest.mark.ddp
 def test_stopping_the_demo_with_sigterm_stops_its_ranks():
     """A scheduler or a user stopping the demo (SIGTERM) left its rank processes training, orphaned
     (SRE helper): they now stop with it, and the demo exits as killed by the signal would."""
