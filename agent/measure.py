@@ -23,6 +23,7 @@ from .fingerprint import Fingerprints
 from .hooks import ProbeRecorder
 from .stats import chunk_norms, chunks_of, dense_values, l2_norms, nonfinite_count
 
+
 def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], losses: Sequence[torch.Tensor],
              scale: Optional[torch.Tensor], probing: bool, fingerprints: Fingerprints) -> tuple[list[int], dict, tuple[int, ...]]:
     """Gradient statistics of one step, before the optimizer changes anything.

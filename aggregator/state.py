@@ -495,7 +495,6 @@ class State:
             job.retired = frozenset()
         if job is None:
             job = self._new_job(h, now, peer_key)
-            job.peer_key = peer_key
         r = job.ranks.get(h.rank)
         new_boot = r is None or h.boot != r.boot
         if new_boot and r is not None and r.boot and not r.closing and now - r.last_seen < self.boot_takeover_s:
@@ -656,7 +655,7 @@ class State:
         while label in self.jobs:  # the same key prefix under a job id that looks like a label
             label += "~"
         self.labels[self.identity(h)] = label
-        job = self.jobs[label] = JobState(label, h.world, name=h.job, key=h.key, touched=now)
+        job = self.jobs[label] = JobState(label, h.world, name=h.job, key=h.key, touched=now, peer_key=peer_key)
         return job
 
     def _drop(self, job: JobState, why: str = "job forgotten") -> None:
@@ -998,8 +997,8 @@ class State:
         """Mark a job :attr:`JobState.ended` once every rank said goodbye as its process ended
         (:data:`ENDED`) ``grace_s`` ago and no round of it is left to judge; a rank heard again
         (an agent attached anew) makes it live again. Its findings stay as the checks left them
-        (the truth about its end); the alert rules leave an ended job alone (gradwatch_job_ended),
-        where they fired on until ``rank_ttl_s`` forgot it."""
+        (the truth about its end); the shipped alerts about its ranks at work resolve on
+        ``gradwatch_job_ended``, where they fired on until ``rank_ttl_s`` forgot it."""
         if not job.ranks or not job.columns().closing.all():
             job.ended = False
             return

@@ -30,7 +30,7 @@ def _round(fp, seen=None, step=7, ranks=None):
     )
 
 
-JOB = SimpleNamespace(job="j")
+JOB = SimpleNamespace(job="j", ranks={k: SimpleNamespace(closing=False) for k in range(8)})  # ranks heard, none said goodbye
 
 
 def test_minority_names_the_rank_that_differs():

@@ -203,6 +203,14 @@ class Check:
         """Drop per-job state (the job ended)."""
 
 
+def ranks_live(job, ranks) -> bool:
+    """Every rank of ``ranks`` is still heard in ``job`` and has not said goodbye: what a round too
+    small to judge (a burst of probes on one rank) needs before it leaves the findings naming them
+    standing; a rank gone for good (forgotten, or closed while training goes on) would otherwise
+    never be judged again, nor its finding resolve."""
+    return all(k in job.ranks and not job.ranks[k].closing for k in ranks)
+
+
 CHECKS: dict[str, type[Check]] = {}
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from pydantic import Field
 
 from ..reconcile import step_norms
-from . import Check, Evaluation, Finding, register
+from . import Check, Evaluation, Finding, ranks_live, register
 from ._fingerprints import minority
 
 
@@ -42,13 +42,8 @@ class _State:
 
 
 def _named_live(job, st: _State) -> bool:
-    """Every rank ``st``'s active findings name is still heard and has not said goodbye: a round
-    too small to judge leaves them standing. A named rank gone for good (forgotten, or its agent
-    closed while training goes on) would otherwise never be judged again, nor its finding resolve."""
-    ranks = getattr(job, "ranks", None)
-    if ranks is None:
-        return True
-    return all(f.rank is None or (f.rank in ranks and not ranks[f.rank].closing) for f in st.active.values())
+    """The ranks ``st``'s active findings name are live (:func:`..checks.ranks_live`)."""
+    return ranks_live(job, (f.rank for f in st.active.values() if f.rank is not None))
 
 
 class _Agreement(Check):

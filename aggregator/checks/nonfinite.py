@@ -9,8 +9,9 @@ non-finite. After all-reduce every rank's gradient is non-finite, so only the lo
 (no communication hook), so a rank's NaN counts only once the rank has reported a finite local
 norm before. A non-finite local norm counts only when the rank's all-reduced gradient is
 non-finite too (a NaN or Inf spreads through the all-reduce): otherwise the norm was not measured,
-or its float32 sum of squares overflowed on finite gradients (a loss scale grown past ~2^60). Local norms all finite but the all-reduced one not: the reduction itself overflowed
-(or a compressing communication hook did); no rank is named.
+or its float32 sum of squares overflowed on finite gradients (a loss scale grown past ~2^60).
+Local norms all finite but the all-reduced one not: the reduction itself overflowed (or a
+compressing communication hook did); no rank is named.
 
 Module and pass, from probed steps at or after the event, on the origin rank, in the order the
 values are computed:

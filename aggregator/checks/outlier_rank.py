@@ -43,7 +43,7 @@ from pydantic import Field
 
 from gradwatch import statistics
 
-from . import Check, Evaluation, Finding, register
+from . import Check, Evaluation, Finding, ranks_live, register
 
 _K = 0.6745  # Phi^-1(0.75): makes the MAD a consistent estimate of the standard deviation
 _TINY = 1e-12
@@ -147,7 +147,7 @@ class OutlierRank(Check):
             # the ranks named are live; one gone for good (forgotten, or closed while training goes
             # on) is never scored again: no data, its finding goes
             named = [k for k, n in self._streak.get(jid, {}).items() if n >= self.t.outlier_probes]
-            if jid in self._last_step and all(k in job.ranks and not job.ranks[k].closing for k in named):
+            if jid in self._last_step and ranks_live(job, named):
                 return None
             self._streak.pop(jid, None)
             return Evaluation.no_data()

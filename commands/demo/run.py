@@ -17,7 +17,7 @@ from typing import Optional
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gradwatch.settings import endpoint
+from gradwatch import settings
 
 
 class DemoConfig(BaseSettings):
@@ -56,7 +56,7 @@ class DemoConfig(BaseSettings):
     @field_validator("aggregator")
     @classmethod
     def _aggregator(cls, v: str) -> str:
-        return endpoint(v) if v else v  # else each spawned rank failed, naming agent.endpoint
+        return settings.endpoint(v) if v else v  # else each spawned rank failed, naming agent.endpoint
 
 
 def free_port() -> int:
