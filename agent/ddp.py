@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .stats import SPLIT_MAX, chunk_norms, chunks_of, dense_values, l2_norms
+from .stats import SPLIT_MAX, chunk_norms, chunks_of, dense_values, l2_norms, split_max
 
 log = logging.getLogger("gradwatch.agent")
 
@@ -146,10 +146,11 @@ class CommHook:
             if t.layout != torch.strided:  # a sparse gradient's bucket (nn.Embedding(sparse=True)): its values
                 t = dense_values(t)
             k = chunks_of(t.numel())
-            # up to SPLIT_MAX chunks, one foreach over their views: half the kernels of a norm taken
-            # to one value; a larger bucket (DDP's default 25 MB) as one value, or its chunk norms
-            # would grow every step's frame by one value per 32 kB of gradient
-            self.local_sq.append(chunk_norms((t,), (k,)) if k <= SPLIT_MAX else l2_norms([t])[0].reshape(1))
+            # up to SPLIT_MAX chunks, its chunk norms (one foreach over views on an accelerator, by
+            # rows on the CPU): half the kernels of a norm taken to one value; a larger bucket
+            # (DDP's default 25 MB) as one value, or its chunk norms would grow every step's frame
+            # by one value per 32 kB of gradient
+            self.local_sq.append(chunk_norms((t,), (k,), split_max(t)) if k <= SPLIT_MAX else l2_norms([t])[0].reshape(1))
         except Exception as e:
             self.on_error(PART, e)
 

@@ -21,11 +21,11 @@ import torch
 
 from .fingerprint import Fingerprints
 from .hooks import ProbeRecorder
-from .stats import chunk_norms, chunks_of, dense_values, l2_norms, nonfinite_count
+from .stats import chunk_norms, chunks_of, dense_values, l2_norms, nonfinite_count, split_max
 
 
 def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], losses: Sequence[torch.Tensor],
-             scale: Optional[torch.Tensor], probing: bool, fingerprints: Fingerprints) -> tuple[list[int], dict, tuple[int, ...]]:
+             scale: Optional[torch.Tensor], probing: bool, fingerprints: Fingerprints) -> tuple[list[int], dict, tuple[int, ...], int]:
     """Gradient statistics of one step, before the optimizer changes anything.
 
     Args:
@@ -38,9 +38,10 @@ def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], lo
         fingerprints: computes gradient fingerprints when there are replicas.
 
     Returns:
-        ``(present, sections, rows)``: indices into ``params`` of those with a gradient, frame
-        sections, and the chunks each present gradient has in the ``grad_norm`` section
-        (:func:`.stats.chunk_norms`; the sender combines them with :func:`.stats.combine_chunks`).
+        ``(present, sections, rows, split)``: indices into ``params`` of those with a gradient,
+        frame sections, the chunks each present gradient has in the ``grad_norm`` section and the
+        ``split`` that section's layout was made with (:func:`.stats.chunk_norms`, by the first
+        gradient's device; the sender combines them with :func:`.stats.combine_chunks`).
         Without any gradient, no section at all (bucket norms, losses and the scale only travel
         with gradients).
     """
@@ -62,9 +63,10 @@ def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], lo
         grads.append(g)
         rows.append(k)
     if not grads:
-        return present, {}, ()
+        return present, {}, (), 0
+    split = split_max(grads[0])
     sections = {
-        "grad_norm": chunk_norms(grads, rows),
+        "grad_norm": chunk_norms(grads, rows, split),
         "bucket_norm": buckets[0] if len(buckets) == 1 else (torch.cat(list(buckets)) if buckets else []),
         "loss": list(losses), "loss_scale": [] if scale is None else [scale],
     }
@@ -72,7 +74,7 @@ def sentinel(params: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor], lo
         dense = [dense_values(params[i].grad) for i in present]
         sections["grad_nonfinite"] = [nonfinite_count(g) for g in dense]
         sections["grad_fp"] = fingerprints.of(dense)
-    return present, sections, tuple(rows)
+    return present, sections, tuple(rows), split
 
 
 def probe(params: Sequence[torch.Tensor], recorder: ProbeRecorder, fingerprints: Fingerprints) -> dict:

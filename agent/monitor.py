@@ -91,7 +91,7 @@ class Monitor:
         self.step = self.probes = 0
         self._closed = self._forked = False
         self._close_reason = ""  # wire.CLOSE_REASONS, sent in the goodbye heartbeat
-        self._pre: Optional[tuple[list[int], dict, tuple]] = None  # the sentinel's (present, sections, rows)
+        self._pre: Optional[tuple[list[int], dict, tuple, int]] = None  # the sentinel's (present, sections, rows, split)
         self._losses: list[torch.Tensor] = []
         self._last_step_end = self._acct_end = time.perf_counter()
         self._pre_s = self._carry_s = 0.0  # the agent's own host time in this step so far (budget)
@@ -280,7 +280,7 @@ class Monitor:
 
     def _submit(self, step: int, step_time: float, compute_time: float, waits: Optional[tuple[bytes, bytes]] = None) -> None:
         pre, self._pre = self._pre, None
-        present, sections, rows = pre if pre is not None else ([], {}, ())
+        present, sections, rows, split = pre if pre is not None else ([], {}, (), 0)
         probe, rec = self.recorder.probing, self.recorder
         if probe:
             if self._schema is None or len(rec.slots) != len(self._slots):
@@ -303,7 +303,7 @@ class Monitor:
         layout = functools.partial(
             report.StepLayout, step=step, step_time=step_time, compute_time=compute_time,
             skipped=self.scaler.take_skipped() if self.scaler is not None else 0,
-            schema=self._schema.hash if self._schema is not None else "", present=tuple(present), rows=rows, counts=counts,
+            schema=self._schema.hash if self._schema is not None else "", present=tuple(present), rows=rows, split=split, counts=counts,
             probe=probe, burst=probe and not self.schedule.on_cadence(step), batch=batch if probe else 0,
             micro=rec.micro if probe else 0, n_params=len(self._params), n_slots=len(self._slots),
             act=tuple((i, n) for i, n, _ in rec.act) if probe else (), grad=tuple(i for i, _ in rec.grad) if probe else (),

@@ -18,7 +18,7 @@ import numpy as np
 from gradwatch import wire
 
 from . import frame
-from .stats import combine_chunks, combine_moments
+from .stats import SPLIT_MAX, combine_chunks, combine_moments
 
 
 class StepLayout(msgspec.Struct, frozen=True):
@@ -43,6 +43,7 @@ class StepLayout(msgspec.Struct, frozen=True):
         counts: items per frame section, from :func:`frame.pack`.
         rows: chunks of each present parameter's gradient in the ``grad_norm`` section
             (:func:`.stats.chunk_norms`); empty: one value each.
+        split: the ``split`` of that section's layout (:func:`.stats.chunk_norms`).
         probe: a probed step; the fields below only matter then.
         burst: probed because of a burst rather than the cadence.
         batch: samples seen in the step (0 when unknown).
@@ -71,6 +72,7 @@ class StepLayout(msgspec.Struct, frozen=True):
     present: tuple[int, ...]
     counts: dict = msgspec.field(default_factory=dict)
     rows: tuple[int, ...] = ()
+    split: int = SPLIT_MAX
     probe: bool = False
     burst: bool = False
     batch: int = 0
@@ -160,7 +162,7 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int, guard: Op
         ValueError: ``host`` does not match ``L.counts``.
     """
     f = frame.unpack(host, L.counts)
-    norms = combine_chunks(f["grad_norm"], L.rows) if L.rows else f["grad_norm"]
+    norms = combine_chunks(f["grad_norm"], L.rows, L.split) if L.rows else f["grad_norm"]
     sq = norms * norms
     has_grads = len(norms) > 0  # the sentinel sends bucket norms, losses and scale only with gradients
     grad_norm = math.sqrt(sq.sum()) if has_grads else math.nan  # NaN or Inf when a parameter's is

@@ -144,17 +144,25 @@ def l2_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 SPLIT_MAX = 64
 
 
+def split_max(t: torch.Tensor) -> int:
+    """The most chunks a tensor on ``t``'s device is split into views for :func:`chunk_norms`'s
+    foreach: :data:`SPLIT_MAX` on an accelerator, where the foreach saves kernel launches; 1 on the
+    CPU, whose ``_foreach_norm`` is a loop of one norm per view (a 37-chunk tensor: 180 us as views,
+    38 us by rows on this project's CPU), so every tensor of more than one chunk goes by rows."""
+    return 1 if t.is_cpu else SPLIT_MAX
+
+
 def chunks_of(numel: int) -> int:
     """Chunks of :data:`NORM_CHUNK` elements :func:`chunk_norms` gives a tensor of ``numel``
     elements (1 for at most one chunk, an empty tensor included)."""
     return 1 if numel <= NORM_CHUNK else -(-numel // NORM_CHUNK)
 
 
-def chunk_norms(tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.Tensor:
+def chunk_norms(tensors: Sequence[torch.Tensor], rows: Sequence[int], split: int = SPLIT_MAX) -> torch.Tensor:
     """float32 L2 norms of the chunks of each tensor, as one flat tensor; no host sync.
 
     The sentinel's every-step form of :func:`l2_norms`, with the float64 sum across chunks left to
-    the host (:func:`combine_chunks`): tensors of at most :data:`SPLIT_MAX` chunks are split into
+    the host (:func:`combine_chunks`): tensors of at most ``split`` chunks are split into
     views and normed by one ``torch._foreach_norm`` with everything else, so a step costs a split
     per large tensor, one foreach and one stack instead of five kernels per large tensor.
 
@@ -162,9 +170,11 @@ def chunk_norms(tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.T
         tensors: strided floating tensors, any device (the first one's receives the result).
         rows: ``chunks_of(t.numel())`` of each tensor (precomputed by the caller: a parameter's
             gradient keeps its size).
+        split: the most chunks a tensor joins the foreach with (:func:`split_max` of the
+            tensors' device); :func:`combine_chunks` must be given the same.
 
     Returns:
-        float32 [sum(rows)]: the chunk norms of the tensors with at most :data:`SPLIT_MAX` chunks,
+        float32 [sum(rows)]: the chunk norms of the tensors with at most ``split`` chunks,
         in order, then those of the larger ones, in order (the layout :func:`combine_chunks` reads).
     """
     views: list[torch.Tensor] = []
@@ -172,7 +182,7 @@ def chunk_norms(tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.T
     for t, k in zip(tensors, rows):
         if k == 1:
             views.append(t)
-        elif k <= SPLIT_MAX:
+        elif k <= split:
             views.extend(t.reshape(-1).split_with_sizes(_chunk_sizes(t.numel())))  # Tensor.split's Python costs 2x
         else:
             x = t.detach().reshape(-1)
@@ -202,13 +212,14 @@ def _stack(norms: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack([n.to(dev) for n in norms])
 
 
-def combine_chunks(values: np.ndarray, rows: Sequence[int]) -> np.ndarray:
+def combine_chunks(values: np.ndarray, rows: Sequence[int], split: int = SPLIT_MAX) -> np.ndarray:
     """Host side of :func:`chunk_norms`: each tensor's L2 norm, ``sqrt(sum of squared chunk
     norms)`` in float64 (NaN and Inf propagate).
 
     Args:
         values: [sum(rows)] chunk norms in :func:`chunk_norms`'s layout.
         rows: chunks of each tensor.
+        split: the ``split`` :func:`chunk_norms` was given.
 
     Returns:
         float64 [len(rows)].
@@ -217,7 +228,7 @@ def combine_chunks(values: np.ndarray, rows: Sequence[int]) -> np.ndarray:
         ValueError: ``values`` does not hold ``sum(rows)`` norms.
     """
     v = np.asarray(values, np.float64).reshape(-1)
-    seg = _segments(tuple(rows))
+    seg = _segments(tuple(rows), split)
     if v.size != (len(rows) if seg is None else seg.size):
         raise ValueError(f"{v.size} chunk norms for {sum(rows)} chunks")
     if seg is None:
@@ -227,14 +238,14 @@ def combine_chunks(values: np.ndarray, rows: Sequence[int]) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _segments(rows: tuple[int, ...]) -> Optional[np.ndarray]:
+def _segments(rows: tuple[int, ...], split: int) -> Optional[np.ndarray]:
     """int64 [sum(rows)]: the tensor each value of :func:`chunk_norms`'s layout belongs to; None
     when every tensor has one chunk. Cached: a rank's gradients keep their sizes, so the sender
     thread works this out once, not every step."""
     if all(k == 1 for k in rows):
         return None
     k = np.asarray(rows, np.int64)
-    order = np.concatenate((np.flatnonzero(k <= SPLIT_MAX), np.flatnonzero(k > SPLIT_MAX)))
+    order = np.concatenate((np.flatnonzero(k <= split), np.flatnonzero(k > split)))
     seg = np.repeat(order, k[order])
     seg.flags.writeable = False  # shared by every call
     return seg

@@ -52,6 +52,7 @@ def worker(rank: int, variant: str, a, port: int, q) -> None:
 
     sys.path.insert(0, str(ROOT))
     from tests.faultjob import build
+    import resource
 
     model, opt, gen = build(rank, port, a.width)
     mon, spent = None, {}
@@ -91,10 +92,12 @@ def worker(rank: int, variant: str, a, port: int, q) -> None:
     if mon is not None:
         tids["sender thread"] = mon.sender._thread.native_id
     cpu0 = {k: cpu_s(t) for k, t in tids.items()}
+    faults0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     t0 = time.perf_counter()
     for _ in range(a.steps):
         step()
     dt = time.perf_counter() - t0
+    faults = (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults0) / a.steps
     cpu = {f"{k} CPU": (cpu_s(t) - cpu0[k]) / a.steps * 1e6 for k, t in tids.items()}
     if rank == 0:
         us = {k: v / a.steps * 1e6 for k, v in spent.items()} if a.timers else {}
@@ -102,7 +105,7 @@ def worker(rank: int, variant: str, a, port: int, q) -> None:
             us.update(cpu)
         if mon is not None and a.timers:
             us["sentinel (agent's own median)"] = mon.schedule.cost.sentinel_s * 1e6
-        q.put((a.steps / dt, dt / a.steps * 1e6, us))
+        q.put((a.steps / dt, dt / a.steps * 1e6, us, faults))
     if mon is not None:
         mon.close()
     dist.destroy_process_group()
@@ -119,13 +122,25 @@ def main() -> int:
     p.add_argument("--port", type=int, default=29650, help="first gloo rendezvous port on 127.0.0.1 (one per run)")
     p.add_argument("--endpoint", default="", help="a running aggregator's ZeroMQ endpoint for the agent variants "
                    "(default: nowhere; the sender then builds no report)")
+    p.add_argument("--malloc", choices=("fixed", "glibc"), default="fixed",
+                   help="fixed (default): every run with glibc's heap trimming and mmap threshold held "
+                   "(tests/faultjob.py's MALLOC_FIXED), so a ratio is the agent's cost, not which of glibc's "
+                   "trim regimes a run fell into; glibc: its defaults")
     p.add_argument("--json", default="", help="also write the results here")
     a = p.parse_args()
     variants = a.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         p.error(f"--variants: unknown {sorted(unknown)}")
+    import os
+
     import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(ROOT))
+    from tests.faultjob import MALLOC_FIXED
+
+    if a.malloc == "fixed":
+        os.environ.update(MALLOC_FIXED)  # read by each spawned rank's C library at its start
 
     ctx = mp.get_context("spawn")
     runs: dict[str, list] = {v: [] for v in variants}
@@ -141,17 +156,19 @@ def main() -> int:
             for pr in procs:
                 pr.join(60)
             runs[v].append(got)
-            print(f"round {r} {v}: {got[0]:.1f} steps/s" + "".join(f", {k} {x:.0f} us" for k, x in got[2].items()),
+            print(f"round {r} {v}: {got[0]:.1f} steps/s, {got[3]:.0f} page faults/step" + "".join(f", {k} {x:.0f} us" for k, x in got[2].items()),
                   file=sys.stderr, flush=True)
     base = statistics.median(x[0] for x in runs[variants[0]])
-    print(f"\n2-rank gloo DDP, MLP 64-{a.width}-8, batch {a.batch}, {a.steps} steps per run, {a.rounds} rounds\n")
-    print("| variant | steps/s (median) | ratio | runs |")
-    print("|---|---|---|---|")
+    print(f"\n2-rank gloo DDP, MLP 64-{a.width}-8, batch {a.batch}, {a.steps} steps per run, {a.rounds} rounds, "
+          f"allocator {a.malloc}\n")
+    print("| variant | steps/s (median) | ratio | runs | page faults/step (rank 0) |")
+    print("|---|---|---|---|---|")
     rows = []
     for v in variants:
         med = statistics.median(x[0] for x in runs[v])
-        rows.append({"variant": v, "steps_per_s": med, "ratio": med / base, "runs": runs[v]})
-        print(f"| {v} | {med:.1f} | {med / base:.3f} | {', '.join(f'{x[0]:.0f}' for x in runs[v])} |")
+        rows.append({"variant": v, "steps_per_s": med, "ratio": med / base, "runs": runs[v], "malloc": a.malloc})
+        print(f"| {v} | {med:.1f} | {med / base:.3f} | {', '.join(f'{x[0]:.0f}' for x in runs[v])} "
+              f"| {', '.join(f'{x[3]:.0f}' for x in runs[v])} |")
     for v in variants:
         for name in sorted({k for x in runs[v] for k in x[2]}):
             vals = [x[2][name] for x in runs[v] if name in x[2]]

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests import netns  # noqa: E402
+from tests.faultjob import MALLOC_FIXED  # noqa: E402
 
 PHASES = [("absent", 20), ("up", 10), ("killed", 30), ("restarted", 10), ("stopped", 20), ("resumed", 10),
           ("partitioned", 20), ("healed", 10)]
@@ -45,6 +46,10 @@ def main() -> int:
     p.add_argument("--every", type=int, default=10, help="agent probe cadence; 0: the agent's default budget")
     p.add_argument("--control", action="store_true",
                    help="A/A calibration: the 'agent' job runs without the agent too (every ratio should be 1)")
+    p.add_argument("--malloc", choices=("fixed", "glibc"), default="fixed",
+                   help="fixed (default): both jobs run with glibc's heap trimming and mmap threshold held "
+                   f"({MALLOC_FIXED}), so the ratio is the agent's cost, not which of glibc's trim regimes "
+                   "each job fell into; glibc: its defaults (see README, 'The allocator')")
     p.add_argument("--json", default="", help="also write the results here")
     a = p.parse_args()
     reason = netns.unavailable()
@@ -56,6 +61,7 @@ def main() -> int:
     baton = tmp / "baton"
     baton.write_text("none:warmup".ljust(64))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    job_env = {**env, **(MALLOC_FIXED if a.malloc == "fixed" else {})}
     agg_log = (tmp / "aggregator.log").open("a")
 
     def aggregator():
@@ -69,7 +75,7 @@ def main() -> int:
                      "--port", str(gloo_port), "--baton", str(baton), "--name", name, "--job", "outage",
                      "--every", str(a.every), "--heartbeat-s", "1.0", "--width", str(a.width), "--batch", str(a.batch),
                      "--progress", str(tmp / f"{name}.progress"), "--out", str(tmp / name)),
-            stdout=(tmp / f"{name}.log").open("w"), stderr=subprocess.STDOUT, env=env)
+            stdout=(tmp / f"{name}.log").open("w"), stderr=subprocess.STDOUT, env=job_env)
 
     def hand(owner, phase):
         # one pwrite of a fixed-size record: the jobs never read half a baton
@@ -125,7 +131,7 @@ def main() -> int:
     info = {n: json.loads((tmp / f"{n}.0.json").read_text()) for n in jobs}
     rows = []
     print(f"\n2-rank gloo DDP, MLP 64-{a.width}-8, batch {a.batch}, probe every {a.every}; turns of {a.turn_s} s"
-          + (" (control: no agent in either job)" if a.control else ""))
+          + (" (control: no agent in either job)" if a.control else "") + f"; allocator: {a.malloc}")
     print("ratio: median over consecutive turn pairs of (agent steps/s) / (none steps/s); totals beside it\n")
     print("| phase | s | turn pairs | none steps/s | agent steps/s | ratio of totals | median ratio |")
     print("|---|---|---|---|---|---|---|")
@@ -147,6 +153,8 @@ def main() -> int:
         for row in rows:
             if row["phase"] == phase:
                 row["sender_cpu_share"] = c / w if w else None
+    print("\nminor page faults per step, training thread of rank 0: "
+          + ", ".join(f"{n} {info[n].get('faults_per_step', float('nan')):.0f}" for n in jobs))
     ag = info["agent"]
     if a.control:
         print("\ncontrol run: no agent in either job")
@@ -154,7 +162,8 @@ def main() -> int:
         print(f"\nagent, rank 0: {ag['reports']} reports sent, {ag['drops']} dropped, sender turns {ag['turns']} "
               f"({ag['blocked']} refused), errors {ag['errors']}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "agent": ag}, indent=1))
+        Path(a.json).write_text(json.dumps({"rows": rows, "agent": ag, "malloc": a.malloc,
+                                            "faults_per_step": {n: info[n].get("faults_per_step") for n in jobs}}, indent=1))
     return 0
 
 

@@ -17,8 +17,16 @@ import argparse
 import faulthandler
 import json
 import os
+import resource
 import time
 from datetime import timedelta
+
+#: glibc's allocator held still, for side-by-side speed runs (bench/outage.py, bench/ddp_steps.py):
+#: large blocks stay in the heap and freed memory is not handed back, so no step page-faults fresh
+#: memory in (PyTorch's CPU tuning guide swaps in jemalloc or tcmalloc for the same reason). With
+#: glibc's defaults a job falls into one of two trim regimes, ~0.1k or ~4k faults a step at width
+#: 4096, and stays there; which one is chance, nudged by any other allocation (README, "The allocator")
+MALLOC_FIXED = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
 def build(rank: int, port: int, width: int):
@@ -60,6 +68,9 @@ def worker(rank: int, a) -> None:
     sender_tid = mon.sender._thread.native_id if mon is not None else None
     sender_cpu: dict[str, list[float]] = {}  # phase -> [cpu seconds, wall seconds]
     cur_phase, c0, w0 = None, 0.0, 0.0
+
+    # the training thread's minor page faults (rank 0): glibc's heap trimming shows as faults
+    faults0 = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
 
     def thread_cpu() -> float:
         with open(f"/proc/self/task/{sender_tid}/schedstat") as f:
@@ -108,7 +119,9 @@ def worker(rank: int, a) -> None:
             time.sleep(a.sleep_s)
     if turn is not None:
         phases[turn][-1][1] = time.perf_counter() - t0
-    info = {"steps": step, "phases": phases, "agent": mon is not None, "sender_cpu": sender_cpu}
+    faults = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt - faults0
+    info = {"steps": step, "phases": phases, "agent": mon is not None, "sender_cpu": sender_cpu,
+            "faults_per_step": faults / max(step, 1)}
     if mon is not None:
         s = mon.sender
         info.update(alive=s.alive, errors=mon.errors + s.errors, sent=s.sent, drops=s.drops, connected=s.connected,

@@ -160,7 +160,7 @@ def test_measured_sections_through_the_frame(probing, world_size):
     params = list(net.parameters())
     fps = Fingerprints(world_size)
     losses, scale = [torch.tensor(0.25), torch.tensor(0.75)], torch.tensor(1024.0)
-    present, sections, rows = measure.sentinel(params, [], losses, scale, probing, fps)
+    present, sections, rows, split = measure.sentinel(params, [], losses, scale, probing, fps)
     if probing:
         sections.update(measure.probe(params, rec, fps))
         rec.remove()
@@ -170,6 +170,7 @@ def test_measured_sections_through_the_frame(probing, world_size):
     with_grad = [p for p in params if p.grad is not None]
     assert [params[i] for i in present] == with_grad and len(with_grad) == 4
     assert rows == (1, 1, 1, 1)  # all within one chunk: one norm each (tests/test_agent_coverage.py: more)
+    assert split == 1  # CPU gradients: a gradient of more chunks would be normed by rows, not as views
     assert np.array_equal(got["grad_norm"], [torch.linalg.vector_norm(p.grad).item() for p in with_grad], equal_nan=True)
     assert got["loss"].tolist() == [0.25, 0.75] and got["loss_scale"].tolist() == [1024.0]
     assert len(got["bucket_norm"]) == 0
