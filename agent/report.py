@@ -44,6 +44,8 @@ class StepLayout(msgspec.Struct, frozen=True):
         rows: chunks of each present parameter's gradient in the ``grad_norm`` section
             (:func:`.stats.chunk_norms`); empty: one value each.
         split: the ``split`` of that section's layout (:func:`.stats.chunk_norms`).
+        unscaled: the communication hook divided the step's buckets by the loss scale already
+            (:class:`.ddp.CommHook`, a huge scale), so ``bucket_norm`` is not divided again.
         probe: a probed step; the fields below only matter then.
         burst: probed because of a burst rather than the cadence.
         batch: samples seen in the step (0 when unknown).
@@ -73,6 +75,7 @@ class StepLayout(msgspec.Struct, frozen=True):
     counts: dict = msgspec.field(default_factory=dict)
     rows: tuple[int, ...] = ()
     split: int = SPLIT_MAX
+    unscaled: bool = False
     probe: bool = False
     burst: bool = False
     batch: int = 0
@@ -171,7 +174,7 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int, guard: Op
     loss = float(f["loss"].sum()) / len(f["loss"]) if len(f["loss"]) else math.nan  # np.mean's sum, without its overhead
     loss_scale = float(f["loss_scale"][0]) if len(f["loss_scale"]) else math.nan
     scaled = math.isfinite(loss_scale) and loss_scale > 0
-    if scaled:
+    if scaled and not L.unscaled:
         # the comm hook and output tensor hooks saw gradients multiplied by the loss scale; the
         # optimizer pre-hook sees them unscaled (case C10)
         local_norm /= loss_scale

@@ -238,6 +238,38 @@ def test_a_bucket_past_split_max_chunks_is_one_value_within_1e6_of_float64():
     assert got == pytest.approx(math.sqrt(float(big.double().square().sum() + small.double().square().sum())), rel=1e-6)
 
 
+def test_a_huge_loss_scale_is_divided_out_of_a_copy_of_the_bucket_before_its_norms():
+    """While the monitor has set ``unscale`` (a loss scale past 2^40), each bucket of a step is
+    divided by the scale before its chunk norms, whose float32 sum of squares would otherwise
+    overflow; the bucket itself, which DDP goes on to all-reduce, is left bit for bit as it was."""
+    from gradwatch.agent.stats import NORM_CHUNK
+
+    class Bucket:
+        def __init__(self, t):
+            self.t = t
+
+        def buffer(self):
+            return self.t
+
+    scale = torch.tensor(2.0**70)
+    grad = torch.randn(3 * NORM_CHUNK + 5, generator=torch.Generator().manual_seed(3))
+    scaled = grad * scale
+    before = scaled.clone()
+    comm = CommHook(Errors(), set())
+    comm.observe(Bucket(scaled))
+    assert not comm.unscaled and math.isinf(sum(float(t.double().square().sum()) for t in comm.local_sq))
+    comm.reset()
+    comm.unscale = lambda: scale
+    comm.observe(Bucket(scaled))
+    comm.unscale = None  # switched off mid-step: the step's next bucket is still divided
+    comm.observe(Bucket(scaled))
+    assert comm.unscaled and torch.equal(scaled, before)
+    got = math.sqrt(sum(float(t.double().square().sum()) for t in comm.local_sq))
+    assert got == pytest.approx(math.sqrt(2 * float(grad.double().square().sum())), rel=1e-6)
+    comm.reset()
+    assert not comm.unscaled
+
+
 def test_comm_hook_stops_when_switched_off_and_reports_failures():
     errors, disabled = Errors(), set()
     comm = CommHook(errors, disabled)
