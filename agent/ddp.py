@@ -73,7 +73,8 @@ class CommHook:
             delegate keeps reducing (DDP cannot drop a hook).
         unscale: set by the monitor (sender thread) while the loss scale is huge: returns the
             scaler's scale as its 0-d device tensor, by which each bucket is divided before its
-            norms (a power of two: exact, no sync), or None; None: buckets are normed as they are.
+            norms (no sync; exact for GradScaler's powers of two, one rounding otherwise), or None;
+            None: buckets are normed as they are.
         unscaled: this step's buckets were divided by the loss scale (decided at its first bucket,
             so every bucket of a step is treated alike).
         disabled: the monitor's set of parts switched off; observation stops when it holds

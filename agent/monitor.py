@@ -326,9 +326,10 @@ class Monitor:
         for one; True (an anomaly) sends the batch it joins at once. Also switches the
         communication hook's division by a huge loss scale (:data:`.ddp.UNSCALE_FROM`) on or off
         for the steps to come."""
-        if self.scaler is not None and r.loss_scale == r.loss_scale:  # NaN: no scale in this report
+        scaler = self.scaler  # read once: close() clears it from the training thread
+        if scaler is not None and r.loss_scale == r.loss_scale:  # NaN: no scale in this report
             if r.loss_scale >= UNSCALE_FROM:
-                self.comm.unscale = self.scaler.scale
+                self.comm.unscale = scaler.scale
             elif r.loss_scale < UNSCALE_BELOW:
                 self.comm.unscale = None
         return self.schedule.watch(r.step, r.grad_norm, r.grad_nonfinite, scheduled=self.step)

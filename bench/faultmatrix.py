@@ -15,7 +15,8 @@ tensors (:mod:`gradwatch.commands.demo.inject`, the demo's injector; never throu
   straggler10/30/100  one rank sleeps 0.1/0.3/1.0 x its median step time before every forward
   hang           one rank's training thread sleeps HOLD_S seconds at STEP (its agent keeps beating)
   silent         one rank's process stops (SIGSTOP) at STEP; SIGCONT after HOLD_S seconds
-  dead           a layer's bias set to -1e3 on every rank at STEP: the ReLU after it dies (CNN only)
+  dead           a layer's bias set to -1e3 on every rank at STEP: the activation after it dies (the
+                 CNN's ReLU, the GPT's GELU: its tail rounds to exact zeros)
   vanish         loss x 1e-12 on every rank from STEP on
   shard          one rank's input batches replaced by noise from STEP on (world >= 3: outlier_rank
                  compares a rank with the others' median)
@@ -86,9 +87,9 @@ class Fault:
     models: tuple[str, ...] = ("gpt", "cnn")
 
 
-# modules per model: two for NaN (an early and a late one), and the ReLU after a Linear for dead units
+# modules per model: two for NaN (an early and a late one), and the activation after a Linear for dead units
 NAN_LAYERS = {"gpt": ("blocks.0.mlp.fc", "blocks.1.attn.proj"), "cnn": ("0", "6")}
-DEAD = {"cnn": ("6", "7")}  # bias of Linear "6" -> ReLU "7" dead
+DEAD = {"cnn": ("6", "7"), "gpt": ("blocks.0.mlp.fc", "blocks.0.mlp.act")}  # bias of the Linear -> the activation after it dead
 
 # a NaN spreads to every weight at the next optimizer step (all-reduce carries it to every rank):
 # explosion sees the spike of the step before, and the NaN run trips the checks that read

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from gradwatch import agent
-from gradwatch.agent.stats import NORM_CHUNK, SPLIT_MAX, chunk_norms, chunks_of, combine_chunks, l2_norms, Reducer
+from gradwatch.agent.stats import CPU_SPLIT_MAX, NORM_CHUNK, SPLIT_MAX, chunk_norms, chunks_of, combine_chunks, l2_norms, Reducer
 from gradwatch.agent.measure import dense_values
 
 from .test_agent_stats import Probe, assert_act, assert_norm, ref_norm, seeded, twin, train  # noqa: F401
@@ -120,22 +120,23 @@ def test_l2_norms_within_1e6_of_float64(log2):
     assert torch.isinf(l2_norms([torch.tensor([1.0] * NORM_CHUNK + [float("inf")])])[0])
 
 
-@pytest.mark.parametrize("split", [SPLIT_MAX, 1], ids=["accelerator", "cpu"])
+@pytest.mark.parametrize("split", [SPLIT_MAX, CPU_SPLIT_MAX, 1], ids=["accelerator", "cpu", "rows"])
 @pytest.mark.parametrize("log2", [10, 13, 14, 20, 24])
 def test_chunk_norms_combined_on_the_host_within_1e6_of_float64(log2, split):
     """The sentinel's pair: chunk norms on the device (views of tensors up to ``split`` chunks in
-    one foreach, larger ones by rows, the latter at the end; the CPU's split, 1, takes every
-    tensor of more chunks by rows), float64 across chunks on the host; each tensor's norm within
-    rel 1e-6 of float64, in the tensors' order, non-finite values kept."""
+    one foreach, larger ones by rows, the latter at the end: the CPU's split takes a tensor of 5
+    chunks or more by rows), float64 across chunks on the host; each tensor's norm within rel
+    1e-6 of float64, in the tensors' order, non-finite values kept."""
     g = torch.Generator().manual_seed(log2)
     x = torch.randn(1 << log2, generator=g) + 0.5
     small = torch.randn(7, 3, generator=g)
-    parts = torch.randn(3 * NORM_CHUNK + 11, generator=g)  # views (by rows on the CPU), with a short last chunk
+    parts = torch.randn(3 * NORM_CHUNK + 11, generator=g)  # views but with split 1, with a short last chunk
+    six = torch.randn(5 * NORM_CHUNK + 3, generator=g)  # views on an accelerator, by rows on the CPU
     nan = torch.full((NORM_CHUNK + 5,), float("nan"))
     inf = torch.tensor([1.0] * NORM_CHUNK + [float("inf")])
-    ts = [x, small, parts, x[:-3], nan, inf, x.reshape(-1, 1 << (log2 // 2))]
+    ts = [x, small, parts, six, x[:-3], nan, inf, x.reshape(-1, 1 << (log2 // 2))]
     rows = [chunks_of(t.numel()) for t in ts]
-    assert (rows[1], rows[2]) == (1, 4) and (max(rows) > SPLIT_MAX) == (log2 > 19)
+    assert rows[1:4] == [1, 4, 6] and (max(rows) > SPLIT_MAX) == (log2 > 19)
     flat = chunk_norms(ts, rows, split)
     assert flat.dtype == torch.float32 and flat.shape == (sum(rows),)
     got = combine_chunks(flat.numpy(), rows, split)
@@ -143,11 +144,11 @@ def test_chunk_norms_combined_on_the_host_within_1e6_of_float64(log2, split):
     for t, n in zip(ts, got):
         if torch.isfinite(t).all():
             assert n == pytest.approx(ref64(t), rel=1e-6)
-    assert np.isnan(got[4]) and np.isinf(got[5])
+    assert np.isnan(got[5]) and np.isinf(got[6])
     with pytest.raises(ValueError, match="chunk norms"):
         combine_chunks(flat.numpy()[:-1], rows, split)
-    if split == 1 and log2 <= 19:  # the same values in another order: read with the other split, wrong norms
-        assert not np.allclose(combine_chunks(flat.numpy(), rows, SPLIT_MAX)[:4], got[:4], equal_nan=True)
+    if split != SPLIT_MAX:  # the same values in another order: read with another split, wrong norms
+        assert not np.allclose(combine_chunks(flat.numpy(), rows, SPLIT_MAX), got, equal_nan=True)
 
 
 def test_output_grad_norm_of_complex_is_by_magnitude():

@@ -543,6 +543,26 @@ def test_float64_and_complex_models_are_monitored_with_exact_norms(collector, ki
         assert p.report.grad_norm == pytest.approx(torch.cat([g.reshape(-1) for g in magnitude.values()]).norm().item(), rel=RTOL)
 
 
+def test_per_parameter_gradient_norms_of_weights_of_many_chunks_before_one_chunk_biases(collector):
+    """Each parameter's gradient norm, through the monitor and its sender, against float64, in a
+    model whose weights of 2 and 8 chunks (views and rows on the CPU) come before their biases of
+    one: the sentinel's layout (which tensors went by rows, at the end) must reach the sender's
+    combination, or per-parameter norms trade places while the global norm stays right."""
+    from gradwatch.agent.stats import CPU_SPLIT_MAX, NORM_CHUNK, chunks_of
+
+    factory = seeded(5, lambda: nn.Sequential(nn.Linear(64, 200), nn.ReLU(), nn.Linear(200, 300), nn.ReLU(), nn.Linear(300, 3)))
+    model = factory()
+    chunks = [chunks_of(p.numel()) for p in model.parameters()]
+    assert chunks == [2, 1, 8, 1, 1, 1] and 1 < chunks[0] <= CPU_SPLIT_MAX < chunks[2]
+    assert NORM_CHUNK < 64 * 200 < 2 * NORM_CHUNK
+    x = torch.randn(4, 64)
+    _, probes = train(collector, model, lambda s: model(x).square().mean().backward())
+    ref = twin(model, factory)
+    ref(x).square().mean().backward()
+    for name, g in ref.named_parameters():
+        assert float(probes[0].param(name)[0]) == pytest.approx(g.grad.double().norm().item(), rel=1e-6), name
+
+
 # --- (e) C06: identity module and a multi-input module with a constant mask ------------------------
 
 

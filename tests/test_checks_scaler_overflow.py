@@ -46,10 +46,15 @@ def _rank(rank: int, endpoint: str, master_port: int, out: str) -> None:
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**70, growth_interval=1_000_000)
         gen = torch.Generator().manual_seed(100 + rank)
-        with agent.attach(ddp, opt, scaler=scaler, endpoint=endpoint, every=EVERY):
+        with agent.attach(ddp, opt, scaler=scaler, endpoint=endpoint, every=EVERY) as mon:
             for step in range(STEPS):
                 x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
                 if step == STEPS - 1:
+                    # the sender switches the division on once it has seen a report with the scale
+                    # (a step or two after the first); the last step must come after that
+                    deadline = time.monotonic() + 20
+                    while mon.comm.unscale is None and time.monotonic() < deadline:
+                        time.sleep(0.01)
                     # the reference: this rank's own gradient of this step (no all-reduce), by a
                     # copy of the model, in float64, unscaled
                     twin = net()  # not a deepcopy: that would copy the agent's module hooks too

@@ -18,7 +18,7 @@ import torch.nn as nn
 from gradwatch.agent import frame, measure
 from gradwatch.agent.fingerprint import Fingerprints, fingerprint
 from gradwatch.agent.hooks import ProbeRecorder
-from gradwatch.agent.stats import Reducer
+from gradwatch.agent.stats import CPU_SPLIT_MAX, Reducer
 
 SPECIAL = (float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, 3.4e38)
 # int64 whose float32 halves are NaNs (quiet and signalling), infinities, or extremes
@@ -170,7 +170,7 @@ def test_measured_sections_through_the_frame(probing, world_size):
     with_grad = [p for p in params if p.grad is not None]
     assert [params[i] for i in present] == with_grad and len(with_grad) == 4
     assert rows == (1, 1, 1, 1)  # all within one chunk: one norm each (tests/test_agent_coverage.py: more)
-    assert split == 1  # CPU gradients: a gradient of more chunks would be normed by rows, not as views
+    assert split == CPU_SPLIT_MAX  # CPU gradients: one of more chunks would be normed by rows, not as views
     assert np.array_equal(got["grad_norm"], [torch.linalg.vector_norm(p.grad).item() for p in with_grad], equal_nan=True)
     assert got["loss"].tolist() == [0.25, 0.75] and got["loss_scale"].tolist() == [1024.0]
     assert len(got["bucket_norm"]) == 0
