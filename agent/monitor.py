@@ -303,7 +303,7 @@ class Monitor:
         layout = functools.partial(
             report.StepLayout, step=step, step_time=step_time, compute_time=compute_time,
             skipped=self.scaler.take_skipped() if self.scaler is not None else 0,
-            schema=self._schema.hash if self._schema is not None else "", present=tuple(present), rows=rows, split=split, unscaled=self.comm.unscaled, counts=counts,
+            schema=self._schema.hash if self._schema is not None else "", present=tuple(present), rows=rows, split=split, unscaled=self.comm.unscaled, grad_unscaled=rec.unscaled, counts=counts,
             probe=probe, burst=probe and not self.schedule.on_cadence(step), batch=batch if probe else 0,
             micro=rec.micro if probe else 0, n_params=len(self._params), n_slots=len(self._slots),
             act=tuple((i, n) for i, n, _ in rec.act) if probe else (), grad=tuple(i for i, _ in rec.grad) if probe else (),
@@ -324,13 +324,13 @@ class Monitor:
     def _watch(self, r: wire.Report) -> bool:
         """Sender thread, each step's report in order: a burst of probes if its gradient norm asks
         for one; True (an anomaly) sends the batch it joins at once. Also switches the
-        communication hook's division by a huge loss scale (:data:`.ddp.UNSCALE_FROM`) on or off
-        for the steps to come."""
+        communication hook's and the output-gradient hooks' division by a huge loss scale
+        (:data:`.ddp.UNSCALE_FROM`) on or off for the steps to come."""
         scaler = self.scaler  # read once: close() clears it from the training thread
         if scaler is not None and r.loss_scale == r.loss_scale:  # NaN: no scale in this report
             if r.loss_scale >= UNSCALE_FROM:
-                self.comm.unscale = scaler.scale
+                self.comm.unscale = self.recorder.unscale = scaler.scale
             elif r.loss_scale < UNSCALE_BELOW:
-                self.comm.unscale = None
+                self.comm.unscale = self.recorder.unscale = None
         return self.schedule.watch(r.step, r.grad_norm, r.grad_nonfinite, scheduled=self.step)
 
