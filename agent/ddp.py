@@ -166,7 +166,7 @@ class CommHook:
                 # a GradScaler's scale past ~2^60 overflows the float32 sum of squares of the scaled
                 # bucket: its norm would read Inf beside finite gradients, and an explosion could not
                 # name its rank. A temporary the bucket's size, only in that regime
-                t = t / self._scale
+                t = t / self._scale.to(t.device)  # no copy on the same device
             k = chunks_of(t.numel())
             # up to SPLIT_MAX chunks, its chunk norms (one foreach over views on an accelerator, by
             # rows on the CPU): half the kernels of a norm taken to one value; a larger bucket

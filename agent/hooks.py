@@ -360,8 +360,8 @@ class ProbeRecorder:
                         unscale = rec.unscale
                         rec._scale = unscale() if unscale is not None else None
                         rec.unscaled = rec._scale is not None
-                    if rec._scale is not None:
-                        g = g / rec._scale  # a temporary, at probed steps under a huge scale only
+                    if rec._scale is not None:  # a temporary, at probed steps under a huge scale only
+                        g = g / rec._scale.to(g.device)  # the scale's device may be another stage's
                     rec.grad.append((i, rec.reducer.sumsq_nonfinite(g)))
                 except Exception as e:
                     rec.on_error("output-grad", e)
