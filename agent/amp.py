@@ -16,6 +16,11 @@ import torch
 
 PART = "scaler"  # not switchable alone: without it skipped steps would report partial statistics
 
+#: loss scales from which gradients are divided by the scale before their norms (:class:`Unscale`),
+#: and below which no longer (hysteresis: GradScaler halves its scale on an overflow). A float32
+#: sum of squares overflows at 2^128: with a scale of 2^60, at gradient values around 2^4 already
+UNSCALE_FROM, UNSCALE_BELOW = 2.0**40, 2.0**32
+
 
 class ScalerWatch:
     """Wraps one scaler's ``update`` until :meth:`close`.
@@ -75,3 +80,43 @@ class ScalerWatch:
         if self._scaler is not None and "update" in vars(self._scaler):
             del self._scaler.update
         self._scaler = None
+
+
+class Unscale:
+    """The loss scale a step's scaled gradients are divided by before their norms, or none.
+
+    A GradScaler's scale grows for ever where gradients never overflow (bf16 autocast: float32
+    gradients): past ~2^60 the float32 sums of squares of the scaled gradients the DDP hook and
+    the output-gradient hooks see overflow, and their norms would read Inf beside finite
+    gradients. One instance, shared by :class:`.ddp.CommHook` and :class:`.hooks.ProbeRecorder`:
+    the monitor's sender thread sets :attr:`source` while the scale is at least
+    :data:`UNSCALE_FROM`; the step's first caller of :meth:`apply` decides for the whole step, so
+    every record of a step is treated alike and :attr:`applied` tells the report builder not to
+    divide by the scale again. The division is a temporary the tensor's size, no host sync,
+    exact for GradScaler's powers of two (one rounding otherwise).
+
+    Attributes:
+        source: ``ScalerWatch.scale`` (the scale as the scaler's 0-d device tensor) or None.
+        applied: this step's gradients are divided by the scale.
+    """
+
+    def __init__(self):
+        self.source: Optional[Callable[[], Optional[torch.Tensor]]] = None
+        self.applied = False
+        self._scale: Optional[torch.Tensor] = None
+        self._known = False
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` divided by this step's scale (moved to ``t``'s device: no copy on the same one),
+        or ``t`` itself."""
+        if not self._known:
+            self._known = True
+            source = self.source
+            self._scale = source() if source is not None else None
+            self.applied = self._scale is not None
+        return t if self._scale is None else t / self._scale.to(t.device)
+
+    def reset(self) -> None:
+        """A step ended or was skipped: the next one decides again."""
+        self.applied = self._known = False
+        self._scale = None

@@ -19,16 +19,12 @@ from typing import Callable, Optional
 
 import torch
 
+from .amp import Unscale
 from .stats import SPLIT_MAX, chunk_norms, chunks_of, dense_values, l2_norms, split_max
 
 log = logging.getLogger("gradwatch.agent")
 
 PART = "comm-hook"  # the name its failures are counted, warned about and switched off under
-
-#: loss scales from which the hook divides buckets by the scale before norming them, and below
-#: which it stops again (hysteresis: GradScaler halves its scale on an overflow). A float32 sum of
-#: squares overflows at 2^128: with a scale of 2^60, at gradient values around 2^4 already
-UNSCALE_FROM, UNSCALE_BELOW = 2.0**40, 2.0**32
 
 
 def allreduce_mean(process_group, bucket):
@@ -71,12 +67,8 @@ class CommHook:
         wait: the monitor's :class:`.measure.RunQueueWait`, or None.
         live: cleared by the monitor when it closes or the process forks: observation stops, the
             delegate keeps reducing (DDP cannot drop a hook).
-        unscale: set by the monitor (sender thread) while the loss scale is huge: returns the
-            scaler's scale as its 0-d device tensor, by which each bucket is divided before its
-            norms (no sync; exact for GradScaler's powers of two, one rounding otherwise), or None;
-            None: buckets are normed as they are.
-        unscaled: this step's buckets were divided by the loss scale (decided at its first bucket,
-            so every bucket of a step is treated alike).
+        unscale: divides each bucket by a huge loss scale before its norms (:class:`.amp.Unscale`,
+            the monitor's, shared with the output-gradient hooks).
         disabled: the monitor's set of parts switched off; observation stops when it holds
             ``"comm-hook"``.
 
@@ -98,9 +90,7 @@ class CommHook:
         self.hook_tid = 0
         self._hook_ident = 0
         self.wait = None  # the monitor's RunQueueWait
-        self.unscale: Optional[Callable[[], Optional[torch.Tensor]]] = None
-        self.unscaled = False
-        self._scale: Optional[torch.Tensor] = None  # this step's divisor
+        self.unscale = Unscale()  # the monitor's replaces it
         self._inner = None  # (state, hook) the buckets go on to
         self.wrapped = False  # wrap() handed out a hook that observes
 
@@ -156,17 +146,10 @@ class CommHook:
                 ident = threading.get_ident()  # pthread_self: no system call, unlike the native id
                 if ident != self._hook_ident:
                     self._hook_ident, self.hook_tid = ident, threading.get_native_id()
-                unscale = self.unscale
-                self._scale = unscale() if unscale is not None else None
-                self.unscaled = self._scale is not None
             t = bucket.buffer()
             if t.layout != torch.strided:  # a sparse gradient's bucket (nn.Embedding(sparse=True)): its values
                 t = dense_values(t)
-            if self._scale is not None:
-                # a GradScaler's scale past ~2^60 overflows the float32 sum of squares of the scaled
-                # bucket: its norm would read Inf beside finite gradients, and an explosion could not
-                # name its rank. A temporary the bucket's size, only in that regime
-                t = t / self._scale.to(t.device)  # no copy on the same device
+            t = self.unscale.apply(t)  # a copy only under a huge loss scale: the bucket is DDP's to reduce
             k = chunks_of(t.numel())
             # up to SPLIT_MAX chunks, its chunk norms (one foreach over views on an accelerator, by
             # rows on the CPU): half the kernels of a norm taken to one value; a larger bucket
@@ -181,5 +164,3 @@ class CommHook:
         self.local_sq = []
         self.first_bucket = None
         self.first_wait = b""
-        self.unscaled = False
-        self._scale = None

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from .amp import Unscale
 from .stats import Reducer
 
 log = logging.getLogger("gradwatch.agent")
@@ -132,13 +133,9 @@ class ProbeRecorder:
         self.micro = 0
         self.batch = 0
         self.host_s = 0.0  # seconds spent in this recorder's hooks since the last reset (the budget's)
-        # a huge loss scale (the monitor sets ``unscale`` as for .ddp.CommHook): the output
-        # gradients are divided by it before their sums of squares, which overflow float32 past
-        # ~2^64; decided at the step's first gradient, so all of a step's records are alike
-        self.unscale: Optional[Callable[[], Optional[torch.Tensor]]] = None
-        self.unscaled = False
-        self._scale: Optional[torch.Tensor] = None
-        self._scale_known = False
+        # output gradients are divided by a huge loss scale before their sums of squares (the
+        # monitor's .amp.Unscale, shared with the DDP hook)
+        self.unscale = Unscale()
         self.probing = False
         self.guard = False  # the NaN guard: hooks stay on at unprobed steps (set_guard)
         self.guarded: list[int] = []
@@ -163,9 +160,6 @@ class ProbeRecorder:
         self.guarded = []
         self.sums = []
         self.guard_s = 0.0
-        self.unscaled = False
-        self._scale = None
-        self._scale_known = False
 
     def install(self) -> None:
         """Hooks on for a probed step (records reset)."""
@@ -354,15 +348,7 @@ class ProbeRecorder:
             if rec is not None and grad is not None:
                 t0 = time.perf_counter()
                 try:
-                    g = _local(grad)
-                    if not rec._scale_known:
-                        rec._scale_known = True
-                        unscale = rec.unscale
-                        rec._scale = unscale() if unscale is not None else None
-                        rec.unscaled = rec._scale is not None
-                    if rec._scale is not None:  # a temporary, at probed steps under a huge scale only
-                        g = g / rec._scale.to(g.device)  # the scale's device may be another stage's
-                    rec.grad.append((i, rec.reducer.sumsq_nonfinite(g)))
+                    rec.grad.append((i, rec.reducer.sumsq_nonfinite(rec.unscale.apply(_local(grad)))))
                 except Exception as e:
                     rec.on_error("output-grad", e)
                 rec.host_s += time.perf_counter() - t0

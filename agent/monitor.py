@@ -30,10 +30,10 @@ import torch
 from gradwatch import wire
 
 from . import frame, measure, parallel, report
-from .amp import ScalerWatch
+from .amp import UNSCALE_BELOW, UNSCALE_FROM, ScalerWatch, Unscale
 from .config import AgentConfig, job_key, resolve_identity
 from .failures import Failures
-from .ddp import UNSCALE_BELOW, UNSCALE_FROM, CommHook, allreduce_mean, unwrap  # noqa: F401  (re-exported)
+from .ddp import CommHook, allreduce_mean, unwrap  # noqa: F401  (re-exported)
 from .fingerprint import Fingerprints, fingerprint  # noqa: F401  (re-exported)
 from .hooks import ProbeRecorder
 from .null import NullMonitor  # noqa: F401  (re-exported)
@@ -86,6 +86,7 @@ class Monitor:
                                       budget=cfg.budget, max_interval_s=cfg.max_probe_interval_s,
                                       guard=cfg.nan_guard)
         self.comm = CommHook(self.failures, self.disabled)
+        self._unscale = self.comm.unscale = self.recorder.unscale = Unscale()  # one decision per step for both
         self.fingerprints = Fingerprints(self.world_size)
         self.scaler: Optional[ScalerWatch] = None
         self.step = self.probes = 0
@@ -230,6 +231,7 @@ class Monitor:
         self._pre, self._losses = None, []
         self.comm.reset()
         self.recorder.reset()
+        self._unscale.reset()
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
         if not self.active or "sentinel" in self.disabled:
@@ -265,6 +267,7 @@ class Monitor:
         self.step = step + 1
         self.recorder.reset()
         self.comm.reset()
+        self._unscale.reset()
         self._losses = []
         if self.scaler is not None:
             self.scaler.stepped = True
@@ -303,7 +306,7 @@ class Monitor:
         layout = functools.partial(
             report.StepLayout, step=step, step_time=step_time, compute_time=compute_time,
             skipped=self.scaler.take_skipped() if self.scaler is not None else 0,
-            schema=self._schema.hash if self._schema is not None else "", present=tuple(present), rows=rows, split=split, unscaled=self.comm.unscaled, grad_unscaled=rec.unscaled, counts=counts,
+            schema=self._schema.hash if self._schema is not None else "", present=tuple(present), rows=rows, split=split, unscaled=self._unscale.applied, counts=counts,
             probe=probe, burst=probe and not self.schedule.on_cadence(step), batch=batch if probe else 0,
             micro=rec.micro if probe else 0, n_params=len(self._params), n_slots=len(self._slots),
             act=tuple((i, n) for i, n, _ in rec.act) if probe else (), grad=tuple(i for i, _ in rec.grad) if probe else (),
@@ -325,12 +328,12 @@ class Monitor:
         """Sender thread, each step's report in order: a burst of probes if its gradient norm asks
         for one; True (an anomaly) sends the batch it joins at once. Also switches the
         communication hook's and the output-gradient hooks' division by a huge loss scale
-        (:data:`.ddp.UNSCALE_FROM`) on or off for the steps to come."""
+        (:class:`.amp.Unscale`) on or off for the steps to come."""
         scaler = self.scaler  # read once: close() clears it from the training thread
         if scaler is not None and r.loss_scale == r.loss_scale:  # NaN: no scale in this report
             if r.loss_scale >= UNSCALE_FROM:
-                self.comm.unscale = self.recorder.unscale = scaler.scale
+                self._unscale.source = scaler.scale
             elif r.loss_scale < UNSCALE_BELOW:
-                self.comm.unscale = self.recorder.unscale = None
+                self._unscale.source = None
         return self.schedule.watch(r.step, r.grad_norm, r.grad_nonfinite, scheduled=self.step)
 

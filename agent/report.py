@@ -44,10 +44,9 @@ class StepLayout(msgspec.Struct, frozen=True):
         rows: chunks of each present parameter's gradient in the ``grad_norm`` section
             (:func:`.stats.chunk_norms`); empty: one value each.
         split: the ``split`` of that section's layout (:func:`.stats.chunk_norms`).
-        unscaled: the communication hook divided the step's buckets by the loss scale already
-            (:class:`.ddp.CommHook`, a huge scale), so ``bucket_norm`` is not divided again.
-        grad_unscaled: the same for the output gradients of the ``out_grad`` section
-            (:class:`.hooks.ProbeRecorder`).
+        unscaled: the step's DDP buckets and output gradients were divided by the loss scale
+            already (:class:`.amp.Unscale`, a huge scale), so ``bucket_norm`` and ``out_grad`` are
+            not divided again.
         probe: a probed step; the fields below only matter then.
         burst: probed because of a burst rather than the cadence.
         batch: samples seen in the step (0 when unknown).
@@ -78,7 +77,6 @@ class StepLayout(msgspec.Struct, frozen=True):
     rows: tuple[int, ...] = ()
     split: int = SPLIT_MAX
     unscaled: bool = False
-    grad_unscaled: bool = False
     probe: bool = False
     burst: bool = False
     batch: int = 0
@@ -229,7 +227,7 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int, guard: Op
         np.add.at(sums, slot_of, f["out_grad"])
         seen = np.unique(slot_of)
         act_grad[seen, 0] = np.sqrt(sums[seen, 0])
-        if scaled and not L.grad_unscaled:
+        if scaled and not L.unscaled:
             act_grad[seen, 0] /= loss_scale
         act_grad[seen, 1] = sums[seen, 1]
     return wire.Report(

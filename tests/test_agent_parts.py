@@ -239,7 +239,7 @@ def test_a_bucket_past_split_max_chunks_is_one_value_within_1e6_of_float64():
 
 
 def test_a_huge_loss_scale_is_divided_out_of_a_copy_of_the_bucket_before_its_norms():
-    """While the monitor has set ``unscale`` (a loss scale past 2^40), each bucket of a step is
+    """While the monitor has set the hook's ``unscale.source`` (a loss scale past 2^40), each bucket of a step is
     divided by the scale before its chunk norms, whose float32 sum of squares would otherwise
     overflow; the bucket itself, which DDP goes on to all-reduce, is left bit for bit as it was."""
     from gradwatch.agent.stats import NORM_CHUNK
@@ -257,17 +257,18 @@ def test_a_huge_loss_scale_is_divided_out_of_a_copy_of_the_bucket_before_its_nor
     before = scaled.clone()
     comm = CommHook(Errors(), set())
     comm.observe(Bucket(scaled))
-    assert not comm.unscaled and math.isinf(sum(float(t.double().square().sum()) for t in comm.local_sq))
+    assert not comm.unscale.applied and math.isinf(sum(float(t.double().square().sum()) for t in comm.local_sq))
     comm.reset()
-    comm.unscale = lambda: scale
+    comm.unscale.reset()  # the step boundary (the monitor's)
+    comm.unscale.source = lambda: scale
     comm.observe(Bucket(scaled))
-    comm.unscale = None  # switched off mid-step: the step's next bucket is still divided
+    comm.unscale.source = None  # switched off mid-step: the step's next bucket is still divided
     comm.observe(Bucket(scaled))
-    assert comm.unscaled and torch.equal(scaled, before)
+    assert comm.unscale.applied and torch.equal(scaled, before)
     got = math.sqrt(sum(float(t.double().square().sum()) for t in comm.local_sq))
     assert got == pytest.approx(math.sqrt(2 * float(grad.double().square().sum())), rel=1e-6)
-    comm.reset()
-    assert not comm.unscaled
+    comm.unscale.reset()
+    assert not comm.unscale.applied
 
 
 def test_comm_hook_stops_when_switched_off_and_reports_failures():

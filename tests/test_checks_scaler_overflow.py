@@ -53,7 +53,7 @@ def _rank(rank: int, endpoint: str, master_port: int, out: str) -> None:
                     # the sender switches the division on once it has seen a report with the scale
                     # (a step or two after the first); the last step must come after that
                     deadline = time.monotonic() + 20
-                    while mon.comm.unscale is None and time.monotonic() < deadline:
+                    while mon.comm.unscale.source is None and time.monotonic() < deadline:
                         time.sleep(0.01)
                     # the reference: this rank's own gradient of this step (no all-reduce), by a
                     # copy of the model, in float64, unscaled
