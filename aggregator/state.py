@@ -299,6 +299,11 @@ class JobState:
             self._order = [r for _, r in sorted(self.ranks.items())]
         return self._order
 
+    def processes_ended(self) -> bool:
+        """Every rank said goodbye as its process ended (:data:`ENDED`), not as an agent switched
+        off while its training goes on; False without ranks."""
+        return bool(self.ranks) and all(r.closing and r.close_reason in ENDED for r in self.ranks.values())
+
     def columns(self) -> "RankColumns":
         """The ranks' fields the ticks' checks judge, one array each in :meth:`in_order` order, read
         in one pass when a tick first asks (:meth:`State.tick`, and a deferred tick's turn, forget
@@ -642,8 +647,7 @@ class State:
             self.jobs_evicted += 1
         label = h.job
         old = self.jobs.get(label)
-        if (old is not None and old.ranks and old.peer_key in (None, peer_key)
-                and all(r.closing and r.close_reason in ENDED for r in old.ranks.values())):
+        if old is not None and old.peer_key in (None, peer_key) and old.processes_ended():
             # every process of the job under that id ended (not an agent switched off while its
             # training goes on): a relaunch under the same id (a new MASTER_PORT, so a new key)
             # takes the id over rather than a suffixed label; with CURVE, only under its key
@@ -999,13 +1003,14 @@ class State:
         (an agent attached anew) makes it live again. Its findings stay as the checks left them
         (the truth about its end); the shipped alerts about its ranks at work resolve on
         ``gradwatch_job_ended``, where they fired on until ``rank_ttl_s`` forgot it."""
-        if not job.ranks or not job.columns().closing.all():
-            job.ended = False
+        if not job.ranks or not job.columns().closing.all():  # the common case, from the columns ticks read anyway
+            if job.ended:
+                job.ended = False
+                self.version += 1
             return
         if job.ended or job.rounds or any(c.job is job for c in self.closing):
             return
-        ranks = job.ranks.values()
-        if all(r.close_reason in ENDED for r in ranks) and now - max(r.heartbeat_at for r in ranks) >= self.grace_s:
+        if job.processes_ended() and now - max(r.heartbeat_at for r in job.ranks.values()) >= self.grace_s:
             job.ended = True
             self.version += 1
 

@@ -102,6 +102,20 @@ def test_a_named_rank_gone_for_good_does_not_keep_its_finding_through_rounds_too
     assert check.on_round(job, _round([[1, 2]], step=11, ranks=(0,))).outcome == Outcome.NO_DATA  # rank 3: never heard
 
 
+@pytest.mark.parametrize("cls", [GradientAgreement, ReplicaDrift])
+def test_a_tie_finding_naming_no_rank_goes_once_one_of_its_ranks_is_gone_for_good(cls):
+    """Two ranks that disagree with no majority give a finding naming no rank (its ranks in
+    ``details``). Rounds of one rank leave it standing while both are live, and drop it once one
+    of them closed while the other trains on (it stood until rank_ttl_s: nothing named was gone)."""
+    job = SimpleNamespace(job="j", ranks={0: SimpleNamespace(closing=False), 1: SimpleNamespace(closing=False)})
+    check = cls(Thresholds())
+    (f,) = check.on_round(job, _round([[1, 2], [8, 2]], step=10, ranks=(0, 1))).findings
+    assert f.rank is None
+    assert check.on_round(job, _round([[1, 2]], step=11, ranks=(0,))) is None  # both live: it stands
+    job.ranks[1].closing = True
+    assert check.on_round(job, _round([[1, 2]], step=12, ranks=(0,))).outcome == Outcome.NO_DATA
+
+
 def _minority_per_set(fp, seen, holders, rtol):
     """The vote held set by set: each holders number over the whole matrix (the definition)."""
     out, tied = {}, set()

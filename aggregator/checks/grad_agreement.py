@@ -42,8 +42,11 @@ class _State:
 
 
 def _named_live(job, st: _State) -> bool:
-    """The ranks ``st``'s active findings name are live (:func:`..checks.ranks_live`)."""
-    return ranks_live(job, (f.rank for f in st.active.values() if f.rank is not None))
+    """The ranks ``st``'s active findings are about are live (:func:`..checks.ranks_live`): the
+    rank each names, or for one naming none (a tie) the ranks it was between (``candidates``, else
+    the round's ``ranks``), so such a finding resolves too once one of them is gone for good."""
+    return ranks_live(job, (k for f in st.active.values()
+                            for k in ((f.rank,) if f.rank is not None else f.details.get("candidates", f.details.get("ranks", ())))))
 
 
 class _Agreement(Check):
@@ -63,14 +66,22 @@ class _Agreement(Check):
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
 
+    def _too_small(self, job, st: _State, fp) -> Optional[Evaluation]:
+        """A round too small to judge (no fingerprints, or fewer than two of a parameter): None
+        while its findings stand (the norm path speaks for the check, or a burst of probes on the
+        one rank whose own norm spiked made a round of one, and the ranks the findings are about
+        are live: no_data would drop them and the next full round raise the same fault again),
+        else no data, and the findings go with it."""
+        if st.norms_judged or (st.judged and fp is not None and _named_live(job, st)):
+            return None
+        st.active.clear(), st.last_bad.clear()  # no data: the runner drops the findings too
+        return Evaluation.no_data()
+
     def on_round(self, job, r):
         fp, seen = getattr(r, self.fingerprints[0]), getattr(r, self.fingerprints[1])
         st = self._state(job)
         if fp is None or len(r.ranks) < 2 or seen.sum(axis=0).max(initial=0) < 2:
-            if st.norms_judged or (st.judged and fp is not None and _named_live(job, st)):
-                return None  # (a burst's round of one rank: its findings stand)
-            st.active.clear(), st.last_bad.clear()  # no data: the runner drops the findings too
-            return Evaluation.no_data()
+            return self._too_small(job, st, fp)
         st.judged = True
         bad, tied = minority(fp, seen, getattr(r, "holders", None))
         found = self._findings(job.job, r.step, r.ranks, r.params, bad, tied, "fingerprints")

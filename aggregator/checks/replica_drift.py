@@ -43,9 +43,9 @@ from pydantic import Field
 
 from gradwatch import wire
 
-from . import Check, Evaluation, Finding, register
+from . import Check, Finding, register
 from ._fingerprints import minority
-from .grad_agreement import _Agreement, _named_live
+from .grad_agreement import _Agreement
 
 _WEIGHT = wire.PARAM_FIELDS.index("weight_norm")
 _FLOOR = 1e-6  # of |w0|: ten times float32's relative resolution, below which norms do not differ
@@ -120,13 +120,7 @@ class ReplicaDrift(_Agreement):
         fp, seen = r.fp_weight, r.fp_weight_seen
         st = self._state(job)
         if fp is None or len(r.ranks) < 2 or seen.sum(axis=0).max(initial=0) < 2:
-            if st.judged and fp is not None and _named_live(job, st):
-                # a round too small to judge, as a burst of probes on the one rank whose own norm
-                # spiked: its findings stand (no_data dropped them, and the next full round raised
-                # the same drift again: two findings for one fault)
-                return None
-            st.active.clear(), st.last_bad.clear()  # no data: the runner drops the findings too
-            return Evaluation.no_data()
+            return self._too_small(job, st, fp)
         st.judged = True
         holders = getattr(r, "holders", None)
         bad, tied = minority(fp, seen, holders)
