@@ -1068,13 +1068,16 @@ def test_an_intake_too_small_for_a_jobs_probed_step_says_which_settings_would_ho
         big = [Agent(sock, "big", r, 64, "") for r in range(64)]  # 8 x 64 frames > 200
         small = [Agent(sock, "small", r, 2, "") for r in range(2)]
         # one after the other: until a job holds a slot its frames share the intake's PENDING
-        # queue with every other such job's, and big's start alone fills that share
+        # queue with every other such job's, and big's start alone fills that share. The next
+        # job starts once the intake is empty: a job's slot is taken while its first frames are
+        # handled, but its later ones wait in PENDING until then (CI, loaded, saw small's
+        # schemas dropped behind them)
         for jobs, name in ((big, "big"), (small, "small")):
             for a in jobs:
                 a.schema()
                 a.report(0)
-            wait_for(lambda: agg.state.jobs.get(name) is not None and agg.state.jobs[name].admitted,
-                     what=f"job {name} admitted")
+            wait_for(lambda: agg.state.jobs.get(name) is not None and agg.state.jobs[name].admitted
+                     and agg.intake.frames == 0, what=f"job {name} admitted, the intake drained")
         dropped_before, t_stall = agg.intake.dropped, agg.state.clock()
         stalled.set()
         for a in small:
