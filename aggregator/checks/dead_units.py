@@ -43,9 +43,12 @@ from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
 
-#: leaf module types whose output has exact zeros with (near) zero gradient (see the module docstring)
-DEAD_TYPES = frozenset({"ReLU", "ReLU6", "Threshold", "Hardsigmoid", "Hardswish", "Hardshrink", "Softshrink",
-                        "GELU", "SiLU", "Mish"})
+#: leaf module types that are exactly 0, with a zero gradient, over a whole input region
+PIECEWISE_TYPES = ("ReLU", "ReLU6", "Threshold", "Hardsigmoid", "Hardswish", "Hardshrink", "Softshrink")
+#: smooth activations whose tails round to exact zeros (see the module docstring)
+TAIL_TYPES = ("GELU", "SiLU", "Mish")
+#: the leaf module types judged
+DEAD_TYPES = frozenset(PIECEWISE_TYPES + TAIL_TYPES)
 
 
 @dataclass
@@ -59,9 +62,9 @@ class DeadUnits(Check):
     name = "dead_units"
     severity = "warning"
     description = (
-        "Zero ratio of activation layer outputs (ReLU, ReLU6, Threshold, Hardsigmoid, Hardswish, Hardshrink, "
-        "Softshrink, and GELU, SiLU, Mish, whose tails round to exact zeros: exact zeros with zero gradient), median over ranks, above dead_ratio for dead_probes "
-        "consecutive probed steps: the layer's units are dead. Names at most max_layers layers."
+        f"Zero ratio of activation layer outputs ({', '.join(PIECEWISE_TYPES)}, and {', '.join(TAIL_TYPES)}, "
+        "whose tails round to exact zeros: exact zeros with zero gradient), median over ranks, above dead_ratio for "
+        "dead_probes consecutive probed steps: the layer's units are dead. Names at most max_layers layers."
     )
     dashboard = "gradient_flow"
 
