@@ -722,14 +722,19 @@ def _noise_rank(rank: int, endpoint: str, master_port: int) -> None:
         model, x, y = _noise_problem()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
-        with agent.attach(ddp, opt, endpoint=endpoint, every=1, burst=0, queue_size=4096, send_hwm=100_000):
+        with agent.attach(ddp, opt, endpoint=endpoint, every=1, burst=0, queue_size=4096, send_hwm=100_000) as mon:
             for step in range(NOISE_STEPS):
                 g = torch.Generator().manual_seed(1_000_003 * rank + step)
                 idx = torch.randint(0, N_SAMPLES, (NOISE_BATCH,), generator=g)  # with replacement
                 F.mse_loss(ddp(x[idx]), y[idx]).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            time.sleep(0.3)  # let ZeroMQ put the last reports on the wire
+            # every report built and handed to ZeroMQ (the sender may lag far behind a loaded
+            # machine's steps; close() waits only a second), then time to put them on the wire
+            deadline = time.monotonic() + 60
+            while mon.sender.pending and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
     finally:
         dist.destroy_process_group()
 

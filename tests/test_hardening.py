@@ -104,7 +104,9 @@ def agg():
     cfg = load(
         listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
         round_grace_s=0.5, boot_takeover_s=2.0, max_series_per_job=120, max_series_total=300, max_pending_jobs=8, max_jobs=4,
-        checks=Thresholds(silent_after_s=3, skew_steps=5, skew_for_s=0),
+        # silence only where a test makes it: a loaded machine's pauses between a test's frames
+        # and its scrape must not name the real ranks silent
+        checks=Thresholds(silent_after_s=30, skew_steps=5, skew_for_s=0),
     )
     with Aggregator(cfg) as a:
         yield a
@@ -226,15 +228,22 @@ def test_forged_frames_with_the_public_job_id_and_world_leave_the_real_job_alone
 
 
 def test_the_same_job_sent_again_with_and_without_forgeries_exports_the_same_series(agg, sock):
-    """The legitimate job's every series (but timestamps) is the same with forgeries beside it."""
+    """The legitimate job's every series (but timestamps, and the checks that judge its silence by
+    the clock: training_stalled has no data once the job is unheard for 2 s) is the same with
+    forgeries beside it."""
     job = Job(sock, job="clean")
     job.steps(11)
     settle(agg, sock)
-    before = legit_view(scrape(agg), "clean")
+
+    def view():
+        return {k: v for k, v in legit_view(scrape(agg), "clean").items()
+                if not {("check", "training_stalled"), ("check", "rank_silent")} & set(k[1])}
+
+    before = view()
     for rank in range(3):
         forge(Agent(sock, "clean", rank, 3, key=""), "disabled")
     settle(agg, sock)
-    after = legit_view(scrape(agg), "clean")
+    after = view()
     assert after == before and any(n == "gradwatch_layer_grad_norm" for n, _ in after)
 
 
@@ -1069,15 +1078,15 @@ def test_an_intake_too_small_for_a_jobs_probed_step_says_which_settings_would_ho
         small = [Agent(sock, "small", r, 2, "") for r in range(2)]
         # one after the other: until a job holds a slot its frames share the intake's PENDING
         # queue with every other such job's, and big's start alone fills that share. The next
-        # job starts once the intake is empty: a job's slot is taken while its first frames are
-        # handled, but its later ones wait in PENDING until then (CI, loaded, saw small's
-        # schemas dropped behind them)
+        # job starts once the intake gave the first its queue (after the batch that took its slot:
+        # its later frames wait in PENDING until then; CI, loaded, saw small's schemas dropped
+        # behind them) and holds no frame
         for jobs, name in ((big, "big"), (small, "small")):
             for a in jobs:
                 a.schema()
                 a.report(0)
-            wait_for(lambda: agg.state.jobs.get(name) is not None and agg.state.jobs[name].admitted
-                     and agg.intake.frames == 0, what=f"job {name} admitted, the intake drained")
+            wait_for(lambda: any(job == name for _, (job, _) in agg.intake.admitted) and agg.intake.frames == 0,
+                     what=f"job {name} given its queue, the intake drained")
         dropped_before, t_stall = agg.intake.dropped, agg.state.clock()
         stalled.set()
         for a in small:
