@@ -14,7 +14,7 @@ tensors (:mod:`gradwatch.commands.demo.inject`, the demo's injector; never throu
   bitflip        one mantissa bit (10) of one weight flipped on one rank after the optimizer step
   straggler10/30/100  one rank sleeps 0.1/0.3/1.0 x its median step time before every forward
   hang           one rank's training thread sleeps HOLD_S seconds at STEP (its agent keeps beating)
-  silent         one rank's process stops (SIGSTOP) at STEP; SIGCONT after HOLD_S seconds
+  silent         one rank's process stops (SIGSTOP) at STEP; resumed (SIGCONT) after HOLD_S seconds
   dead           a layer's bias set to -1e3 on every rank at STEP: the activation after it dies (the
                  CNN's ReLU, the GPT's GELU: its tail rounds to exact zeros)
   vanish         loss x 1e-12 on every rank from STEP on
@@ -115,7 +115,7 @@ def faults(model: str) -> list[Fault]:
         Fault("straggler100", "straggler:factor=1.0", "straggler"),
         Fault("hang", f"hang:seconds={HOLD_S:g}", "training_stalled"),
         # its peers wait for it in all-reduce: training stalls at the silent rank
-        Fault("silent", "silent", "rank_silent", ("training_stalled",)),
+        Fault("silent", f"silent:seconds={HOLD_S:g}", "rank_silent", ("training_stalled",)),
         Fault("vanish", "vanish", "vanishing", all_ranks=True),
         Fault("shard", "shard", "outlier_rank", min_world=3),
     ]
@@ -229,14 +229,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except OSError:
-        return False
-
-
 @dataclass
 class Outcome:
     run: Run
@@ -248,7 +240,7 @@ class Outcome:
 
 
 def run_job(run: Run, endpoint: str, events_path: str, out_dir: str, digits, timeout_s: float) -> Outcome:
-    """Run one job to its end (resuming a stopped rank after HOLD_S) and collect its findings."""
+    """Run one job to its end (a stopped rank resumes itself after HOLD_S) and collect its findings."""
     ctx = mp.get_context("fork")  # torch is imported once, here; the ranks start at once
     progress = ctx.Array("i", run.world, lock=False)
     port = _free_port()
@@ -257,17 +249,11 @@ def run_job(run: Run, endpoint: str, events_path: str, out_dir: str, digits, tim
     t0 = time.time()
     for p in procs:
         p.start()
-    stopped_at = None
     error = ""
     while any(p.is_alive() for p in procs):
         if time.time() - t0 > timeout_s:
             error = f"timed out after {timeout_s:.0f} s at steps {list(progress)}"
             break
-        for p in procs:
-            if _stopped(p.pid):
-                stopped_at = stopped_at or time.time()
-                if time.time() - stopped_at >= HOLD_S:
-                    os.kill(p.pid, signal.SIGCONT)
         time.sleep(0.05)
     for p in procs:
         if p.is_alive():

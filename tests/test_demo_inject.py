@@ -103,3 +103,33 @@ def test_stopping_the_demo_with_sigterm_stops_its_ranks():
                 os.kill(k, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _silent_rank(seconds: float) -> None:
+    from gradwatch.commands.demo.inject import Injector
+
+    Injector([parse(f"silent@3:rank=0:seconds={seconds}", 1)], 0).before_forward(3, None)
+
+
+def test_a_silent_rank_stops_and_resumes_on_its_own_after_its_seconds():
+    """The user's trial: ``silent@STEP`` stopped the rank for good, so the demo never ended (its
+    peers waited for it in all-reduce). It now stops for ``seconds`` and goes on."""
+    import multiprocessing as mp
+
+    from .conftest import wait_for
+
+    p = mp.get_context("spawn").Process(target=_silent_rank, args=(1.5,))
+    p.start()
+    try:
+        def state():
+            with open(f"/proc/{p.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0]
+
+        wait_for(lambda: state() == "T", 60, 0.01, what="the rank stopped")
+        stopped = time.monotonic()
+        p.join(60)
+        assert p.exitcode == 0 and time.monotonic() - stopped >= 1.0
+    finally:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()

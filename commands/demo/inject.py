@@ -18,8 +18,9 @@ that one rank only, or on every rank with ``rank=all``):
     hang       stop the training thread for ``seconds`` (default 60) at STEP; the agent's
                sender thread keeps running, as it would in a rank stuck in a collective or a
                dead data loader
-    silent     stop the whole rank process (SIGSTOP to itself) at STEP: nothing is sent any more,
-               as from a frozen host or a lost network; SIGCONT resumes it
+    silent     stop the whole rank process (SIGSTOP to itself) at STEP for ``seconds`` (default
+               30): nothing is sent any more, as from a frozen host or a lost network; then a
+               process it started before stopping resumes it (SIGCONT), and the job goes on
     dead       fill the bias of module ``layer`` (default ``blocks.0.mlp.fc``) with ``scale``
                (default -1e3) after the optimizer step at STEP: the units of the activation
                after it (the demo's GELU) stop firing and, without gradient, stay dead. On every
@@ -46,7 +47,7 @@ _DEFAULTS = {
     "drift": {"param": "head.weight", "bit": "10"},
     "straggler": {"seconds": "0.2"},
     "hang": {"seconds": "60"},
-    "silent": {},
+    "silent": {"seconds": "30"},
     "dead": {"layer": "blocks.0.mlp.fc", "scale": "-1e3", "rank": "all"},  # job-wide faults
     "vanish": {"scale": "1e-12", "rank": "all"},
     "shard": {},
@@ -54,6 +55,12 @@ _DEFAULTS = {
 _KEYS = {"rank", "scale", "layer", "param", "seconds", "bit", "factor", "pass"}
 _NUMBERS = {"scale": float, "seconds": float, "factor": float, "bit": int}  # options read as numbers
 ALL = -1  # Fault.rank of a fault on every rank
+
+
+def kinds_help() -> str:
+    """The kinds with their default options, for ``--help``: ``explode (scale=1e6), ...``."""
+    return ", ".join(k + (f" ({', '.join(f'{o}={v}' for o, v in _DEFAULTS[k].items())})" if _DEFAULTS[k] else "")
+                     for k in KINDS)
 
 
 @dataclass(frozen=True)
@@ -178,7 +185,14 @@ class Injector:
                 import os
                 import signal
 
+                import subprocess
+
                 self._mark(f)
+                # a stopped process cannot wake itself (its threads stop with it): a shell outside
+                # it sends the SIGCONT; a user's SIGCONT before then resumes it as well
+                subprocess.Popen(["sh", "-c", f"sleep {float(f.options['seconds'])}; kill -CONT {os.getpid()} 2>/dev/null"],
+                                 start_new_session=True, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif f.kind == "nan" and step == f.step:
                 self._mark(f)

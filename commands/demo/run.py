@@ -19,6 +19,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gradwatch import settings
 
+from .inject import kinds_help
+
 
 class DemoConfig(BaseSettings):
     """Train a small character-level transformer on the standard library's source with gradwatch attached."""
@@ -48,8 +50,8 @@ class DemoConfig(BaseSettings):
     inject: list[str] = Field(
         default_factory=list,
         description="Fault to inject, KIND@STEP[:rank=R|all][:layer=L][:param=P][:scale=X][:seconds=S][:factor=F][:pass=P]; "
-        "repeatable. KIND: explode, nan, desync, drift, straggler, hang, silent, dead, vanish, shard "
-        "(see gradwatch.commands.demo.inject).",
+        f"repeatable. KIND (its defaults): {kinds_help()}; rank is the last one unless given or a default says all (see "
+        "gradwatch.commands.demo.inject).",
     )
     events_path: str = Field("", description="JSON-lines file the demo's own aggregator appends findings to.")
 
