@@ -6,6 +6,7 @@ Field descriptions double as ``--help``. Invalid values fail at start-up with
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import logging
 import os
@@ -199,8 +200,11 @@ def warn_unknown_variables() -> list[str]:
     """Log a warning for each ``GRADWATCH_AGGREGATOR_*`` variable that names no setting (a typo
     would be ignored without a word); returns them."""
     unknown = unknown_variables("GRADWATCH_AGGREGATOR_", AggregatorConfig, nested="__")
+    known = [f"GRADWATCH_AGGREGATOR_{name.upper()}" for name in AggregatorConfig.model_fields]
     for var in unknown:
-        log.warning("gradwatch: unknown setting %s is ignored (see gradwatch aggregator --help)", var)
+        near = difflib.get_close_matches(var, known, n=1)
+        log.warning("gradwatch: unknown setting %s is ignored (%ssee gradwatch aggregator --help)", var,
+                    f"did you mean {near[0]}? " if near else "")
     return unknown
 
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSubCommand, SettingsConfigDict, SettingsError
 
 from gradwatch.aggregator import Aggregator, AggregatorConfig
+from gradwatch.aggregator.config import warn_unknown_variables
 from gradwatch.errors import ConfigError, GradwatchError
 from gradwatch.grafana import GrafanaCommand
 from gradwatch.settings import describe
@@ -38,6 +39,7 @@ class AggregatorCommand(AggregatorConfig):
 
     def cli_cmd(self) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        warn_unknown_variables()  # a typo in a variable would be ignored without a word
         Aggregator(self).serve_forever()
 
 

@@ -64,6 +64,8 @@ def endpoint(v: str, bind: bool = False) -> str:
     if v.startswith("tcp://"):
         port = v.rpartition(":")[2]
         free = bind and port in ("0", "*")
-        if not free and not (port.isdigit() and 0 < int(port) < 65536):
+        if not free and not port.isdigit():
             raise ValueError(f"a tcp endpoint needs a port, tcp://host:port, got {v!r}")
+        if not free and not 0 < int(port) < 65536:
+            raise ValueError(f"port {port} is out of range (1-65535{', or 0 for any free one' if bind else ''}), got {v!r}")
     return v

@@ -693,7 +693,27 @@ def test_a_misspelled_aggregator_variable_is_warned_about(monkeypatch, caplog):
         cfg = load(listen="tcp://127.0.0.1:0")
     said = [r.getMessage() for r in caplog.records if "unknown setting" in r.getMessage()]
     assert len(said) == 1 and "GRADWATCH_AGGREGATOR_LISTN" in said[0]
+    assert "did you mean GRADWATCH_AGGREGATOR_LISTEN?" in said[0]
     assert cfg.checks.skew_steps == 7 and cfg.metrics_port == 0
+
+
+def test_gradwatch_aggregator_warns_about_a_misspelled_variable_too():
+    """A user's trial: ``gradwatch aggregator`` (the command, unlike ``python -m
+    gradwatch.aggregator``) ignored GRADWATCH_AGGREGATOR_METRIC_PORT without a word."""
+    import threading
+
+    env = dict(os.environ, GRADWATCH_AGGREGATOR_METRIC_PORT="1")
+    p = subprocess.Popen([sys.executable, "-m", "gradwatch.commands", "aggregator", "--listen", "tcp://127.0.0.1:0",
+                          "--metrics-host", "127.0.0.1", "--metrics-port", "0"],
+                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    lines: list = []
+    threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True).start()
+    try:
+        said = wait_for(lambda: [x for x in lines if "unknown setting" in x], 60, what="the warning")
+        assert "GRADWATCH_AGGREGATOR_METRIC_PORT is ignored (did you mean GRADWATCH_AGGREGATOR_METRICS_PORT?" in said[0]
+    finally:
+        p.terminate()
+        p.wait(30)
 
 
 @pytest.mark.ddp

@@ -134,6 +134,22 @@ def test_attach_with_an_endpoint_without_port_fails_naming_it_and_leaves_no_hook
     assert not model._forward_hooks and not model._forward_pre_hooks  # nor the NaN guard's (on by default)
 
 
+@pytest.mark.parametrize("v, bind, says", [
+    ("tcp://aggregator", False, "needs a port"),
+    ("tcp://127.0.0.1:99999", False, "port 99999 is out of range (1-65535)"),
+    ("tcp://127.0.0.1:0", False, "port 0 is out of range (1-65535)"),
+    ("tcp://127.0.0.1:99999", True, "port 99999 is out of range (1-65535, or 0 for any free one)"),
+])
+def test_an_endpoint_says_what_is_wrong_with_its_port(v, bind, says):
+    """A user's trial: port 99999 was refused as "needs a port", though one was given."""
+    from gradwatch.settings import endpoint
+
+    with pytest.raises(ValueError) as e:
+        endpoint(v, bind=bind)
+    assert says in str(e.value) and v in str(e.value)
+    assert endpoint("tcp://127.0.0.1:0", bind=True) == "tcp://127.0.0.1:0"
+
+
 def test_null_monitor_passes_a_comm_hook_through(monkeypatch):
     monkeypatch.setenv("GRADWATCH_ENABLED", "0")
     model = torch.nn.Linear(2, 1)
