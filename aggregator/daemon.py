@@ -768,13 +768,14 @@ class Aggregator:
         """``/api/findings[?job_id=J][&check=C][&active=1]``: events newest first, or active findings.
 
         Raises:
-            ValueError: a parameter not in :data:`FINDINGS_QUERY`, or an ``active`` that is no
-                yes or no (``?active=yes`` had been ignored, answering with every event).
+            ValueError: a parameter not in :data:`FINDINGS_QUERY`, an ``active`` that is no
+                yes or no (``?active=yes`` had been ignored, answering with every event), or a
+                ``check`` that names no check (a typo answered "no findings").
         """
         from dataclasses import asdict
         from urllib.parse import parse_qs
 
-        from .checks import _clean
+        from .checks import CHECKS, _clean
 
         q = {k: v[-1] for k, v in parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True).items()}
         unknown = sorted(set(q) - set(self.FINDINGS_QUERY))
@@ -783,6 +784,8 @@ class Aggregator:
         active = self._ACTIVE.get(q.get("active", "").lower())
         if active is None:
             raise ValueError(f"active={q['active']!r}: give 1 (active findings only) or 0")
+        if "check" in q and q["check"] not in CHECKS:
+            raise ValueError(f"check={q['check'][:64]!r} names no check: {', '.join(sorted(CHECKS))}")
         view = self._snapshot.checks
         if view is None:
             return {"findings": []}

@@ -917,11 +917,12 @@ def test_the_findings_api_says_when_it_cannot_answer_a_query():
         assert ask(q) == ["active"], q
     for q in ("", "active=no", "active=0", "active="):
         assert ask(q) == ["resolved", "raised"], q
-    assert ask("active=1&job_id=other") == []
+    assert ask("active=1&job_id=other") == [] and ask("check=rank_silent") == []
     agg.start()  # over HTTP: a query it cannot answer is a 400 saying why
     try:
         base = agg.metrics_url.rsplit("/", 1)[0] + "/api/findings"
-        for q, says in (("?active=maybe", "active='maybe'"), ("?jobid=x", "unknown parameter 'jobid'")):
+        for q, says in (("?active=maybe", "active='maybe'"), ("?jobid=x", "unknown parameter 'jobid'"),
+                        ("?check=strag", "check='strag' names no check: ")):  # a typo read as "no findings"
             r = requests.get(base + q, timeout=5)
             assert r.status_code == 400 and says in r.json()["error"], (q, r.text)
         assert requests.get(base, timeout=5).status_code == 200
