@@ -84,7 +84,8 @@ class AgentConfig(BaseSettings):
             return None
         if not self.server_key or not secret:
             missing, given = ("client_key", "server_key") if self.server_key else ("server_key", "client_key")
-            raise ConfigError(f"agent.{missing}{_env(missing)}: needed with {given} (CURVE takes both)")
+            raise ConfigError(f"agent.{missing}: needed with {given}{_env(given)} (CURVE takes both: "
+                              f"set GRADWATCH_{missing.upper()} or pass {missing}=)")
         try:
             server = auth.load_public(self.server_key)
         except auth.KeyMaterialError as e:

@@ -158,7 +158,8 @@ class AggregatorConfig(BaseSettings):
             return None
         if not secret or not self.client_keys:
             missing, given = ("client_keys", "server_key") if secret else ("server_key", "client_keys")
-            raise ConfigError(f"aggregator.{missing}{_env(missing)}: needed with {given} (CURVE takes both)")
+            raise ConfigError(f"aggregator.{missing}: needed with {given}{_env(given)} (CURVE takes both: "
+                              f"--{missing.replace('_', '-')} or GRADWATCH_AGGREGATOR_{missing.upper()})")
         try:
             public, sec = auth.load_pair(secret)
         except auth.KeyMaterialError as e:

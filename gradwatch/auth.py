@@ -69,9 +69,8 @@ def _describe(value: str, secret: bool) -> str:
 def _certificate(value: str, secret: bool) -> tuple[bytes, Optional[bytes]]:
     path = Path(value)
     if not os.path.isfile(value):  # (Path.is_file raises on a name too long: a pasted certificate)
-        raise KeyMaterialError(
-            f"{_describe(value, secret)} is neither a certificate file nor a 40-character Z85 key"
-        )
+        what = "is not a file" if os.path.lexists(value) else "names no file"
+        raise KeyMaterialError(f"{_describe(value, secret)} {what}, and is no 40-character Z85 key either")
     try:
         public, sec = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
@@ -120,7 +119,7 @@ def load_allowed(value: str) -> frozenset[bytes]:
     ``zmq.auth.load_certificates`` reads it), one certificate file, or one Z85 public key.
 
     Raises:
-        KeyMaterialError: unreadable, or no key found.
+        KeyMaterialError: unreadable, no key found, or secret keys among them.
     """
     value = value.strip()  # a secret store's trailing newline
     if os.path.isdir(value):
@@ -138,6 +137,10 @@ def load_allowed(value: str) -> frozenset[bytes]:
         if bad:
             raise KeyMaterialError(f"directory {value!r}: a public-key is not a 40-character Z85 key")
         return keys
+    if os.path.isfile(value) and _certificate(value, secret=False)[1] is not None:
+        # as for a directory: a client's secret stays with it (server.key_secret here would admit
+        # whoever holds the aggregator's own pair)
+        raise KeyMaterialError(f"{value!r} holds a secret key: give the client's public .key file")
     return frozenset({load_public(value)})
 
 

@@ -261,8 +261,10 @@ def test_agent_missing_key_file_fails_at_attach_naming_the_setting(keys, tmp_pat
         agent.attach(model, opt, **{**good, "server_key": str(tmp_path / "missing.key")})
     with pytest.raises(agent.ConfigError, match=r"agent\.client_key: .*holds only a public key"):
         agent.attach(model, opt, **{**good, "client_key": str(keys / "clients" / "a.key")})
-    with pytest.raises(agent.ConfigError, match=r"agent\.client_key: needed with server_key"):
+    with pytest.raises(agent.ConfigError, match=r"agent\.client_key: needed with server_key .*set GRADWATCH_CLIENT_KEY"):
         agent.attach(model, opt, server_key=good["server_key"])
+    with pytest.raises(agent.ConfigError, match=r"missing\.key' names no file"):  # it read "neither a certificate file nor ..."
+        agent.attach(model, opt, **{**good, "server_key": str(tmp_path / "missing.key")})
     # a mistyped secret is named by its variable but never echoed
     bad_secret = "x" * 39
     monkeypatch.setenv("GRADWATCH_CLIENT_KEY", bad_secret)
@@ -302,7 +304,10 @@ def test_aggregator_key_errors_fail_at_start_naming_the_setting(keys, tmp_path):
     cases = [
         (dict(server_key=str(tmp_path / "nope.key_secret"), client_keys=str(keys / "clients")), r"aggregator\.server_key: .*nope"),
         (dict(server_key=str(keys / "server.key_secret"), client_keys=str(tmp_path)), r"aggregator\.client_keys: .*no \.key file"),
-        (dict(server_key=str(keys / "server.key_secret")), r"aggregator\.client_keys: needed with server_key"),
+        (dict(server_key=str(keys / "server.key_secret")), r"aggregator\.client_keys: needed with server_key .*--client-keys"),
+        # one secret file as the admitted key (a user's trial: accepted, it admitted the server's own pair)
+        (dict(server_key=str(keys / "server.key_secret"), client_keys=str(keys / "server.key_secret")),
+         r"aggregator\.client_keys: .*holds a secret key: give the client's public \.key file"),
         # gradwatch keys' own directory: its server.key would be the one client admitted
         (dict(server_key=str(keys / "server.key_secret"), client_keys=str(keys)), r"aggregator\.client_keys: .*secret keys.*DIR/clients"),
     ]
