@@ -54,13 +54,17 @@ def test_the_default_faults_fit_the_demos_model(named):
         check(parse(f"{kind}@5", 2), kind, modules, params, 20)  # raises nothing
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--inject", "nan@10:layer=nosuch"], "demo.inject: inject 'nan@10:layer=nosuch': no module"),
-    (["--aggregator", "foo"], "demo.aggregator"),
+@pytest.mark.parametrize("args, env, says", [
+    (["--inject", "nan@10:layer=nosuch"], {}, "demo.inject: inject 'nan@10:layer=nosuch': no module"),
+    (["--aggregator", "foo"], {}, "demo.aggregator"),
+    # the agent's own settings: each spawned rank failed with a traceback (a user's trial)
+    ([], {"GRADWATCH_SERVER_KEY": "/nonexistent/server.key"}, "agent.client_key: needed with server_key (GRADWATCH_SERVER_KEY)"),
+    ([], {"GRADWATCH_SERVER_KEY": "/nonexistent/server.key", "GRADWATCH_CLIENT_KEY": "/nonexistent/a.key_secret"},
+     "agent.server_key (GRADWATCH_SERVER_KEY): '/nonexistent/server.key' names no file"),
 ])
-def test_the_demo_command_exits_naming_the_setting_before_any_rank_starts(args, says):
+def test_the_demo_command_exits_naming_the_setting_before_any_rank_starts(args, env, says):
     run = subprocess.run([sys.executable, "-m", "gradwatch.commands", "demo", "--steps", "20", "--no-progress", *args],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert run.returncode == 2 and says in run.stderr, run.stderr
     assert "Traceback" not in run.stderr and "agent.endpoint" not in run.stderr
 

@@ -118,6 +118,7 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
             out = {
                 "rank": rank, "steps": monitor.step, "probes": monitor.probes,
                 "drops": getattr(getattr(monitor, "sender", None), "drops", 0), "loss": loss.item(),
+                "connected": getattr(getattr(monitor, "sender", None), "connected", False),
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             }
         if bar is not None:
@@ -160,6 +161,19 @@ def run(cfg: DemoConfig) -> int:
             print(f"gradwatch: demo.inject: {e}", file=sys.stderr)
             return 2
     del model, modules, params
+    if cfg.agent:  # the agent's own settings (GRADWATCH_*: keys, ...) fail here, not in every spawned rank
+        import warnings
+
+        from gradwatch.agent.config import load as agent_settings
+        from gradwatch.errors import ConfigError
+
+        try:
+            with warnings.catch_warnings():  # an unknown variable: each rank warns about it
+                warnings.simplefilter("ignore")
+                agent_settings(endpoint=cfg.aggregator or "tcp://127.0.0.1:1", every=cfg.every)
+        except ConfigError as e:
+            print(f"gradwatch: {e}", file=sys.stderr)
+            return 2
 
     agg = None
     endpoint = cfg.aggregator
@@ -204,7 +218,10 @@ def run(cfg: DemoConfig) -> int:
         _summary(per_rank, agg.snapshot, cfg.job, cfg.events_path)
     else:
         for r in per_rank:
-            print(f"rank {r['rank']}: steps {r['steps']}, probes sent {r['probes']}, drops {r['drops']}, final loss {r['loss']:.3f}")
+            # "sent": handed to ZeroMQ; an agent whose handshake never completed reached no aggregator
+            reached = "" if r["connected"] or not cfg.agent else " (never connected: none reached an aggregator)"
+            print(f"rank {r['rank']}: steps {r['steps']}, probes sent {r['probes']}{reached}, drops {r['drops']}, "
+                  f"final loss {r['loss']:.3f}")
     return 0
 
 
