@@ -205,8 +205,10 @@ def test_importing_the_aggregator_leaves_torch_out_of_sys_modules():
             if not m.name.endswith("__main__"):
                 importlib.import_module(m.name)
         assert "gradwatch.aggregator.daemon" in sys.modules
+        # (the demo's fault specs, gradwatch.commands.demo.inject, may come: --help lists their
+        # kinds, and the module takes torch only inside the methods that apply a fault)
         print(sorted(n for n in sys.modules if n.split(".")[0] == "torch" or n.startswith(
-            ("gradwatch.agent", "gradwatch.commands.demo.model", "gradwatch.commands.demo.inject"))))
+            ("gradwatch.agent", "gradwatch.commands.demo.model"))))
         """
     )
     assert out == "[]"
