@@ -765,7 +765,9 @@ class Aggregator:
     _ACTIVE = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False, "": False}
 
     def _findings(self, environ) -> dict:
-        """``/api/findings[?job_id=J][&check=C][&active=1]``: events newest first, or active findings.
+        """``/api/findings[?job_id=J][&check=C][&active=1]``: events newest first, or active findings
+        (each with ``since``, the wall-clock time it was raised, None once the event ring has let
+        its raised event go); every item also carries its job as ``job_id``.
 
         Raises:
             ValueError: a parameter not in :data:`FINDINGS_QUERY`, an ``active`` that is no
@@ -790,11 +792,14 @@ class Aggregator:
         if view is None:
             return {"findings": []}
         if active:
-            items = [dict(asdict(f), severity=view.severity.get(f.check, "")) for f in view.active]
+            # since: when it was raised (its latest raised event, while the event ring holds it)
+            since = {(e.check, e.job, e.rank, e.layer): e.time for e in view.events if e.event == "raised"}
+            items = [dict(asdict(f), severity=view.severity.get(f.check, ""),
+                          since=since.get((f.check, f.job, f.rank, f.layer))) for f in view.active]
         else:
             items = [asdict(e) for e in reversed(view.events)]
         items = [
-            i for i in items
+            dict(i, job_id=i["job"]) for i in items  # job_id as the query and the metrics' label say it
             if q.get("job_id", i["job"]) == i["job"] and q.get("check", i["check"]) == i["check"]
         ]
         return {"findings": _clean(items)}

@@ -918,6 +918,10 @@ def test_the_findings_api_says_when_it_cannot_answer_a_query():
     for q in ("", "active=no", "active=0", "active="):
         assert ask(q) == ["resolved", "raised"], q
     assert ask("active=1&job_id=other") == [] and ask("check=rank_silent") == []
+    # an active finding says since when (its raised event's time), and every item its job_id
+    (a,) = agg._findings({"QUERY_STRING": "active=1"})["findings"]
+    assert a["since"] == 1.0 and a["job_id"] == "j"
+    assert [i["job_id"] for i in agg._findings({"QUERY_STRING": ""})["findings"]] == ["j", "j"]
     agg.start()  # over HTTP: a query it cannot answer is a 400 saying why
     try:
         base = agg.metrics_url.rsplit("/", 1)[0] + "/api/findings"
