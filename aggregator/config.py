@@ -14,7 +14,7 @@ import re
 from functools import cached_property
 from typing import Optional
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gradwatch import auth, wire
@@ -201,7 +201,11 @@ def warn_unknown_variables() -> list[str]:
     """Log a warning for each ``GRADWATCH_AGGREGATOR_*`` variable that names no setting (a typo
     would be ignored without a word); returns them."""
     unknown = unknown_variables("GRADWATCH_AGGREGATOR_", AggregatorConfig, nested="__")
-    known = [f"GRADWATCH_AGGREGATOR_{name.upper()}" for name in AggregatorConfig.model_fields]
+    known = []
+    for name, f in AggregatorConfig.model_fields.items():
+        known.append(f"GRADWATCH_AGGREGATOR_{name.upper()}")
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):  # CHECKS__SKEW_STEPS
+            known += [f"GRADWATCH_AGGREGATOR_{name.upper()}__{sub.upper()}" for sub in f.annotation.model_fields]
     for var in unknown:
         near = difflib.get_close_matches(var, known, n=1)
         log.warning("gradwatch: unknown setting %s is ignored (%ssee gradwatch aggregator --help)", var,

@@ -685,6 +685,7 @@ def test_invalid_settings_fail_naming_them(args, setting):
 def test_a_misspelled_aggregator_variable_is_warned_about(monkeypatch, caplog):
     """GRADWATCH_AGGREGATOR_LISTN was ignored without a word (the agent warns about its own)."""
     from gradwatch.aggregator.config import load
+    from gradwatch.errors import ConfigError
 
     monkeypatch.setenv("GRADWATCH_AGGREGATOR_LISTN", "tcp://0.0.0.0:1")
     monkeypatch.setenv("GRADWATCH_AGGREGATOR_CHECKS__SKEW_STEPS", "7")  # a nested setting, known
@@ -694,6 +695,13 @@ def test_a_misspelled_aggregator_variable_is_warned_about(monkeypatch, caplog):
     said = [r.getMessage() for r in caplog.records if "unknown setting" in r.getMessage()]
     assert len(said) == 1 and "GRADWATCH_AGGREGATOR_LISTN" in said[0]
     assert "did you mean GRADWATCH_AGGREGATOR_LISTEN?" in said[0]
+    # a nested one misspelled fails (its model takes no extra field), and the warning says the one meant
+    monkeypatch.setenv("GRADWATCH_AGGREGATOR_CHECKS__SKEW_STEP", "7")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gradwatch.aggregator"), pytest.raises(ConfigError, match=r"checks\.skew_step"):
+        load(listen="tcp://127.0.0.1:0")
+    assert any("CHECKS__SKEW_STEP is ignored (did you mean GRADWATCH_AGGREGATOR_CHECKS__SKEW_STEPS?" in r.getMessage()
+               for r in caplog.records)
     assert cfg.checks.skew_steps == 7 and cfg.metrics_port == 0
 
 

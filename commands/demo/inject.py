@@ -19,8 +19,8 @@ that one rank only, or on every rank with ``rank=all``):
                sender thread keeps running, as it would in a rank stuck in a collective or a
                dead data loader
     silent     stop the whole rank process (SIGSTOP to itself) at STEP for ``seconds`` (default
-               30): nothing is sent any more, as from a frozen host or a lost network; then a
-               process it started before stopping resumes it (SIGCONT), and the job goes on
+               30, > 0): nothing is sent any more, as from a frozen host or a lost network; then
+               a process it started before stopping resumes it (SIGCONT), and the job goes on
     dead       fill the bias of module ``layer`` (default ``blocks.0.mlp.fc``) with ``scale``
                (default -1e3) after the optimizer step at STEP: the units of the activation
                after it (the demo's GELU) stop firing and, without gradient, stay dead. On every
@@ -36,6 +36,7 @@ Example: ``gradwatch demo --inject nan@40:rank=1 --inject straggler@100``.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -100,6 +101,11 @@ def parse(spec: str, world_size: int) -> Fault:
             except ValueError:
                 raise ValueError(f"inject {spec!r}: {k} must be {'an integer' if kind_of is int else 'a number'}, "
                                  f"got {options[k]!r}") from None
+    for k in ("seconds", "factor"):  # time.sleep takes no negative, NaN or infinite length
+        if k in options and not 0 <= float(options[k]) < math.inf:
+            raise ValueError(f"inject {spec!r}: {k} must be a finite number >= 0, got {options[k]!r}")
+    if kind == "silent" and not float(options["seconds"]) > 0:
+        raise ValueError(f"inject {spec!r}: seconds must be > 0 (the rank stops that long), got {options['seconds']!r}")
     if "bit" in options and not 0 <= int(options["bit"]) < 32:  # a bit of a float32's int32 view
         raise ValueError(f"inject {spec!r}: bit must be in [0, 32), got {options['bit']!r}")
     rank_s = options.pop("rank", str(world_size - 1))
@@ -189,11 +195,14 @@ class Injector:
 
                 self._mark(f)
                 # a stopped process cannot wake itself (its threads stop with it): a shell outside
-                # it sends the SIGCONT; a user's SIGCONT before then resumes it as well
-                subprocess.Popen(["sh", "-c", f"sleep {float(f.options['seconds'])}; kill -CONT {os.getpid()} 2>/dev/null"],
-                                 start_new_session=True, stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                os.kill(os.getpid(), signal.SIGSTOP)
+                # it, detached (no zombie child of the rank), waits for the stop, then sends SIGCONT
+                # only if the rank is still stopped (a user's SIGCONT came first; it is gone)
+                pid, stopped = os.getpid(), "grep -q '^State:[[:space:]]*T' /proc/$p/status 2>/dev/null"
+                waker = (f"p={pid}; until {stopped}; do [ -e /proc/$p ] || exit 0; sleep 0.01; done; "
+                         f"sleep {float(f.options['seconds'])}; if {stopped}; then kill -CONT $p; fi")
+                subprocess.run(["sh", "-c", f"({waker}) </dev/null >/dev/null 2>&1 &"], start_new_session=True,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+                os.kill(pid, signal.SIGSTOP)
             elif f.kind == "nan" and step == f.step:
                 self._mark(f)
                 module = dict(model.named_modules())[f.options["layer"]]

@@ -118,7 +118,7 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
             out = {
                 "rank": rank, "steps": monitor.step, "probes": monitor.probes,
                 "drops": getattr(getattr(monitor, "sender", None), "drops", 0), "loss": loss.item(),
-                "connected": getattr(getattr(monitor, "sender", None), "connected", False),
+                "connected": getattr(getattr(monitor, "sender", None), "connected", None),  # None: no agent
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             }
         if bar is not None:
@@ -161,7 +161,11 @@ def run(cfg: DemoConfig) -> int:
             print(f"gradwatch: demo.inject: {e}", file=sys.stderr)
             return 2
     del model, modules, params
-    if cfg.agent:  # the agent's own settings (GRADWATCH_*: keys, ...) fail here, not in every spawned rank
+    from gradwatch.agent import switched_off
+
+    # the agent's own settings (GRADWATCH_*: keys, ...) fail here, not in every spawned rank; not
+    # read when GRADWATCH_ENABLED switches it off (attach() would not read them either)
+    if cfg.agent and not switched_off({}):
         import warnings
 
         from gradwatch.agent.config import load as agent_settings
@@ -219,7 +223,7 @@ def run(cfg: DemoConfig) -> int:
     else:
         for r in per_rank:
             # "sent": handed to ZeroMQ; an agent whose handshake never completed reached no aggregator
-            reached = "" if r["connected"] or not cfg.agent else " (never connected: none reached an aggregator)"
+            reached = " (never connected: none reached an aggregator)" if r["connected"] is False else ""
             print(f"rank {r['rank']}: steps {r['steps']}, probes sent {r['probes']}{reached}, drops {r['drops']}, "
                   f"final loss {r['loss']:.3f}")
     return 0
