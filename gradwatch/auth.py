@@ -66,8 +66,21 @@ def _describe(value: str, secret: bool) -> str:
     return f"the value given ({len(value)} characters, not shown: it may be a secret)"
 
 
+def _reachable(value: str, secret: bool = False) -> None:
+    """Raises KeyMaterialError when ``value`` is a path this process may not look at (a directory
+    on the way without search permission): else it read as "names no file"."""
+    try:
+        os.stat(value)
+    except PermissionError:
+        raise KeyMaterialError(f"{_describe(value, secret)}: permission denied to this process (uid {os.geteuid()}): make the "
+                               "directories on the way searchable by it (gradwatch keys makes its directory 0711)") from None
+    except (OSError, ValueError):  # no such file, a name too long (a pasted key): judged by the caller
+        pass
+
+
 def _certificate(value: str, secret: bool) -> tuple[bytes, Optional[bytes]]:
     path = Path(value)
+    _reachable(value, secret)
     if not os.path.isfile(value):  # (Path.is_file raises on a name too long: a pasted certificate)
         what = "is not a file" if os.path.lexists(value) else "names no file"
         raise KeyMaterialError(f"{_describe(value, secret)} {what}, and is no 40-character Z85 key either")
@@ -122,6 +135,7 @@ def load_allowed(value: str) -> frozenset[bytes]:
         KeyMaterialError: unreadable, no key found, or secret keys among them.
     """
     value = value.strip()  # a secret store's trailing newline
+    _reachable(value)
     if os.path.isdir(value):
         try:
             keys = frozenset(zmq.auth.load_certificates(value))
@@ -207,7 +221,8 @@ def make_keys(directory, clients=("client",), force: bool = False) -> dict[str, 
     at all (written in a private temporary folder, then renamed).
 
     Args:
-        directory: created (0700) if missing.
+        directory: created (0711: the public keys reachable by a service's user, the directory not
+            listable) if missing.
         clients: client names; one name (the default) gives a pair shared by every agent.
         force: overwrite existing files.
 
@@ -225,8 +240,12 @@ def make_keys(directory, clients=("client",), force: bool = False) -> dict[str, 
     if not names or len(set(names)) != len(names):
         raise ValueError(f"client names must be given and distinct, got {names}")
     root = Path(directory)
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    (root / "clients").mkdir(mode=0o755, exist_ok=True)
+    # made 0711: a service user (systemd's DynamicUser, a pod's uid) reaches clients/ and the
+    # public server.key but cannot list the directory; each secret file is 0600 itself
+    for d, mode in ((root, 0o711), (root / "clients", 0o755)):
+        if not d.exists():
+            d.mkdir(parents=True)
+            os.chmod(d, mode)  # whatever the umask
     # final name -> (key pair name, which file)
     plan = {"server.key": ("server", "key"), "server.key_secret": ("server", "key_secret")}
     for n in names:

@@ -11,6 +11,7 @@ import os
 import secrets
 import stat
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -107,7 +108,7 @@ def test_keys_command_writes_loadable_pairs_with_0600_secrets(tmp_path, capsys):
     for name in files:
         mode = stat.S_IMODE((d / name).stat().st_mode)
         assert mode == (0o600 if name.endswith("key_secret") else 0o644), (name, oct(mode))
-    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert stat.S_IMODE(d.stat().st_mode) == 0o711  # a service user reaches clients/, lists nothing
     server_pub, server_sec = auth.load_pair(str(d / "server.key_secret"))
     assert auth.load_public(str(d / "server.key")) == server_pub and zmq.curve_public(server_sec) == server_pub
     client_pub, _ = auth.load_pair(str(d / "client.key_secret"))
@@ -287,6 +288,48 @@ def test_agent_missing_key_file_fails_at_attach_naming_the_setting(keys, tmp_pat
     with pytest.raises(agent.ConfigError, match="typo.key_secret"):
         agent.attach(model, opt, server_key=good["server_key"])
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # nothing attached
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to run a check as another user")
+def test_a_service_user_reaches_the_client_keys_and_is_told_when_it_cannot():
+    """An SRE's trial: the systemd unit (DynamicUser) could not read DIR/clients of a root-made
+    `gradwatch keys DIR` (0700), and was told the directory "names no file". DIR is now 0711, and a
+    directory on the way it may not search is named as such."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="gw-keys-"))
+    try:
+        os.chmod(base, 0o755)
+        auth.make_keys(base / "keys")
+        def as_nobody() -> str:
+            """load_allowed(DIR/clients) in a forked child that became uid 65534 (no exec: the
+            interpreter may sit where that user cannot read)."""
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: never returns into pytest
+                try:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    try:
+                        out = str(len(auth.load_allowed(str(base / "keys" / "clients"))))
+                    except auth.KeyMaterialError as e:
+                        out = str(e)
+                    os.write(w, out.encode())
+                finally:
+                    os._exit(0)
+            os.close(w)
+            with os.fdopen(r) as f:
+                out = f.read()
+            os.waitpid(pid, 0)
+            return out
+
+        assert as_nobody() == "1"
+        os.chmod(base / "keys", 0o700)  # as before
+        said = as_nobody()
+        assert "permission denied to this process (uid 65534)" in said and "0711" in said, said
+    finally:
+        shutil.rmtree(base)
 
 
 def test_a_key_with_whitespace_around_it_is_the_key(keys):
