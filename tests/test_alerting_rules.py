@@ -231,6 +231,34 @@ def test_kubernetes_manifests_parse_and_agree_with_the_shipped_files():
     _parses_as_aggregator_flags(container["args"][1:])
 
 
+def test_the_cluster_wide_and_per_job_aggregators_each_select_only_their_own():
+    """An SRE's trial: in one namespace the cluster-wide Service also selected the per-job pods
+    (agents spread over every aggregator, a job's ranks split), and its ServiceMonitor the per-job
+    Services (scraped twice, beside their PodMonitor)."""
+
+    def kinds(path):
+        return {d["kind"]: d for d in yaml.safe_load_all(path.read_text()) if d}
+
+    cluster, per_job = kinds(DEPLOY / "kubernetes" / "aggregator.yaml"), kinds(DEPLOY / "kubernetes" / "per-job" / "aggregator.yaml")
+    podmonitor = kinds(DEPLOY / "kubernetes" / "per-job" / "podmonitor.yaml")["PodMonitor"]["spec"]["selector"]
+
+    def selects(selector: dict, labels: dict) -> bool:
+        exists = [e["key"] for e in selector.get("matchExpressions", ()) if e["operator"] == "Exists"]
+        return all(labels.get(k) == v for k, v in selector.get("matchLabels", selector).items()
+                   if k != "matchExpressions") and all(k in labels for k in exists)
+
+    pods = {name: k["Deployment"]["spec"]["template"]["metadata"]["labels"] for name, k in (("cluster", cluster), ("per-job", per_job))}
+    services = {name: k["Service"]["metadata"]["labels"] for name, k in (("cluster", cluster), ("per-job", per_job))}
+    for name, k in (("cluster", cluster), ("per-job", per_job)):
+        for other in ("cluster", "per-job"):
+            mine = other == name
+            assert selects(k["Service"]["spec"]["selector"], pods[other]) is mine, (name, "Service", other)
+            assert selects(k["Deployment"]["spec"]["selector"], pods[other]) is mine, (name, "Deployment", other)
+    assert selects(cluster["ServiceMonitor"]["spec"]["selector"], services["cluster"])
+    assert not selects(cluster["ServiceMonitor"]["spec"]["selector"], services["per-job"])
+    assert selects(podmonitor, pods["per-job"]) and not selects(podmonitor, pods["cluster"])
+
+
 def test_systemd_unit_is_well_formed():
     import configparser
 
