@@ -105,11 +105,11 @@ def test_alertmanager_routes_by_severity(labels, receiver):
     assert r.returncode == 0 and r.stdout.strip() == receiver, r.stdout + r.stderr
 
 
-def test_alertmanager_groups_by_job_and_inhibits_warnings_under_a_critical():
+def test_alertmanager_groups_by_job_and_inhibits_warnings_under_a_critical_of_the_same_rank():
     am = yaml.safe_load(AM_CONFIG.read_text())
     assert am["route"]["group_by"] == ["job_id"]
     (rule,) = am["inhibit_rules"]
-    assert rule["source_matchers"] == ['severity="critical"'] and rule["equal"] == ["job_id"]
+    assert rule["source_matchers"] == ['severity="critical"'] and rule["equal"] == ["job_id", "rank"]
     assert 'severity=~"warning|info"' in rule["target_matchers"] and 'alertname!="Watchdog"' in rule["target_matchers"]
     hooks = [h["url"] for r in am["receivers"] for h in r.get("webhook_configs", [])]
     assert hooks and all(h.startswith("http://127.0.0.1:") for h in hooks)

@@ -6,8 +6,8 @@ a webhook receiver run here.
 - A clean run fires nothing but the Watchdog, which Alertmanager delivers.
 - A replica drift injected on rank 1 fires ReplicaDivergence in Prometheus's /api/v1/alerts, with
   job_id and rank, and Alertmanager delivers it to the critical receiver, grouped by job_id.
-- Alertmanager holds back a warning while a critical alert of the same job fires, not another
-  job's (the shipped inhibit rule).
+- Alertmanager holds back a warning while a critical alert of the same job and rank fires, not
+  another job's nor another rank's (the shipped inhibit rule).
 """
 
 from __future__ import annotations
@@ -115,26 +115,36 @@ def test_replica_drift_fires_in_prometheus_and_reaches_the_webhook(env):
     assert note["receiver"] == "gradwatch-critical" and note["groupLabels"] == {"job_id": "drift"}
 
 
-def test_alertmanager_holds_back_warnings_under_a_critical_of_the_same_job(env):
+def test_alertmanager_holds_back_warnings_under_a_critical_of_the_same_job_and_rank(env):
     _, ps = env
 
-    def alert(name, severity, job):
-        return {"labels": {"alertname": name, "severity": severity, "job_id": job}, "annotations": {"summary": name}}
+    def alert(name, severity, job, rank=None):
+        labels = {"alertname": name, "severity": severity, "job_id": job, **({"rank": rank} if rank else {})}
+        return {"labels": labels, "annotations": {"summary": name}}
 
+    # a job-level critical holds back the job's job-level warning; a critical naming rank 1 holds
+    # back rank 1's warning, not rank 2's (another fault: a straggler beside an explosion)
     ps.post_alerts([alert("TestCritical", "critical", "inhibited"), alert("TestWarning", "warning", "inhibited"),
-                    alert("TestWarning", "warning", "free")])
+                    alert("TestWarning", "warning", "free"),
+                    alert("TestCritical", "critical", "ranked", "1"), alert("TestWarning", "warning", "ranked", "1"),
+                    alert("TestWarning", "warning", "ranked", "2")])
 
     def got(path, name):
-        return {a["labels"]["job_id"] for _, a in ps.webhook.alerts(path) if a["labels"]["alertname"] == name}
+        return {(a["labels"]["job_id"], a["labels"].get("rank")) for _, a in ps.webhook.alerts(path)
+                if a["labels"]["alertname"] == name}
 
-    wait_for(lambda: got("/critical", "TestCritical") == {"inhibited"}, 20, what="the critical test alert delivered")
-    wait_for(lambda: "free" in got("/warning", "TestWarning"), 20, what="the other job's warning delivered")
+    wait_for(lambda: got("/critical", "TestCritical") == {("inhibited", None), ("ranked", "1")}, 20,
+             what="the critical test alerts delivered")
+    wait_for(lambda: {("free", None), ("ranked", "2")} <= got("/warning", "TestWarning"), 20,
+             what="the other job's warning and the other rank's delivered")
 
-    def state(job):
-        (a,) = [a for a in ps.am_alerts() if a["labels"]["alertname"] == "TestWarning" and a["labels"]["job_id"] == job]
+    def state(job, rank=None):
+        (a,) = [a for a in ps.am_alerts() if a["labels"]["alertname"] == "TestWarning" and a["labels"]["job_id"] == job
+                and a["labels"].get("rank") == rank]
         return a["status"]
 
-    assert state("inhibited")["state"] == "suppressed" and state("inhibited")["inhibitedBy"]
-    assert state("free")["state"] == "active"
-    time.sleep(2)  # more than group_wait and group_interval: the inhibited warning would be out by now
-    assert got("/warning", "TestWarning") == {"free"}
+    for job, rank in (("inhibited", None), ("ranked", "1")):
+        assert state(job, rank)["state"] == "suppressed" and state(job, rank)["inhibitedBy"], (job, rank)
+    assert state("free")["state"] == "active" and state("ranked", "2")["state"] == "active"
+    time.sleep(2)  # more than group_wait and group_interval: the inhibited warnings would be out by now
+    assert got("/warning", "TestWarning") == {("free", None), ("ranked", "2")}
