@@ -541,11 +541,12 @@ def files() -> dict[Path, str]:
     return out
 
 
-def drift() -> list[str]:
-    """Generated files that are missing, differ, or (dashboards) should not be there."""
-    want = files()
-    bad = [str(p.relative_to(ROOT)) for p, text in want.items() if not p.is_file() or p.read_text() != text]
-    bad += [str(p.relative_to(ROOT)) + " (not generated)" for p in sorted(DASHBOARD_DIR.glob("*.json")) if p not in want]
+def drift(root: Path = ROOT) -> list[str]:
+    """Generated files under ``root`` (the package's grafana/ folder, or another holding the same
+    layout) that are missing, differ, or (dashboards) should not be there."""
+    want = {root / p.relative_to(ROOT): text for p, text in files().items()}
+    bad = [str(p.relative_to(root)) for p, text in want.items() if not p.is_file() or p.read_text() != text]
+    bad += [str(p.relative_to(root)) + " (not generated)" for p in sorted((root / "dashboards").glob("*.json")) if p not in want]
     return bad
 
 
@@ -555,6 +556,9 @@ class GenerateCommand(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     check: bool = Field(False, description="Only compare: exit 1 naming the files that drifted, write nothing.")
+    out: str = Field("", description="Directory to write dashboards/ and provisioning/ into. '' writes the package's "
+                     "own grafana/ folder (in a checkout: regenerates the committed files; in an installed package: "
+                     "its site-packages copy, which `grafana push` reads).")
 
     def cli_cmd(self) -> None:
         """Write (or compare) the files.
@@ -562,15 +566,17 @@ class GenerateCommand(BaseModel):
         Raises:
             CommandError: with ``check``, naming the generated files that drifted.
         """
+        root = Path(self.out).resolve() if self.out else ROOT
         if self.check:
-            bad = drift()
+            bad = drift(root)
             if bad:
-                raise CommandError("drifted: " + ", ".join(f"grafana/{b}" for b in bad))
+                raise CommandError(f"drifted under {root}: " + ", ".join(bad))
             return
         for p, text in files().items():
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(text)
-            print(f"wrote grafana/{p.relative_to(ROOT)}")
+            dest = root / p.relative_to(ROOT)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(text)
+            print(f"wrote {dest}")  # absolute: the package's folder is not the working directory
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,6 +115,20 @@ def test_committed_files_match_the_generator():
     assert generate.main(["--check"]) == 0
 
 
+def test_generate_writes_where_it_is_told(tmp_path, capsys):
+    """An SRE's trial: from an installed package, `gradwatch grafana generate` wrote into
+    site-packages (its own folder), saying `wrote grafana/...` as if into the working directory."""
+    before = {p: p.stat().st_mtime_ns for p in generate.ROOT.rglob("*") if p.is_file()}
+    assert generate.main(["--out", str(tmp_path / "g")]) == 0
+    wrote = [line.removeprefix("wrote ") for line in capsys.readouterr().out.splitlines()]
+    assert wrote and all(w.startswith(str(tmp_path / "g") + "/") for w in wrote), wrote
+    assert {p: p.stat().st_mtime_ns for p in generate.ROOT.rglob("*") if p.is_file()} == before
+    assert generate.drift(tmp_path / "g") == [] and generate.main(["--out", str(tmp_path / "g"), "--check"]) == 0
+    (tmp_path / "g" / "dashboards" / "stray.json").write_text("{}")
+    assert generate.drift(tmp_path / "g") == ["dashboards/stray.json (not generated)"]
+    assert generate.main(["--out", str(tmp_path / "g"), "--check"]) != 0
+
+
 def test_five_dashboards_with_stable_uids():
     assert list(DASHBOARDS) == UIDS
     for uid, d in DASHBOARDS.items():
