@@ -226,12 +226,15 @@ class Stack:
                 find_binary(("prometheus-alertmanager", "alertmanager"), alertmanager),
                 f"--config.file={rendered.alertmanager_config}", f"--storage.path={w / 'data' / 'alertmanager'}",
                 f"--web.listen-address={LOOPBACK}:{settings.alertmanager_port}",
+                f"--web.external-url={self.alertmanager_url}",  # links in notifications: not the host's name
                 "--cluster.listen-address=",  # no gossip port: one local instance
             ],
             "prometheus": [
                 find_binary(("prometheus",), prometheus),
                 f"--config.file={rendered.prometheus_config}", f"--storage.tsdb.path={w / 'data' / 'prometheus'}",
                 f"--web.listen-address={LOOPBACK}:{settings.prometheus_port}",
+                # alerts' generatorURL: the address it serves, not http://HOSTNAME:port (unreachable)
+                f"--web.external-url={self.prometheus_url}",
                 # resend firing alerts every evaluation, not every minute: Alertmanager is found a few
                 # seconds after start-up, and the first sends would otherwise wait a minute
                 f"--rules.alert.resend-delay={settings.evaluation_interval}",

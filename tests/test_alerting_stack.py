@@ -113,6 +113,9 @@ def test_replica_drift_fires_in_prometheus_and_reaches_the_webhook(env):
     (note, got), *_ = wait_for(delivered, 30, what=f"ReplicaDivergence at the webhook\n{ps.logs()}")
     assert got["status"] == "firing" and got["labels"]["rank"] == "1" and got["labels"]["severity"] == "critical"
     assert note["receiver"] == "gradwatch-critical" and note["groupLabels"] == {"job_id": "drift"}
+    # the links a notification carries reach this stack (they named the host: http://HOSTNAME:port)
+    assert got["generatorURL"].startswith(ps.prometheus_url + "/"), got["generatorURL"]
+    assert note["externalURL"] == ps.alertmanager_url, note["externalURL"]
 
 
 def test_alertmanager_holds_back_warnings_under_a_critical_of_the_same_job_and_rank(env):
