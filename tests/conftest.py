@@ -205,6 +205,13 @@ class Collector:
         """The messages of one type received (``wire.Steps``, ``wire.Heartbeat``, ...), in order."""
         return [m for m in self.msgs if isinstance(m, kind)]
 
+    def drain(self, monitor, timeout_s: float = 30.0) -> None:
+        """Wait until ``monitor``'s sender has connected and handed every report to ZeroMQ: close()
+        flushes only what ZeroMQ takes at once, and a few steps on a loaded machine can end before
+        the handshake (a test then closed with nothing sent)."""
+        self.wait(lambda: monitor.sender.connected and monitor.sender.pending == 0, timeout_s,
+                  what="the agent connected and its reports handed over")
+
     def wait(self, predicate, timeout_s: float = 30.0, what: str = "messages"):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

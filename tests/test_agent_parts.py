@@ -397,6 +397,7 @@ def test_the_monitor_sends_the_cpu_wait_within_each_compute_time(one_rank_group,
             ddp(torch.randn(4, 4)).square().sum().backward()
             opt.step()
             opt.zero_grad()
+        collector.drain(monitor)
     finally:
         os.sched_setaffinity(0, before)
         monitor.close()
