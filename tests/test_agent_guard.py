@@ -267,5 +267,6 @@ def test_a_guard_that_keeps_failing_is_switched_off_and_takes_its_hooks_away(col
             assert "guard" in m.disabled and not m.recorder.guard and not model[2]._forward_hooks
             # the probe of step 0 fails once too (its own part, "forward")
             assert m.active and m.step == PART_ERRORS + 3 and m.errors == PART_ERRORS + 1
+            collector.drain(m)
     assert any("guard:0 failed" in str(w.message) for w in warned) and any("guard keeps failing" in str(w.message) for w in warned)
     assert sorted(collector.wait_steps(PART_ERRORS + 3, job="fail")) == list(range(PART_ERRORS + 3))  # every step reported
