@@ -10,8 +10,9 @@ of all parts together stop the agent too.
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
+
+from gradwatch.errors import warn_user
 
 PART_ERRORS = 10  # a part of the agent failing this often is switched off, the rest goes on
 MAX_ERRORS = 1000  # every part together: the agent switches itself off
@@ -44,15 +45,14 @@ class Failures:
         kind = where.split(":")[0]
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(f"gradwatch: {where} failed and is skipped: {exc!r}", RuntimeWarning, stacklevel=3)
+            warn_user(f"gradwatch: {where} failed and is skipped: {exc!r}")
         self._per_part[kind] = n = self._per_part.get(kind, 0) + 1
         if n == PART_ERRORS and kind in PARTS:
             self.disabled.add(kind)
-            warnings.warn(f"gradwatch: {kind} keeps failing and is switched off; the rest of the agent goes on",
-                          RuntimeWarning, stacklevel=3)
+            warn_user(f"gradwatch: {kind} keeps failing and is switched off; the rest of the agent goes on")
         elif n == PART_ERRORS and not self.stopped:  # the step itself: nothing works without it
             self.errors = MAX_ERRORS
         if self.errors >= MAX_ERRORS and not self.stopped:
-            warnings.warn("gradwatch: too many agent errors; monitoring is switched off", RuntimeWarning, stacklevel=3)
+            warn_user("gradwatch: too many agent errors; monitoring is switched off")
             self.stopped = True
             self.stop()

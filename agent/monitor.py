@@ -21,13 +21,13 @@ import os
 import secrets
 import threading
 import time
-import warnings
 import weakref
 from typing import Callable, Optional
 
 import torch
 
 from gradwatch import wire
+from gradwatch.errors import warn_user
 
 from . import frame, measure, parallel, report
 from .amp import UNSCALE_BELOW, UNSCALE_FROM, ScalerWatch, Unscale
@@ -157,11 +157,10 @@ class Monitor:
             try:
                 self.sender.close()
                 if self.sender.refused and not self.sender.connected:  # wrong keys or port must not go unnoticed
-                    warnings.warn(f"gradwatch: {self.sender.refusal()} ({self.sender.refused} failed handshakes)",
-                                  RuntimeWarning, stacklevel=2)
+                    warn_user(f"gradwatch: {self.sender.refusal()} ({self.sender.refused} failed handshakes)")
                 elif not self.sender.connected:  # a wrong endpoint must not go unnoticed
-                    warnings.warn(f"gradwatch: never connected to {self.cfg.endpoint}: no report reached an "
-                                  "aggregator (is it running, and is GRADWATCH_ENDPOINT right?)", RuntimeWarning, stacklevel=2)
+                    warn_user(f"gradwatch: never connected to {self.cfg.endpoint}: no report reached an "
+                              "aggregator (is it running, and is GRADWATCH_ENDPOINT right?)")
             except Exception:
                 pass
 

@@ -33,8 +33,9 @@ import collections
 import logging
 import math
 import statistics
-import warnings
 from typing import Callable, Optional
+
+from gradwatch.errors import warn_user
 
 from .hooks import ProbeRecorder
 
@@ -247,11 +248,11 @@ class ProbeSchedule:
             self.over_budget = self.interval == top and c.fraction(top) > OVER_BUDGET * self.budget
             if self.over_budget and not self._warned:
                 self._warned = True
-                warnings.warn(
+                warn_user(
                     f"gradwatch: the agent costs {c.fraction(top):.1%} of the step time even probing only every "
                     f"{top} steps (max_probe_interval_s={self.max_interval_s:g}), over {OVER_BUDGET:g}x the budget "
                     f"of {self.budget:.1%} (sentinel {c.sentinel_s * 1e3:.3g} ms, probe {extra * 1e3:.3g} ms, "
-                    f"step {c.train_s * 1e3:.3g} ms)", RuntimeWarning, stacklevel=2)
+                    f"step {c.train_s * 1e3:.3g} ms)")
         except Exception as e:
             self.on_error(PART, e)
 

@@ -12,7 +12,10 @@ config and wire errors as it did before they had a common root.
 
 from __future__ import annotations
 
-__all__ = ["GradwatchError", "ConfigError"]
+import sys
+import warnings
+
+__all__ = ["GradwatchError", "ConfigError", "warn_user"]
 
 
 class GradwatchError(Exception):
@@ -22,3 +25,18 @@ class GradwatchError(Exception):
 class ConfigError(GradwatchError, ValueError):
     """An invalid setting, or a resource a setting names (a port in use); the message names the
     setting (``agent.every (GRADWATCH_EVERY): Input should be ...``)."""
+
+
+#: modules whose frames a warning is not attributed to: gradwatch's own, and torch's (whose hooks
+#: and optimizer call the agent)
+_INTERNAL = ("gradwatch", "torch")
+
+
+def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """``warnings.warn`` attributed to the caller's first frame outside gradwatch and torch: the
+    user's line (``with attach(...)``, ``opt.step()``), not gradwatch's own code that noticed. A
+    warning with no such frame (the sender thread) is attributed to gradwatch's caller."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _INTERNAL:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)

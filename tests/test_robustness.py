@@ -366,3 +366,22 @@ def test_an_intake_smaller_than_the_largest_message_fails_at_start_naming_it():
 
     with pytest.raises(ConfigError, match="max_intake_bytes"):
         load(max_message_bytes=32 << 20, max_intake_bytes=16 << 20)
+
+
+def test_the_agents_warnings_point_at_the_users_line():
+    """A user's trial: a warning at the end of ``with attach(...)`` named gradwatch's own
+    monitor.py (where close() noticed), not the user's code: it now names the first frame outside
+    gradwatch and torch."""
+    import inspect
+    import warnings
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        with gw.attach(model, opt, endpoint="tcp://127.0.0.1:9", heartbeat_s=0.2):  # nothing listens there
+            model(torch.randn(3, 2)).sum().backward()
+            opt.step()
+        line = inspect.currentframe().f_lineno - 3  # the with statement's line, where __exit__ is called
+    (w,) = [w for w in got if "never connected" in str(w.message)]
+    assert w.filename == __file__ and w.lineno == line, (w.filename, w.lineno, line)
