@@ -102,21 +102,26 @@ class Unscale:
 
     def __init__(self):
         self.source: Optional[Callable[[], Optional[torch.Tensor]]] = None
-        self.applied = False
         self._scale: Optional[torch.Tensor] = None
         self._known = False
+
+    @property
+    def applied(self) -> bool:
+        return self._known and self._scale is not None
 
     def apply(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` divided by this step's scale (moved to ``t``'s device: no copy on the same one),
         or ``t`` itself."""
         if not self._known:
-            self._known = True
+            # the scale before the flag: a hook on another autograd thread that finds the step
+            # decided must find its scale too (else it left its tensor scaled, marked unscaled)
             source = self.source
             self._scale = source() if source is not None else None
-            self.applied = self._scale is not None
-        return t if self._scale is None else t / self._scale.to(t.device)
+            self._known = True
+        scale = self._scale
+        return t if scale is None else t / scale.to(t.device)
 
     def reset(self) -> None:
         """A step ended or was skipped: the next one decides again."""
-        self.applied = self._known = False
+        self._known = False
         self._scale = None

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import os
 import socket
-import warnings
 from typing import Literal, Optional
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gradwatch import auth
-from gradwatch.errors import ConfigError  # the one config error; gradwatch.agent.ConfigError names it too
-from gradwatch.settings import describe, endpoint, unknown_variables
+from gradwatch.errors import ConfigError, warn_user  # the one config error; gradwatch.agent.ConfigError names it too
+from gradwatch.settings import describe, endpoint, known_variables, unknown_variables
 
 
 class AgentConfig(BaseSettings):
@@ -116,9 +115,9 @@ def load(**settings) -> AgentConfig:
         ConfigError: naming the first invalid or unknown setting.
     """
     unknown = unknown_variables("GRADWATCH_", AgentConfig, others=_OTHER_PREFIXES)
-    known = ", ".join(sorted(f"GRADWATCH_{f.upper()}" for f in AgentConfig.model_fields)) if unknown else ""
+    known = ", ".join(sorted(known_variables("GRADWATCH_", AgentConfig))) if unknown else ""
     for var in unknown:
-        warnings.warn(f"gradwatch: unknown setting {var} is ignored (agent settings: {known})", RuntimeWarning, stacklevel=3)
+        warn_user(f"gradwatch: unknown setting {var} is ignored (agent settings: {known})")
     try:
         cfg = AgentConfig(**settings)
     except ValidationError as e:

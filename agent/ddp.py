@@ -151,8 +151,8 @@ class CommHook:
                 t = dense_values(t)
             t = self.unscale.apply(t)  # a copy only under a huge loss scale: the bucket is DDP's to reduce
             k = chunks_of(t.numel())
-            # up to SPLIT_MAX chunks, its chunk norms (one foreach over views on an accelerator, by
-            # rows on the CPU): half the kernels of a norm taken to one value; a larger bucket
+            # up to SPLIT_MAX chunks, its chunk norms (one foreach over views, or by rows past
+            # split_max's chunks: on the CPU past 4): half the kernels of a norm taken to one value; a larger bucket
             # (DDP's default 25 MB) as one value, or its chunk norms would grow every step's frame
             # by one value per 32 kB of gradient
             self.local_sq.append(chunk_norms((t,), (k,), split_max(t)) if k <= SPLIT_MAX else l2_norms([t])[0].reshape(1))

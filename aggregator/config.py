@@ -6,7 +6,6 @@ Field descriptions double as ``--help``. Invalid values fail at start-up with
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import logging
 import os
@@ -14,12 +13,12 @@ import re
 from functools import cached_property
 from typing import Optional
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gradwatch import auth, wire
 from gradwatch.errors import ConfigError  # the one config error; gradwatch.aggregator.ConfigError names it too
-from gradwatch.settings import describe, endpoint, unknown_variables
+from gradwatch.settings import closest, describe, endpoint, known_variables, unknown_variables
 
 from .checks import Thresholds, resolve
 from .discovery import SUFFIXES
@@ -201,15 +200,9 @@ def warn_unknown_variables() -> list[str]:
     """Log a warning for each ``GRADWATCH_AGGREGATOR_*`` variable that names no setting (a typo
     would be ignored without a word); returns them."""
     unknown = unknown_variables("GRADWATCH_AGGREGATOR_", AggregatorConfig, nested="__")
-    known = []
-    for name, f in AggregatorConfig.model_fields.items():
-        known.append(f"GRADWATCH_AGGREGATOR_{name.upper()}")
-        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):  # CHECKS__SKEW_STEPS
-            known += [f"GRADWATCH_AGGREGATOR_{name.upper()}__{sub.upper()}" for sub in f.annotation.model_fields]
+    known = known_variables("GRADWATCH_AGGREGATOR_", AggregatorConfig, nested="__")
     for var in unknown:
-        near = difflib.get_close_matches(var, known, n=1)
-        log.warning("gradwatch: unknown setting %s is ignored (%ssee gradwatch aggregator --help)", var,
-                    f"did you mean {near[0]}? " if near else "")
+        log.warning("gradwatch: unknown setting %s is ignored (%ssee gradwatch aggregator --help)", var, closest(var, known))
     return unknown
 
 

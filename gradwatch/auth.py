@@ -151,11 +151,13 @@ def load_allowed(value: str) -> frozenset[bytes]:
         if bad:
             raise KeyMaterialError(f"directory {value!r}: a public-key is not a 40-character Z85 key")
         return keys
-    if os.path.isfile(value) and _certificate(value, secret=False)[1] is not None:
-        # as for a directory: a client's secret stays with it (server.key_secret here would admit
-        # whoever holds the aggregator's own pair)
+    if not os.path.isfile(value):
+        return frozenset({load_public(value)})  # a Z85 key, else load_public's error
+    public, sec = _certificate(value, secret=False)
+    if sec is not None:  # as for a directory: a client's secret stays with it (server.key_secret
+        # here would admit whoever holds the aggregator's own pair)
         raise KeyMaterialError(f"{value!r} holds a secret key: give the client's public .key file")
-    return frozenset({load_public(value)})
+    return frozenset({public})
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ _INTERNAL = ("gradwatch", "torch")
 
 def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """``warnings.warn`` attributed to the caller's first frame outside gradwatch and torch: the
-    user's line (``with attach(...)``, ``opt.step()``), not gradwatch's own code that noticed. A
-    warning with no such frame (the sender thread) is attributed to gradwatch's caller."""
+    user's line (``with attach(...)``, ``opt.step()``), not gradwatch's own code that noticed (on
+    the sender thread that frame is threading's; with none at all, gradwatch's caller)."""
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _INTERNAL:
         frame, level = frame.f_back, level + 1

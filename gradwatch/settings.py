@@ -3,6 +3,7 @@ value came from, and what is wrong with it (``agent.every (GRADWATCH_EVERY): Inp
 
 from __future__ import annotations
 
+import difflib
 import os
 
 from pydantic import BaseModel, ValidationError
@@ -29,26 +30,33 @@ def describe(e: ValidationError, prefix: str, env_prefix: str = "", given=(), sk
     return f"{prefix}.{name}{source}: {msg}"
 
 
-def unknown_variables(env_prefix: str, model: type[BaseModel], nested: str = "", others: tuple[str, ...] = ()) -> list[str]:
-    """The environment variables under ``env_prefix`` that name no setting of ``model`` (a typo is
-    otherwise ignored without a word), sorted; names under ``others`` (another component's
-    prefixes) are not ``model``'s to judge.
-
-    Args:
-        nested: the delimiter of a nested model's fields (``GRADWATCH_AGGREGATOR_CHECKS__SKEW_STEPS``),
-            '' for a flat model.
-    """
+def known_variables(env_prefix: str, model: type[BaseModel], nested: str = "") -> list[str]:
+    """The environment variables that set ``model``'s settings, upper case: one per field, and
+    with ``nested`` (the delimiter of a nested model's fields, ``GRADWATCH_AGGREGATOR_CHECKS__SKEW_STEPS``)
+    one per field of each field that is a model itself."""
     out = []
-    for var in os.environ:
-        if not var.startswith(env_prefix) or var.startswith(others):
-            continue
-        rest = var[len(env_prefix):].lower()
-        name, _, sub = rest.partition(nested) if nested else (rest, "", "")
-        field = model.model_fields.get(name)
-        inner = getattr(field, "annotation", None) if field is not None else None
-        if field is None or (sub and not (isinstance(inner, type) and issubclass(inner, BaseModel) and sub in inner.model_fields)):
-            out.append(var)
-    return sorted(out)
+    for name, field in model.model_fields.items():
+        out.append(f"{env_prefix}{name.upper()}")
+        inner = field.annotation
+        if nested and isinstance(inner, type) and issubclass(inner, BaseModel):
+            out += [f"{env_prefix}{name.upper()}{nested}{sub.upper()}" for sub in inner.model_fields]
+    return out
+
+
+def unknown_variables(env_prefix: str, model: type[BaseModel], nested: str = "", others: tuple[str, ...] = ()) -> list[str]:
+    """The environment variables under ``env_prefix`` that name no setting of ``model``
+    (:func:`known_variables`; a typo is otherwise ignored without a word), sorted; names under
+    ``others`` (another component's prefixes) are not ``model``'s to judge."""
+    known = set(known_variables(env_prefix, model, nested))
+    return sorted(var for var in os.environ
+                  if var.startswith(env_prefix) and not var.startswith(others) and var.upper() not in known)
+
+
+def closest(var: str, known: list[str]) -> str:
+    """`` (did you mean KNOWN?)``-style hint for a misspelled variable: the closest of ``known``
+    (difflib), or ''."""
+    near = difflib.get_close_matches(var, known, n=1)
+    return f"did you mean {near[0]}? " if near else ""
 
 
 def endpoint(v: str, bind: bool = False) -> str:
