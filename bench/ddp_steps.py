@@ -26,6 +26,7 @@ thread, from schedstat: the figures that hold whatever else runs on the machine.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -108,6 +109,8 @@ def worker(rank: int, variant: str, a, port: int, q) -> None:
         q.put((a.steps / dt, dt / a.steps * 1e6, us, faults))
     if mon is not None:
         mon.close()
+    del model, mon  # the DDP freed while its group is registered (see train_rank in commands/demo/run.py)
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -45,6 +45,7 @@ was first applied), p50/p95, and false findings per 1000 clean job-steps.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import multiprocessing as mp
@@ -219,6 +220,8 @@ def _rank_main(rank: int, run: Run, port: int, endpoint: str, progress, out_dir:
                 progress[rank] = step + 1
         with open(os.path.join(out_dir, f"{run.job}.{rank}.json"), "w") as f:
             json.dump({"applied": faults_.applied}, f)
+        del ddp, mon  # the DDP freed while its group is registered (see train_rank in commands/demo/run.py)
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

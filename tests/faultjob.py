@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import json
 import os
 import resource
@@ -130,6 +131,8 @@ def worker(rank: int, a) -> None:
     torch.save({n: p.detach().clone() for n, p in model.module.named_parameters()}, f"{a.out}.{rank}.pt")
     with open(f"{a.out}.{rank}.json", "w") as f:
         json.dump(info, f)
+    del model  # the DDP freed while its group is registered (see train_rank in commands/demo/run.py)
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -189,6 +189,8 @@ def _ddp_worker(rank: int, world: int, port: int, endpoint: str, out_dir: str, a
                     losses=torch.stack(losses), grad_norms=grad_norms, steps=monitor.step,
                     params={n: p.detach().clone() for n, p in model.named_parameters()},
                 )
+        del ddp, monitor  # the DDP freed while its group is registered (see train_rank in commands/demo/run.py)
+        gc.collect()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -7,11 +7,13 @@ identity exactly as it would under torchrun. Tests use :func:`train_rank` direct
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
 import sys
 import time
+import traceback
 from typing import Optional
 
 from pydantic import Field, field_validator
@@ -81,6 +83,30 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
     )
     import torch
     import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks)
+    try:
+        try:
+            out = _train(rank, cfg, endpoint)
+        except BaseException as e:
+            traceback.clear_frames(e.__traceback__)  # the failed step's DDP freed too, the group still here
+            raise
+        # a DDP's Reducer frees its process group holding the GIL, and gloo's destructor joins worker
+        # threads that may need the GIL for a finished collective (pytorch/pytorch#56297): the Reducer
+        # must not hold the group's last reference. Free it (cycles too) while the group is registered;
+        # freed after destroy_process_group, it hung a rank now and then (CI, agent switched off)
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+    if results is not None:
+        results.put({k: v for k, v in out.items() if k != "params"})
+    return out
+
+
+def _train(rank: int, cfg: DemoConfig, endpoint: str) -> dict:
+    import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -89,46 +115,36 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
     from .inject import Injector, parse
     from .model import GPT, GPTConfig, batch, stdlib_text
 
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks)
-    try:
-        torch.manual_seed(cfg.seed)
-        model = GPT(GPTConfig(context=cfg.context, width=cfg.width, layers=cfg.layers, heads=cfg.heads))
-        ddp = DDP(model)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=cfg.lr)
-        monitor = agent.attach(ddp, opt, endpoint=endpoint, every=cfg.every) if cfg.agent else agent.NullMonitor()
-        text = stdlib_text()
-        faults = Injector([parse(s, cfg.ranks) for s in cfg.inject], rank)
-        bar = None
-        if rank == 0 and cfg.progress:
-            from tqdm import tqdm
+    torch.manual_seed(cfg.seed)
+    model = GPT(GPTConfig(context=cfg.context, width=cfg.width, layers=cfg.layers, heads=cfg.heads))
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=cfg.lr)
+    monitor = agent.attach(ddp, opt, endpoint=endpoint, every=cfg.every) if cfg.agent else agent.NullMonitor()
+    text = stdlib_text()
+    faults = Injector([parse(s, cfg.ranks) for s in cfg.inject], rank)
+    bar = None
+    if rank == 0 and cfg.progress:
+        from tqdm import tqdm
 
-            bar = tqdm(total=cfg.steps, desc="training", unit="step", file=sys.stderr)
-        loss_v = float("nan")
-        with monitor:
-            for step in range(cfg.steps):
-                loss = faults.train_step(step, model, ddp, opt,
-                                         *batch(text, cfg.seed, rank, step, cfg.batch_size, cfg.context),
-                                         lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), monitor)
-                if bar is not None:
-                    loss_v = loss.item()
-                    bar.set_postfix(loss=f"{loss_v:.3f}")
-                    bar.update()
-            out = {
-                "rank": rank, "steps": monitor.step, "probes": monitor.probes,
-                "drops": getattr(getattr(monitor, "sender", None), "drops", 0), "loss": loss.item(),
-                "connected": getattr(getattr(monitor, "sender", None), "connected", None),  # None: no agent
-                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            }
-        if bar is not None:
-            bar.close()
-        if results is not None:
-            out_small = {k: v for k, v in out.items() if k != "params"}
-            results.put(out_small)
-        return out
-    finally:
-        dist.destroy_process_group()
+        bar = tqdm(total=cfg.steps, desc="training", unit="step", file=sys.stderr)
+    with monitor:
+        for step in range(cfg.steps):
+            loss = faults.train_step(step, model, ddp, opt,
+                                     *batch(text, cfg.seed, rank, step, cfg.batch_size, cfg.context),
+                                     lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), monitor)
+            if bar is not None:
+                loss_v = loss.item()
+                bar.set_postfix(loss=f"{loss_v:.3f}")
+                bar.update()
+        out = {
+            "rank": rank, "steps": monitor.step, "probes": monitor.probes,
+            "drops": getattr(getattr(monitor, "sender", None), "drops", 0), "loss": loss.item(),
+            "connected": getattr(getattr(monitor, "sender", None), "connected", None),  # None: no agent
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        }
+    if bar is not None:
+        bar.close()
+    return out
 
 
 def _spawned(rank, cfg, master_port, endpoint, results):
