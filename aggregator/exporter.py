@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from gradwatch import statistics
 
-from .checks import CHECKS
+from .checks import CHECKS, Runner
 from .reconcile import Snapshot, group_layers
 from .state import REJECT_REASONS
 
@@ -237,6 +237,8 @@ def _findings(s: Snapshot):
 
 
 metric("findings", "counter", "Findings raised by each check (a finding stays raised until it resolves).", ("job_id", "check"))(_findings)
+metric("rank_findings", "counter", "Findings raised by each check naming the rank (a job's first " + str(Runner.RANKS_COUNTED_MAX) + " ranks named per check): the rank of a finding shorter than a scrape, which check_rank_flagged never shows; a series appears at its rank's first finding.", ("job_id", "check", "rank"))(
+    lambda s: (((j, c, str(r)), n) for (j, c, r), n in (s.checks.raised_by_rank if s.checks else ())))
 def _folded(s: Snapshot):
     v = s.checks
     folded = dict(v.folded) if v else {}
@@ -308,6 +310,10 @@ ESSENTIAL_RANK_METRICS = frozenset(PREFIX + n for n in (
 ))
 
 
+#: per-rank series that exist only for the ranks findings name: bounded by the runner, never filtered
+RANK_SERIES_OF_FINDINGS = frozenset(PREFIX + n for n in ("check_rank_flagged", "rank_findings"))
+
+
 class SnapshotCollector(Collector):
     """Yields every registered metric from ``get_snapshot()`` at scrape time.
 
@@ -355,7 +361,7 @@ class SnapshotCollector(Collector):
     def _detail_filter(self, snap: Snapshot, d: MetricDef, samples):
         """Drop per-rank samples of jobs above ``rank_series_max`` ranks, and non-essential ones of
         jobs above ``rank_detail_max``, but for the ranks an active finding names."""
-        if "rank" not in d.labels or "job_id" not in d.labels or d.name == PREFIX + "check_rank_flagged":
+        if "rank" not in d.labels or "job_id" not in d.labels or d.name in RANK_SERIES_OF_FINDINGS:
             return samples
         big = self._over(snap, self.rank_series_max)
         if d.name not in ESSENTIAL_RANK_METRICS:

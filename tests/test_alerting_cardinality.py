@@ -371,3 +371,40 @@ def test_the_agents_cost_gauges_follow_its_latest_message_not_only_probed_steps(
     assert 'gradwatch_rank_agent_over_budget{job_id="j",rank="0"} 1.0' in text
     assert 'gradwatch_rank_probe_interval_steps{job_id="j",rank="0"} 32768.0' in text
     assert 'gradwatch_rank_agent_cost_ratio{job_id="j",rank="0"} 0.06' in text
+
+
+@pytest.mark.parametrize("check", ["explosion", "grad_agreement"])  # a plain check; one with a knock-on
+def test_findings_are_counted_per_rank_for_a_bounded_number_of_ranks_and_exported_in_any_job(check):
+    """gradwatch_rank_findings_total names the rank of a finding no scrape saw flagged (the alerts'
+    rank branch). Its series stay bounded whatever a job does: a job's first RANKS_COUNTED_MAX ranks
+    named per check, each raised finding of those counted; the others still in findings_total. A
+    huge job's per-rank filter leaves it whole, and forgetting the job drops it."""
+    from gradwatch.aggregator.checks import Evaluation, Outcome, Runner, Thresholds
+
+    runner = Runner([check], Thresholds(), wall=lambda: 0.0)
+    c, cap = runner.checks[check], Runner.RANKS_COUNTED_MAX
+
+    def raise_ranks(ranks, step):
+        runner._record("j", c, Evaluation(Outcome.FINDING, tuple(Finding(check, "j", step, "bad", rank=r) for r in ranks)))
+        runner._record("j", c, Evaluation(Outcome.HEALTHY))  # resolved: the next raise is a new finding
+
+    raise_ranks(range(cap + 36), 1)  # 100 ranks at once
+    raise_ranks([3, cap + 5], 2)  # a counted rank again, and one past the bound
+    raise_ranks([None], 3)  # a finding naming no rank
+    view = runner.view()
+    by_rank = dict(view.raised_by_rank)
+    assert len(by_rank) == cap and set(by_rank) == {("j", check, r) for r in range(cap)}
+    assert by_rank[("j", check, 3)] == 2 and by_rank[("j", check, 0)] == 1
+    assert dict(view.raised)[("j", check)] == cap + 36 + 2 + 1
+
+    snap = Snapshot(jobs=(JobView("j", 100_000, (), None, 0, 0, reporting=100_000),), checks=view)
+    for limit in (None, 4):  # a job of 100,000 ranks: per-rank series only for named ranks, but these
+        got = {(s.labels["check"], int(s.labels["rank"])): s.value
+               for fam in SnapshotCollector(lambda: snap, rank_detail_max=limit, rank_series_max=limit).collect()
+               if fam.name == "gradwatch_rank_findings" for s in fam.samples if s.name.endswith("_total")}
+        assert got == {(check, r): float(n) for (_, _, r), n in by_rank.items()}
+
+    runner.forget("j")
+    assert not runner.raised_by_rank and not runner.view().raised_by_rank
+    raise_ranks([cap + 5], 4)  # the job's bound starts afresh
+    assert dict(runner.view().raised_by_rank) == {("j", check, cap + 5): 1}

@@ -404,6 +404,10 @@ class Runner:
     RECENT = 8
     #: knock-ons listed in one cause finding's details (the first ones; knock_on_n counts all)
     KNOCK_ON_MAX = 16
+    #: ranks whose raised findings are counted per rank, per job and check (a finding naming
+    #: another rank is still counted in ``raised``): the per-rank counter's series stay bounded
+    #: whatever a job does, and the ranks a fault names come first
+    RANKS_COUNTED_MAX = 64
 
     def __init__(self, names: list[str], thresholds: BaseModel, events_path: str = "", sinks=(), wall=time.time):
         load_all()
@@ -413,6 +417,8 @@ class Runner:
         self.status: dict[tuple[str, str], Outcome] = {}
         self.active: dict[tuple[str, str], dict[tuple, Finding]] = {}
         self.raised = collections.Counter()  # (job, check) -> findings raised
+        self.raised_by_rank = collections.Counter()  # (job, check, rank) -> findings raised naming it
+        self._ranks_counted = collections.Counter()  # (job, check) -> ranks in raised_by_rank
         self.errors = collections.Counter()  # check -> exceptions
         self.seconds = collections.Counter()  # check -> time spent
         self.events: collections.deque[Event] = collections.deque(maxlen=1000)
@@ -486,8 +492,7 @@ class Runner:
         if check.name not in self._causes and check.name not in self._explains:
             for key, f in now.items():
                 if key not in before:
-                    self.raised[k] += 1
-                    self._emit("raised", check, f)
+                    self._raise(k, check, f)
             for key, f in before.items():
                 if key not in now:
                     self._emit("resolved", check, f)
@@ -509,8 +514,7 @@ class Runner:
                 self._fold(job, f, cause)
             else:
                 active[key] = f
-                self.raised[k] += 1
-                self._emit("raised", check, f)
+                self._raise(k, check, f)
         for key, f in before.items():
             if key in now:
                 continue
@@ -535,6 +539,17 @@ class Runner:
                 if pkey in self._held.get(pk, ()) and not self._explained(job, p, pkey):
                     self._held[pk].discard(pkey)
                     self._resolve(job, self.checks[p], self.active[pk].pop(pkey))
+
+    def _raise(self, k: tuple[str, str], check: Check, f: Finding) -> None:
+        """Count ``f`` raised (per rank too, for its rank's first :attr:`RANKS_COUNTED_MAX`
+        ranks of the job and check) and emit it."""
+        self.raised[k] += 1
+        if isinstance(f.rank, int):
+            rk = (*k, f.rank)
+            if rk in self.raised_by_rank or self._ranks_counted[k] < self.RANKS_COUNTED_MAX:
+                self._ranks_counted[k] += rk not in self.raised_by_rank
+                self.raised_by_rank[rk] += 1
+        self._emit("raised", check, f)
 
     def _cause(self, job: str, causes: tuple[str, ...], f: Finding) -> Optional[tuple[str, tuple]]:
         """The finding of a cause check that explains ``f``: (check, key) of an active one, or of
@@ -640,9 +655,12 @@ class Runner:
             self.status.pop((job, name), None)
             self.active.pop((job, name), None)
             self.raised.pop((job, name), None)
+            self._ranks_counted.pop((job, name), None)
             self.folded.pop((job, name), None)
             for d in (self._folded, self._knock, self._held, self._recent):
                 d.pop((job, name), None)
+        for rk in [rk for rk in self.raised_by_rank if rk[0] == job]:
+            del self.raised_by_rank[rk]
 
     def named_ranks(self, jobs) -> dict[str, set]:
         """``{job: ranks its active findings name}`` for each of ``jobs``."""
@@ -679,6 +697,7 @@ class Runner:
             status=tuple(sorted((j, c, o.value) for (j, c), o in self.status.items())),
             active=tuple(f for fs in self.active.values() for f in fs.values()),
             raised=tuple(sorted(self.raised.items())),
+            raised_by_rank=tuple(sorted(self.raised_by_rank.items())),
             folded=tuple(sorted(self.folded.items())),
             errors=tuple(sorted(self.errors.items())),
             seconds=tuple(sorted(self.seconds.items())),
@@ -695,6 +714,7 @@ class RunnerView:
     status: tuple = ()
     active: tuple = ()
     raised: tuple = ()
+    raised_by_rank: tuple = ()  # ((job, check, rank), findings raised naming the rank)
     folded: tuple = ()  # ((job, check), findings folded into a cause's as knock-ons)
     errors: tuple = ()
     seconds: tuple = ()
