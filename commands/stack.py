@@ -94,6 +94,8 @@ class Settings:
         for_scale: factor on every alert's ``for:`` (1 = as shipped; 0.02 turns 5m into 6s).
         group_wait, group_interval: Alertmanager's notification delays on every route ('' keeps
             the shipped ones).
+        runbook_url: where the runbook (deploy/RUNBOOK.md) is served, each alert's
+            ``runbook_url`` annotation keeping its ``#section``; '' keeps the shipped links.
     """
 
     aggregator_metrics: tuple[str, ...] = (f"{LOOPBACK}:9400",)
@@ -105,6 +107,34 @@ class Settings:
     for_scale: float = 1.0
     group_wait: str = "5s"
     group_interval: str = "30s"
+    runbook_url: str = ""
+
+
+def with_runbook(rules: dict, url: str) -> dict:
+    """``rules`` (a parsed rule file) with each alert's ``runbook_url`` annotation moved to ``url``,
+    its ``#section`` kept; ``url`` '' leaves them. Changes ``rules`` in place and returns it."""
+    for group in rules.get("groups", []) if url else ():
+        for rule in group.get("rules", []):
+            notes = rule.get("annotations") or {}
+            if "runbook_url" in notes:
+                _, hash_, section = notes["runbook_url"].partition("#")
+                notes["runbook_url"] = url + hash_ + section
+    return rules
+
+
+def check_runbook_url(v: str) -> str:
+    """``v`` if '' or an http(s) URL without a fragment (the alerts add their own ``#section``).
+
+    Raises:
+        ValueError: naming what is wrong with ``v``.
+    """
+    if v:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"runbook_url {v!r}: needs an http:// or https:// URL of the runbook")
+        if parts.fragment or v.endswith("#"):
+            raise ValueError(f"runbook_url {v!r}: no #fragment, each alert adds its own section")
+    return v
 
 
 @dataclass(frozen=True)
@@ -132,7 +162,7 @@ def render(workdir: Path, settings: Settings = Settings(), deploy: Path = DEPLOY
     rule_files = []
     for pattern in prom.get("rule_files", []):
         for path in sorted(glob.glob(str(src.parent / pattern))):
-            rules = yaml.safe_load(Path(path).read_text())
+            rules = with_runbook(yaml.safe_load(Path(path).read_text()), settings.runbook_url)
             for group in rules.get("groups", []):
                 for rule in group.get("rules", []):
                     if "for" in rule and settings.for_scale != 1:
@@ -176,11 +206,12 @@ def render(workdir: Path, settings: Settings = Settings(), deploy: Path = DEPLOY
     return Rendered(workdir, prom_out, tuple(rule_files), am_out)
 
 
-def prometheusrule(deploy: Path = DEPLOY) -> str:
+def prometheusrule(deploy: Path = DEPLOY, runbook: str = "") -> str:
     """The shipped rules as a Prometheus Operator ``PrometheusRule`` manifest
-    (deploy/kubernetes/prometheusrule.yaml is this output; a test keeps them equal)."""
+    (deploy/kubernetes/prometheusrule.yaml is this output; a test keeps them equal), the runbook
+    links moved to ``runbook`` unless it is ''."""
     yaml = _yaml()
-    rules = yaml.safe_load((deploy / "prometheus" / "rules" / "gradwatch.rules.yml").read_text())
+    rules = with_runbook(yaml.safe_load((deploy / "prometheus" / "rules" / "gradwatch.rules.yml").read_text()), runbook)
     doc = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
@@ -326,6 +357,8 @@ class StackCommand(BaseModel):
     for_scale: float = Field(1.0, ge=0, description="Factor on every alert's for: duration (e.g. 0.1 for a demo; 1: as shipped).")
     group_wait: Duration = Field("5s", description="Alertmanager group_wait on every route.")
     group_interval: Duration = Field("30s", description="Alertmanager group_interval on every route.")
+    runbook_url: Annotated[str, AfterValidator(check_runbook_url)] = Field(
+        "", description="URL of your copy of deploy/RUNBOOK.md: each alert's runbook_url link goes there, keeping its #section (default: the shipped links). Also with --print-prometheusrule.")
     workdir: str = Field("", description="Where to write configuration and data (default: a temporary directory, removed at exit).")
     deploy_dir: str = Field("", description="The configuration to run (default: the one shipped in the package, gradwatch.deploy).")
     prometheus: str = Field("", description="Prometheus binary (default: prometheus on the PATH).")
@@ -338,7 +371,7 @@ class StackCommand(BaseModel):
         return Settings(
             tuple(self.aggregator_metrics or (f"{LOOPBACK}:9400",)), self.prometheus_port, self.alertmanager_port,
             self.webhook, self.scrape_interval, self.evaluation_interval, self.for_scale, self.group_wait,
-            self.group_interval,
+            self.group_interval, self.runbook_url,
         )
 
     def cli_cmd(self) -> None:
@@ -350,7 +383,7 @@ class StackCommand(BaseModel):
         deploy = Path(self.deploy_dir) if self.deploy_dir else DEPLOY
         try:
             if self.print_prometheusrule:
-                sys.stdout.write(prometheusrule(deploy))
+                sys.stdout.write(prometheusrule(deploy, self.runbook_url))
                 return
             settings = self.settings
             workdir = Path(self.workdir) if self.workdir else Path(tempfile.mkdtemp(prefix="gradwatch-stack-"))

@@ -318,6 +318,33 @@ def test_stack_command_is_a_gradwatch_subcommand(tmp_path):
     assert "127.0.0.1:9500" in (tmp_path / "prometheus.yml").read_text()
 
 
+def test_runbook_links_can_point_at_your_own_copy_of_the_runbook(tmp_path):
+    """The shipped links name a public repository; a team serves its own RUNBOOK.md (an SRE's
+    trial): --runbook-url moves every alert's link there, in the rendered rules and the
+    PrometheusRule alike, each keeping its section; a URL that is not http(s), or brings its own
+    #fragment, is refused naming the setting."""
+    base = "https://wiki.example.com/ml/gradwatch/RUNBOOK.md"
+    shipped = {n: x["annotations"]["runbook_url"] for n, x in alerts().items()}
+    assert all("#" in u for u in shipped.values())
+    r = stack.render(tmp_path, stack.Settings(runbook_url=base))
+    rendered = {x["alert"]: x["annotations"]["runbook_url"]
+                for g in yaml.safe_load(r.rule_files[0].read_text())["groups"] for x in g["rules"] if "alert" in x}
+    want = {n: base + "#" + u.split("#", 1)[1] for n, u in shipped.items()}
+    assert rendered == want
+    c = run(PROMTOOL, "check", "rules", str(r.rule_files[0]))
+    assert c.returncode == 0, c.stdout + c.stderr
+    cmd = [sys.executable, "-m", "gradwatch.commands", "stack", "--print-prometheusrule"]
+    out = subprocess.run([*cmd, "--runbook-url", base], capture_output=True, text=True, timeout=60)
+    operator = {x["alert"]: x["annotations"]["runbook_url"]
+                for g in yaml.safe_load(out.stdout)["spec"]["groups"] for x in g["rules"] if "alert" in x}
+    assert out.returncode == 0 and operator == want, out.stderr
+    for bad, says in (("ftp://wiki.example.com/r.md", "needs an http"), (base + "#top", "no #fragment"),
+                      ("RUNBOOK.md", "needs an http")):
+        out = subprocess.run([*cmd, "--runbook-url", bad], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "stack.runbook_url" in out.stderr and says in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+
+
 def test_durations_round_trip():
     assert stack.parse_duration("1h30m") == 5400 and stack.parse_duration("500ms") == 0.5
     assert stack.format_duration(6) == "6s" and stack.format_duration(1.5) == "1500ms"
