@@ -237,8 +237,8 @@ def _findings(s: Snapshot):
 
 
 metric("findings", "counter", "Findings raised by each check (a finding stays raised until it resolves).", ("job_id", "check"))(_findings)
-metric("rank_findings", "counter", "Findings raised by each check naming the rank (a job's first " + str(Runner.RANKS_COUNTED_MAX) + " ranks named per check): the rank of a finding shorter than a scrape, which check_rank_flagged never shows; a series appears at its rank's first finding.", ("job_id", "check", "rank"))(
-    lambda s: (((j, c, str(r)), n) for (j, c, r), n in (s.checks.raised_by_rank if s.checks else ())))
+metric("rank_finding_raised_timestamp_seconds", "gauge", "When each check last raised a finding naming the rank, seconds since the epoch (a job's first " + str(Runner.RANKS_TIMED_MAX) + " ranks named per check): the rank of a finding shorter than a scrape, which check_rank_flagged never shows.", ("job_id", "check", "rank"), "seconds")(
+    lambda s: (((j, c, str(r)), t) for (j, c, r), t in (s.checks.raised_at if s.checks else ())))
 def _folded(s: Snapshot):
     v = s.checks
     folded = dict(v.folded) if v else {}
@@ -311,7 +311,7 @@ ESSENTIAL_RANK_METRICS = frozenset(PREFIX + n for n in (
 
 
 #: per-rank series that exist only for the ranks findings name: bounded by the runner, never filtered
-RANK_SERIES_OF_FINDINGS = frozenset(PREFIX + n for n in ("check_rank_flagged", "rank_findings"))
+RANK_SERIES_OF_FINDINGS = frozenset(PREFIX + n for n in ("check_rank_flagged", "rank_finding_raised_timestamp_seconds"))
 
 
 class SnapshotCollector(Collector):

@@ -45,8 +45,8 @@ def main(argv=None) -> None:
             optimizer.zero_grad()
     if dist.get_rank() == 0:
         print(f"trained {args.steps} steps on {dist.get_world_size()} ranks, last loss {loss.item():.4f}")
-    # torch, not gradwatch: a DDP model freed after destroy_process_group (it sits in reference
-    # cycles) can hang gloo's teardown now and then (pytorch/pytorch#56297); free it first
+    # torch, not gradwatch: a DDP model freed after destroy_process_group (here: at the function's
+    # return) can hang gloo's teardown now and then (pytorch/pytorch#56297); free it first
     del model, optimizer, monitor
     gc.collect()
     dist.destroy_process_group()

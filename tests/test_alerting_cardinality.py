@@ -374,37 +374,40 @@ def test_the_agents_cost_gauges_follow_its_latest_message_not_only_probed_steps(
 
 
 @pytest.mark.parametrize("check", ["explosion", "grad_agreement"])  # a plain check; one with a knock-on
-def test_findings_are_counted_per_rank_for_a_bounded_number_of_ranks_and_exported_in_any_job(check):
-    """gradwatch_rank_findings_total names the rank of a finding no scrape saw flagged (the alerts'
-    rank branch). Its series stay bounded whatever a job does: a job's first RANKS_COUNTED_MAX ranks
-    named per check, each raised finding of those counted; the others still in findings_total. A
-    huge job's per-rank filter leaves it whole, and forgetting the job drops it."""
+def test_when_a_finding_last_named_each_rank_is_kept_for_a_bounded_number_of_ranks_and_exported_in_any_job(check):
+    """gradwatch_rank_finding_raised_timestamp_seconds names the rank of a finding no scrape saw
+    flagged (the alerts' rank branch). Its series stay bounded whatever a job does: a job's first
+    RANKS_TIMED_MAX ranks named per check, each one's latest raised finding; the others still in
+    findings_total. A huge job's per-rank filter leaves it whole, and forgetting the job drops it."""
     from gradwatch.aggregator.checks import Evaluation, Outcome, Runner, Thresholds
 
-    runner = Runner([check], Thresholds(), wall=lambda: 0.0)
-    c, cap = runner.checks[check], Runner.RANKS_COUNTED_MAX
+    clock = [1000.0]
+    runner = Runner([check], Thresholds(), wall=lambda: clock[0])
+    c, cap = runner.checks[check], Runner.RANKS_TIMED_MAX
 
     def raise_ranks(ranks, step):
+        clock[0] += 10
         runner._record("j", c, Evaluation(Outcome.FINDING, tuple(Finding(check, "j", step, "bad", rank=r) for r in ranks)))
         runner._record("j", c, Evaluation(Outcome.HEALTHY))  # resolved: the next raise is a new finding
 
-    raise_ranks(range(cap + 36), 1)  # 100 ranks at once
-    raise_ranks([3, cap + 5], 2)  # a counted rank again, and one past the bound
-    raise_ranks([None], 3)  # a finding naming no rank
+    raise_ranks(range(cap + 36), 1)  # 100 ranks at once, at 1010 s
+    raise_ranks([3, cap + 5], 2)  # a kept rank again, and one past the bound, at 1020 s
+    raise_ranks([np.int64(4)], 3)  # a rank as numpy gives it: kept as the int it is
+    raise_ranks([None], 4)  # a finding naming no rank
     view = runner.view()
-    by_rank = dict(view.raised_by_rank)
-    assert len(by_rank) == cap and set(by_rank) == {("j", check, r) for r in range(cap)}
-    assert by_rank[("j", check, 3)] == 2 and by_rank[("j", check, 0)] == 1
-    assert dict(view.raised)[("j", check)] == cap + 36 + 2 + 1
+    at = dict(view.raised_at)
+    assert set(at) == {("j", check, r) for r in range(cap)} and all(type(k[2]) is int for k in at)
+    assert at[("j", check, 3)] == 1020.0 and at[("j", check, 4)] == 1030.0 and at[("j", check, 0)] == 1010.0
+    assert dict(view.raised)[("j", check)] == cap + 36 + 2 + 1 + 1
 
     snap = Snapshot(jobs=(JobView("j", 100_000, (), None, 0, 0, reporting=100_000),), checks=view)
     for limit in (None, 4):  # a job of 100,000 ranks: per-rank series only for named ranks, but these
         got = {(s.labels["check"], int(s.labels["rank"])): s.value
                for fam in SnapshotCollector(lambda: snap, rank_detail_max=limit, rank_series_max=limit).collect()
-               if fam.name == "gradwatch_rank_findings" for s in fam.samples if s.name.endswith("_total")}
-        assert got == {(check, r): float(n) for (_, _, r), n in by_rank.items()}
+               if fam.name == "gradwatch_rank_finding_raised_timestamp_seconds" for s in fam.samples}
+        assert got == {(check, r): t for (_, _, r), t in at.items()}
 
     runner.forget("j")
-    assert not runner.raised_by_rank and not runner.view().raised_by_rank
-    raise_ranks([cap + 5], 4)  # the job's bound starts afresh
-    assert dict(runner.view().raised_by_rank) == {("j", check, cap + 5): 1}
+    assert not runner.raised_at and not runner.view().raised_at
+    raise_ranks([cap + 5], 5)  # the job's bound starts afresh
+    assert dict(runner.view().raised_at) == {("j", check, cap + 5): 1050.0}

@@ -156,12 +156,12 @@ def test_alertmanager_holds_back_warnings_under_a_critical_of_the_same_job_and_r
 def test_a_spike_pages_naming_its_rank_even_if_no_scrape_saw_it_flagged(env):
     """An explosion finding lasts spike_window steps, often less than a scrape interval: its rank's
     check_rank_flagged may never be scraped, and GradientExplosion then paged for the job alone,
-    without its rank (an SRE trial). gradwatch_rank_findings_total keeps the rank: one alert, naming
-    rank 2, whether or not a scrape caught the flag."""
+    without its rank (an SRE trial). gradwatch_rank_finding_raised_timestamp_seconds keeps the
+    rank: one alert, naming rank 2, whether or not a scrape caught the flag."""
     agg, ps = env
     run_demo(agg.endpoint, ranks=3, steps=25, every=10, inject=["explode@20:rank=2"], job="spike")
-    wait_for(lambda: ps.query('gradwatch_rank_findings_total{job_id="spike",check="explosion",rank="2"} == 1'), 30,
-             what=f"rank 2's explosion finding counted in Prometheus\n{ps.logs()}")
+    wait_for(lambda: ps.query('gradwatch_rank_finding_raised_timestamp_seconds{job_id="spike",check="explosion",rank="2"}'),
+             30, what=f"rank 2's explosion finding's time in Prometheus\n{ps.logs()}")
     (alert,) = wait_for(lambda: ps.firing("GradientExplosion", job_id="spike"), 30,
                         what=f"GradientExplosion firing in Prometheus\n{ps.logs()}")
     assert (alert["labels"]["rank"], alert["labels"]["severity"]) == ("2", "critical"), alert["labels"]

@@ -53,6 +53,7 @@ def _rank(rank: int, endpoint: str, master_port: int, dead: bool) -> None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             time.sleep(0.3)
+        del ddp  # the DDP freed while its group is registered (see train_rank in commands/demo/run.py)
     finally:
         dist.destroy_process_group()
 

@@ -735,6 +735,7 @@ def _noise_rank(rank: int, endpoint: str, master_port: int) -> None:
             while mon.sender.pending and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(0.3)
+        del ddp, mon  # the DDP freed while its group is registered (see train_rank in commands/demo/run.py)
     finally:
         dist.destroy_process_group()
 

@@ -75,6 +75,7 @@ def _rank(rank: int, endpoint: str, master_port: int, out: str) -> None:
                 opt.zero_grad(set_to_none=True)
             assert scaler.get_scale() == 2.0**70  # no step skipped
             time.sleep(0.3)
+        del ddp, mon  # the DDP freed while its group is registered (see train_rank in commands/demo/run.py)
     finally:
         dist.destroy_process_group()
 

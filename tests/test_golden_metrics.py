@@ -30,7 +30,7 @@ GOLDEN = ROOT / "tests" / "golden"
 #: (layer_depth, golden file)
 CASES = ((0, "metrics.txt"), (2, "metrics_layer_depth_2.txt"))
 #: sample names whose values depend on the wall clock or on the machine's speed
-VOLATILE = ("gradwatch_rank_last_seen_timestamp_seconds", "gradwatch_check_seconds_total", "gradwatch_decode_seconds_sum")
+VOLATILE = ("gradwatch_rank_last_seen_timestamp_seconds", "gradwatch_rank_finding_raised_timestamp_seconds", "gradwatch_check_seconds_total", "gradwatch_decode_seconds_sum")
 
 JOB, WORLD, EVERY, STEPS = "golden", 3, 5, 51  # the last step is probed
 T0 = 1_700_000_000.0  # senders' wall clock at the first message

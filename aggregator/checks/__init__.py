@@ -404,10 +404,10 @@ class Runner:
     RECENT = 8
     #: knock-ons listed in one cause finding's details (the first ones; knock_on_n counts all)
     KNOCK_ON_MAX = 16
-    #: ranks whose raised findings are counted per rank, per job and check (a finding naming
-    #: another rank is still counted in ``raised``): the per-rank counter's series stay bounded
-    #: whatever a job does, and the ranks a fault names come first
-    RANKS_COUNTED_MAX = 64
+    #: ranks whose latest raised finding's time is kept, per job and check (a finding naming
+    #: another rank is still counted in ``raised``): the per-rank series stay bounded whatever a
+    #: job does, and the ranks a fault names first are the ones kept
+    RANKS_TIMED_MAX = 64
 
     def __init__(self, names: list[str], thresholds: BaseModel, events_path: str = "", sinks=(), wall=time.time):
         load_all()
@@ -417,8 +417,8 @@ class Runner:
         self.status: dict[tuple[str, str], Outcome] = {}
         self.active: dict[tuple[str, str], dict[tuple, Finding]] = {}
         self.raised = collections.Counter()  # (job, check) -> findings raised
-        self.raised_by_rank = collections.Counter()  # (job, check, rank) -> findings raised naming it
-        self._ranks_counted = collections.Counter()  # (job, check) -> ranks in raised_by_rank
+        self.raised_at: dict[tuple[str, str, int], float] = {}  # (job, check, rank) -> wall time of its latest
+        self._ranks_timed = collections.Counter()  # (job, check) -> ranks in raised_at
         self.errors = collections.Counter()  # check -> exceptions
         self.seconds = collections.Counter()  # check -> time spent
         self.events: collections.deque[Event] = collections.deque(maxlen=1000)
@@ -541,14 +541,14 @@ class Runner:
                     self._resolve(job, self.checks[p], self.active[pk].pop(pkey))
 
     def _raise(self, k: tuple[str, str], check: Check, f: Finding) -> None:
-        """Count ``f`` raised (per rank too, for its rank's first :attr:`RANKS_COUNTED_MAX`
-        ranks of the job and check) and emit it."""
+        """Count ``f`` raised, keep when for its rank (one of the first :attr:`RANKS_TIMED_MAX`
+        ranks of the job and check named), and emit it."""
         self.raised[k] += 1
-        if isinstance(f.rank, int):
-            rk = (*k, f.rank)
-            if rk in self.raised_by_rank or self._ranks_counted[k] < self.RANKS_COUNTED_MAX:
-                self._ranks_counted[k] += rk not in self.raised_by_rank
-                self.raised_by_rank[rk] += 1
+        if f.rank is not None:
+            rk = (*k, int(f.rank))
+            if rk in self.raised_at or self._ranks_timed[k] < self.RANKS_TIMED_MAX:
+                self._ranks_timed[k] += rk not in self.raised_at
+                self.raised_at[rk] = self._wall()
         self._emit("raised", check, f)
 
     def _cause(self, job: str, causes: tuple[str, ...], f: Finding) -> Optional[tuple[str, tuple]]:
@@ -655,12 +655,12 @@ class Runner:
             self.status.pop((job, name), None)
             self.active.pop((job, name), None)
             self.raised.pop((job, name), None)
-            self._ranks_counted.pop((job, name), None)
+            self._ranks_timed.pop((job, name), None)
             self.folded.pop((job, name), None)
             for d in (self._folded, self._knock, self._held, self._recent):
                 d.pop((job, name), None)
-        for rk in [rk for rk in self.raised_by_rank if rk[0] == job]:
-            del self.raised_by_rank[rk]
+        for rk in [rk for rk in self.raised_at if rk[0] == job]:
+            del self.raised_at[rk]
 
     def named_ranks(self, jobs) -> dict[str, set]:
         """``{job: ranks its active findings name}`` for each of ``jobs``."""
@@ -697,7 +697,7 @@ class Runner:
             status=tuple(sorted((j, c, o.value) for (j, c), o in self.status.items())),
             active=tuple(f for fs in self.active.values() for f in fs.values()),
             raised=tuple(sorted(self.raised.items())),
-            raised_by_rank=tuple(sorted(self.raised_by_rank.items())),
+            raised_at=tuple(sorted(self.raised_at.items())),
             folded=tuple(sorted(self.folded.items())),
             errors=tuple(sorted(self.errors.items())),
             seconds=tuple(sorted(self.seconds.items())),
@@ -714,7 +714,7 @@ class RunnerView:
     status: tuple = ()
     active: tuple = ()
     raised: tuple = ()
-    raised_by_rank: tuple = ()  # ((job, check, rank), findings raised naming the rank)
+    raised_at: tuple = ()  # ((job, check, rank), wall time of the latest finding raised naming the rank)
     folded: tuple = ()  # ((job, check), findings folded into a cause's as knock-ons)
     errors: tuple = ()
     seconds: tuple = ()

@@ -92,6 +92,7 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
             out = _train(rank, cfg, endpoint)
         except BaseException as e:
             traceback.clear_frames(e.__traceback__)  # the failed step's DDP freed too, the group still here
+            gc.collect()
             raise
         # a DDP's Reducer frees its process group holding the GIL, and gloo's destructor joins worker
         # threads that may need the GIL for a finished collective (pytorch/pytorch#56297): the Reducer
