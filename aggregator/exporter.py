@@ -76,7 +76,7 @@ def _rank_metric(name, kind, help, attr, unit=""):
 
 # --- per rank (sentinel, every step) ------------------------------------------------------------
 _rank_metric("rank_step", "gauge", "Latest optimizer step reported by the rank (0-based).", "step")
-_rank_metric("rank_grad_norm", "gauge", "Global L2 norm of the rank's gradients before its latest optimizer step; NaN/Inf pass through.", "grad_norm")
+_rank_metric("rank_grad_norm", "gauge", "Global L2 norm of the rank's gradients at its latest optimizer step (after any gradient clipping: what the optimizer applies); NaN/Inf pass through.", "grad_norm")
 _rank_metric("rank_loss", "gauge", "Loss the training script handed to Monitor.observe_loss at the rank's latest step (mean over micro-steps); NaN when not observed.", "loss")
 _rank_metric("rank_loss_scale", "gauge", "AMP GradScaler loss scale at the rank's latest step; NaN without a scaler.", "loss_scale")
 _rank_metric("rank_skipped_steps", "counter", "Steps the rank's AMP loss scaler skipped (inf/NaN gradients while it searches the scale): labelled, not alerted (case C10).", "skipped_steps")

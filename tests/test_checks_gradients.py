@@ -161,12 +161,47 @@ def test_explosion_spike_is_a_factor_of_the_rolling_median(history, norm, kinds)
     job = Job(["explosion"])
     for s in range(history):
         job.step(s, 1.0)
-    job.step(history, norm, locals=[0.5, 0.5, 40.0])
+    job.step(history, norm, locals=[1.0, 1.0, 5.0])  # the local norms' mean (2.3x) spikes not
     if kinds is None:
         assert job.events("explosion") == []
     else:
         assert job.events("explosion") == [("raised", history, 2, None)]
         assert job.active("explosion")[0].details["kinds"] == kinds
+
+
+def test_under_gradient_clipping_a_blow_up_is_found_from_the_local_norms_naming_its_rank():
+    """clip_grad_norm_ caps the global norm the agent measures at the optimizer step: a rank's 1e6x
+    loss blow-up read as a norm at the clip, and no finding (a user's trial). The local norms,
+    taken during backward before any clipping, spike: one finding, naming the rank, from the step
+    it happened; a healthy job's local norms, jittering and never clipped, raise none."""
+    rng = np.random.default_rng(5)
+    job = Job(["explosion", "vanishing"], spike_window=20)
+    for s in range(60):  # clipped at 1.0 every step, local norms log-normal around 3 (their batches' noise)
+        job.step(s, 1.0, locals=(3.0 * rng.lognormal(0.0, 0.5, 3)).tolist())
+    assert job.events("explosion") == [] and job.events("vanishing") == []
+    job.step(60, 1.0, locals=[3.1, 2.5e6, 2.9])
+    assert job.events("explosion") == [("raised", 60, 1, None)]
+    (f,) = job.active("explosion")
+    assert f.details["kinds"] == ["spike"] and f.details["source_rank"] == 1
+    spike = f.details["episode"]["spike"]
+    assert spike["local"] == pytest.approx((3.1 + 2.5e6 + 2.9) / 3) and spike["factor"] > 1e5
+    assert "clipped?" in f.summary and "local norms before all-reduce" in f.summary and "rank 1" in f.summary
+    for s in range(61, 81):  # the blow-up's step leaves the window's median alone: back in line
+        job.step(s, 1.0, locals=(3.0 * rng.lognormal(0.0, 0.5, 3)).tolist())
+    assert job.events("explosion") == [("raised", 60, 1, None), ("resolved", 60, 1, None)]
+    assert job.events("vanishing") == []  # it judges the global norm alone
+
+
+def test_local_norms_without_a_global_norm_or_a_history_judge_nothing():
+    """Local norms spike only against their own rolling median (spike_min_history steps of it), and
+    only at steps the global norm can be judged (a NaN there is the nonfinite check's)."""
+    job = Job(["explosion"])
+    for s in range(4):  # too little history
+        job.step(s, 1.0, locals=[1.0, 1.0, 1.0])
+    job.step(4, 1.0, locals=[1.0, 500.0, 1.0])
+    job.step(5, float("nan"), locals=[1.0, 500.0, 1.0])
+    job.step(6, 1.0, locals=[float("nan")] * 3)  # no local norms (no DDP hook)
+    assert job.events("explosion") == []
 
 
 def test_vanishing_is_its_own_check_and_names_no_rank():
@@ -619,8 +654,12 @@ DEMOS = {
     "explode": ["explode@23:rank=1"],
     # step 20 is on the probe cadence (every 10): the probe sees the NaN in the forward pass
     "nan": ["nan@20:rank=1"],
-    "clean": [],
+    # the loop clips the gradient norm (to 0.5, where the healthy GPT's sits near 1-3): the global
+    # norm the agent sees at the step is the clip's, the blow-up only in the local norms
+    "clipped": ["explode@23:rank=1"],
+    "clean": [],  # clipped too: the local norms' spikes must not fire on a healthy job
 }
+CLIP = {"clipped": 0.5, "clean": 1.0}
 
 # (c): the noise job's dataset, model, ranks, samples per rank per step, steps, EMA smoothing
 N_SAMPLES, D_IN, HIDDEN, D_OUT = 512, 32, 32, 8
@@ -640,7 +679,8 @@ def agg(tmp_path_factory):
 def demos(agg):
     """The three 3-rank demo jobs, run side by side against the aggregator."""
     with concurrent.futures.ThreadPoolExecutor(len(DEMOS)) as pool:
-        runs = [pool.submit(run_demo, agg.endpoint, ranks=3, steps=STEPS, every=10, inject=spec, job=job)
+        runs = [pool.submit(run_demo, agg.endpoint, ranks=3, steps=STEPS, every=10, inject=spec, job=job,
+                            extra=["--clip-grad-norm", str(CLIP[job])] if job in CLIP else [])
                 for job, spec in DEMOS.items()]
         for r in runs:
             r.result()
@@ -666,6 +706,17 @@ def test_explosion_explode_at_23_on_rank_1_of_3_named_from_local_norms(demos):
     local = {int(k): v for k, v in e["details"]["local_grad_norms"].items()}
     assert max(local, key=local.get) == 1 and local[1] > 1e3 * max(local[0], local[2])
     assert raised(demos, "explode", "nonfinite") == []
+
+
+@pytest.mark.ddp
+def test_explosion_under_gradient_clipping_found_from_the_local_norms_naming_rank_1(demos):
+    """The same blow-up with the gradient norm clipped before the step: the global norm reads at
+    the clip (a user's trial: no finding at all); the local norms, before clipping, name it."""
+    (e,) = wait_for(lambda: raised(demos, "clipped", "explosion"), 10, what="an explosion finding under clipping")
+    assert (e["step"], e["rank"], e["layer"]) == (23, 1, None), e
+    assert e["details"]["kinds"] == ["spike"] and e["details"]["grad_norm"] <= 0.5 * (1 + 1e-5), e
+    assert e["details"]["episode"]["spike"]["factor"] > 1e3 and "clipped?" in e["summary"], e
+    assert raised(demos, "clipped", "nonfinite") == []
 
 
 @pytest.mark.ddp

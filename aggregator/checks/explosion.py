@@ -10,6 +10,16 @@ with the median over the ranks' finite values. It is
 * *spiking* above ``spike_factor`` times the median of the previous ``spike_window`` steps' norms
   (judged once ``spike_min_history`` steps are known; a median of 0 judges nothing).
 
+Local, every step. Gradient clipping (``clip_grad_norm_`` between backward and the optimizer step,
+in most training loops) caps the global norm the agent measures at the step, so a blow-up would
+read as a norm at the clip: the local norms, taken in the DDP communication hook during backward,
+are before any clipping. Their mean over the reporting ranks' finite values, every step, is also
+*spiking* above ``spike_factor`` times the median of its previous ``spike_window`` steps (judged
+once ``spike_min_history`` are known). Only relative: a local norm holds the batch's noise, and a
+training loop may rescale gradients after backward (by tokens), so ``explode_above`` is the global
+norm's alone. For DDP with mean all-reduce the global gradient is the ranks' mean, so one rank's
+blow-up by F moves the mean local norm by F / world, as it moves the global norm before clipping.
+
 An exploding or spiking step names the rank with the largest *local* gradient norm (before
 all-reduce, from the DDP communication hook) as the likely source: after all-reduce every rank
 holds the same gradient, only the local norms tell which rank's batch produced it. Without local
@@ -121,6 +131,7 @@ class _LayerNorms:
 @dataclass
 class _Job:
     norms: collections.deque
+    local_norms: collections.deque  # each step's mean local norm over ranks (finite ones)
     layer_norms: Optional[_LayerNorms] = None  # every module's probed norms
     episode: Optional[_Episode] = None
     last_step: int = -1  # latest step evaluated (globally or by a round)
@@ -138,7 +149,9 @@ class Explosion(Check):
     severity = "critical"
     description = (
         "Global gradient norm every step, and each layer's at probed steps, against explode_above "
-        "and against spike_factor times its rolling median over spike_window steps. Names "
+        "and against spike_factor times its rolling median over spike_window steps; the ranks' local "
+        "(pre-all-reduce, so pre-clipping) norms' mean every step against spike_factor times its rolling "
+        "median, which finds a blow-up that gradient clipping hides from the global norm. Names "
         "the rank with the largest local (pre-all-reduce) gradient norm at the first bad step as the likely source. One "
         "finding per fault: later bad steps and layers (at most max_layers) within spike_window steps of the last "
         "bad one are folded into it as evidence. Non-finite norms "
@@ -170,7 +183,8 @@ class Explosion(Check):
     def _job(self, job) -> _Job:
         st = self._jobs.get(job.job)
         if st is None:
-            st = self._jobs[job.job] = _Job(collections.deque(maxlen=self.t.spike_window))
+            st = self._jobs[job.job] = _Job(collections.deque(maxlen=self.t.spike_window),
+                                            collections.deque(maxlen=self.t.spike_window))
         return st
 
     @property
@@ -271,12 +285,25 @@ class Explosion(Check):
             bad = (gs > t.explode_above) | ((medians > 0) & (gs > t.spike_factor * medians))
             if "vanish" in self.kinds:
                 bad |= gs < t.vanish_below
+        trouble = {int(idx[i]): self._judge(float(gs[i]), float(medians[i]), global_=True)[0]
+                   for i in np.flatnonzero(bad).tolist()}
+        if "spike" in self.kinds:  # the local norms' spikes (module docstring), where the global norm shows none
+            loc = _means([v.local_grad_norm for v in views])
+            lok = ok & np.isfinite(loc)
+            lidx, ls = np.flatnonzero(lok), loc[lok]
+            lmed = _rolling_medians(np.asarray(st.local_norms, np.float64), ls, t.spike_window, self._min_history)
+            with np.errstate(invalid="ignore"):
+                lbad = (lmed > 0) & (ls > t.spike_factor * lmed)
+            for i in np.flatnonzero(lbad).tolist():
+                kinds = trouble.setdefault(int(lidx[i]), {})
+                if "spike" not in kinds:
+                    kinds["spike"] = {"median": float(lmed[i]), "factor": float(ls[i] / lmed[i]), "local": float(ls[i])}
+            st.local_norms.extend(ls.tolist())
         evs = []
-        for i in np.flatnonzero(bad).tolist():
-            kinds, score = self._judge(float(gs[i]), float(medians[i]), global_=True)
+        for j, kinds in sorted(trouble.items()):
+            i = int(np.searchsorted(idx, j))
             if not kinds:
                 continue
-            j = int(idx[i])
             if j and st.episode is not None:  # the steps judged before this one may have ended the episode
                 st.last_step = max(st.last_step, views[j - 1].step)
                 if self._evaluation(job_id, st) is not None and st.episode is None:
@@ -329,7 +356,7 @@ class Explosion(Check):
             return None
         return Evaluation.found(*([self._finding(job_id, st.episode)] if st.episode is not None else []))
 
-    def _finding(self, job_id: str, e: _Episode) -> Finding:
+    def _finding(self, job_id: str, e: _Episode) -> Finding:  # noqa: C901 (one sentence per kind)
         parts = []
         for kind in ("explode", "vanish", "spike"):
             k = e.kinds.get(kind)
@@ -339,6 +366,12 @@ class Explosion(Check):
                 parts.append(f"gradient norm {_fmt(k['grad_norm'])} above {_fmt(k['threshold'])} (exploding, step {k['step']})")
             elif kind == "vanish":
                 parts.append(f"gradient norm {_fmt(k['grad_norm'])} below {_fmt(k['threshold'])} (vanishing, step {k['step']})")
+            elif "local" in k:
+                parts.append(
+                    f"gradient norm {_fmt(k['grad_norm'])} (clipped?), but the ranks' local norms before all-reduce "
+                    f"{_fmt(k['local'])} (mean), {_fmt(k['factor'])}x their rolling median {_fmt(k['median'])} "
+                    f"(spike, step {k['step']})"
+                )
             else:
                 parts.append(
                     f"gradient norm {_fmt(k['grad_norm'])}, {_fmt(k['factor'])}x its rolling median {_fmt(k['median'])} "
@@ -394,6 +427,17 @@ def _medians(rows: list) -> np.ndarray:
         f = r[np.isfinite(r)]
         if len(f):
             out[i] = np.median(f)
+    return out
+
+
+def _means(rows: list) -> np.ndarray:
+    """float64 [len(rows)]: the mean of each row's finite values (NaN for a row without any)."""
+    out = np.full(len(rows), np.nan)
+    for i, r in enumerate(rows):
+        f = np.asarray(r, np.float64)
+        f = f[np.isfinite(f)]
+        if len(f):
+            out[i] = f.mean()
     return out
 
 

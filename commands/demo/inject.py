@@ -241,15 +241,20 @@ class Injector:
                 with torch.no_grad():
                     dict(model.named_parameters())[f.options["param"]].grad.add_(float(f.options["scale"]))
 
-    def train_step(self, step: int, model, ddp, opt, x, y, loss_of, monitor):
+    def train_step(self, step: int, model, ddp, opt, x, y, loss_of, monitor, clip: float = 0.0):
         """One optimizer step of ``ddp`` on batch ``(x, y)`` with this rank's faults injected at
-        each point (batch, forward, loss, gradients, weights); returns the loss tensor."""
+        each point (batch, forward, loss, gradients, weights), the gradient norm clipped to
+        ``clip`` (0: not) before the step; returns the loss tensor."""
         x, y = self.batch(step, x, y)
         self.before_forward(step, model)
         loss = self.loss(step, loss_of(ddp(x), y))
         monitor.observe_loss(loss)
         loss.backward()
         self.after_backward(step, model)
+        if clip:
+            import torch
+
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         self.after_step(step, model)
         opt.zero_grad(set_to_none=True)

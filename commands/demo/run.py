@@ -45,6 +45,7 @@ class DemoConfig(BaseSettings):
     layers: int = Field(2, ge=1, description="Transformer blocks.")
     heads: int = Field(4, ge=1, description="Attention heads.")
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
+    clip_grad_norm: float = Field(0.0, ge=0, allow_inf_nan=False, description="Clip the gradient norm to this before each optimizer step (torch.nn.utils.clip_grad_norm_, as most training loops do); 0: no clipping.")
     seed: int = Field(0, description="Seed of model initialisation and data order.")
     agent: bool = Field(True, description="Attach the gradwatch agent (--no-agent trains without it).")
     linger_s: float = Field(2.0, ge=0, description="Seconds the demo's aggregator keeps serving after training, before the summary.")
@@ -132,7 +133,8 @@ def _train(rank: int, cfg: DemoConfig, endpoint: str) -> dict:
         for step in range(cfg.steps):
             loss = faults.train_step(step, model, ddp, opt,
                                      *batch(text, cfg.seed, rank, step, cfg.batch_size, cfg.context),
-                                     lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), monitor)
+                                     lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), monitor,
+                                     clip=cfg.clip_grad_norm)
             if bar is not None:
                 loss_v = loss.item()
                 bar.set_postfix(loss=f"{loss_v:.3f}")
