@@ -5,8 +5,9 @@ Two ways to pick probed steps:
 * **budget** (the default, ``every`` unset): the agent measures its own cost (:meth:`ProbeSchedule.account`)
   and probes every ``interval``-th step, the interval chosen so that its average cost stays within
   ``budget`` (a fraction of the step time). ``interval`` is a power of two and a probed step is
-  one with ``step % interval == 0``: ranks that measure slightly different costs still probe the
-  same steps (those of the larger interval), so the aggregator's cross-rank rounds stay complete.
+  one with ``step % interval == 0``: ranks that measure slightly different costs still all probe
+  the steps of the larger interval, so those rounds are complete; the steps only the ranks of a
+  smaller interval probe are rounds the aggregator counts as partial (by schedule), not incomplete.
   ``max_interval_s`` bounds the interval in seconds (detection latency); when even that ceiling
   costs more than :data:`OVER_BUDGET` times the budget, ``over_budget`` is set and one warning says so.
 * **fixed** (``every=N``): every N-th step, as before.

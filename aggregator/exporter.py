@@ -194,8 +194,9 @@ metric("job_messages_lost", "counter", "Messages lost in flight, summed over the
 metric("job_probe_step", "gauge", "Step of the latest reconciled probed step.", ("job_id",))(
     lambda s: (((j.job,), j.last_round.step) for j in s.jobs if j.last_round is not None)
 )
-metric("rounds", "counter", "Probed steps reconciled, by outcome: complete (every rank reported) or incomplete (grace period ran out).", ("job_id", "outcome"))(
-    lambda s: [x for j in s.jobs for x in ((((j.job, "complete"), j.rounds_complete)), ((j.job, "incomplete"), j.rounds_incomplete))]
+metric("rounds", "counter", "Probed steps reconciled, by outcome: complete (every rank reported), partial (the ranks missing did not probe the step: their probe interval skips it, or a burst on other ranks) or incomplete (a report that should have come did not: grace period ran out, or the rank went past the step without it).", ("job_id", "outcome"))(
+    lambda s: [x for j in s.jobs for x in (((j.job, "complete"), j.rounds_complete), ((j.job, "partial"), j.rounds_partial),
+                                          ((j.job, "incomplete"), j.rounds_incomplete))]
 )
 
 # --- the aggregator itself --------------------------------------------------------------------------

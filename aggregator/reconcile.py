@@ -574,6 +574,7 @@ class JobView:
     #: ``{"step": float64 [reporting], "last_seen": float64 [reporting]}`` (None: read ``ranks``)
     rank_columns: Optional[dict] = None
     ended: bool = False  # every rank said goodbye as its process ended (state.JobState.ended)
+    rounds_partial: int = 0  # state.JobState.rounds_partial
 
     @property
     def n_ranks(self) -> int:
@@ -631,11 +632,11 @@ def snapshot(state, wall_now: float) -> Snapshot:
             columns = {"step": col["step"], "last_seen": wall_now - (mono_now - col["last_seen"])}
             jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete,
                                 job.restarts, job.series_dropped, totals, reporting=len(order), rank_columns=columns,
-                                ended=job.ended))
+                                ended=job.ended, rounds_partial=job.rounds_partial))
             continue
         ranks = tuple(_rank_view(r, wall_now, mono_now) for r in order)
         jobs.append(JobView(job.job, job.world, ranks, job.last_round, job.rounds_complete, job.rounds_incomplete,
-                            job.restarts, job.series_dropped, totals, ended=job.ended))
+                            job.restarts, job.series_dropped, totals, ended=job.ended, rounds_partial=job.rounds_partial))
     return Snapshot(
         tuple(jobs),
         checks,

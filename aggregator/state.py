@@ -237,6 +237,9 @@ class JobState:
     last_round: Optional[RoundResult] = None
     rounds_complete: int = 0
     rounds_incomplete: int = 0
+    #: rounds closed without ranks whose probe interval skips their step (a rank whose budget chose
+    #: 64 probes steps its peers at 128 do not): no report is missing, so not incomplete
+    rounds_partial: int = 0
     restarts: int = 0  # times the job came back from an earlier step (a checkpoint) under its id
     retired: frozenset = frozenset()  # boot ids of the previous incarnation: late messages dropped
     retired_at: float = 0.0  # aggregator clock of the restart that retired them
@@ -1014,10 +1017,25 @@ class State:
             job.ended = True
             self.version += 1
 
+    @staticmethod
+    def _unscheduled(job: JobState, rnd: Round) -> bool:
+        """Every rank missing from ``rnd`` is known and its probe interval (its latest message's)
+        skips the round's step: the round is partial by schedule, no report lost. A rank never
+        heard, or of an older agent (interval 0), may have probed it."""
+        missing = job.world - len(rnd.reports)
+        for k, r in job.ranks.items():
+            if k not in rnd.reports:
+                if r.probe_interval <= 0 or rnd.step % r.probe_interval == 0:
+                    return False
+                missing -= 1
+        return missing == 0
+
     def _close(self, job: JobState, rnd: Round, complete: bool) -> None:
         del job.rounds[rnd.step]
         if complete:
             job.rounds_complete += 1
+        elif self._unscheduled(job, rnd):
+            job.rounds_partial += 1
         else:
             job.rounds_incomplete += 1
         args = (job.world, job.schemas, rnd.step, rnd.reports, complete, job.layouts)

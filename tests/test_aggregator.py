@@ -82,12 +82,14 @@ class FakeRank:
     def heartbeat(self, step: int = -1) -> None:
         self.send(wire.Heartbeat(self.header(), step, self.seq, 0, 0))
 
-    def report(self, step: int, grad_norm: float = 1.0, grad_nonfinite: int = 0, probe: dict | None = None) -> None:
+    def report(self, step: int, grad_norm: float = 1.0, grad_nonfinite: int = 0, probe: dict | None = None,
+               probe_interval: int = 0) -> None:
         arrays = {}
         if probe is not None:
             n = len(self.params)
             arrays = dict(probe=True, fp_grad=np.zeros(n, np.uint64), fp_weight=np.zeros(n, np.uint64), **probe)
-        self.send(wire.Report(self.header(), self.schema_hash, step, 0.05, grad_norm, grad_nonfinite, **arrays))
+        self.send(wire.Report(self.header(), self.schema_hash, step, 0.05, grad_norm, grad_nonfinite,
+                              probe_interval=probe_interval, **arrays))
 
     def restart(self, **kw) -> None:
         """A new agent instance: the old one says goodbye (as at process exit), then a new boot id,
@@ -500,6 +502,55 @@ def test_a_round_closes_once_every_missing_rank_went_past_its_step():
     probe(ranks[1], 15)
     out.feed(st)
     assert not job.rounds and job.rounds_complete == 1 and job.rounds_incomplete == 2
+
+
+def test_a_round_only_some_ranks_probe_by_their_interval_is_partial_not_incomplete():
+    """Ranks choose their probe intervals within the budget each, powers of two: one at 64 probes
+    step 64, which its peers at 128 skip. That round is partial (no report lost), not incomplete:
+    counted as such it made a healthy job's incomplete share 40 % and fired IncompleteRounds (a
+    user's trial). A round a rank's interval does include, or one missing a rank of an older agent
+    (interval 0) or one never heard, stays incomplete."""
+    from gradwatch.aggregator.state import State
+
+    st = State(clock=lambda: 100.0)
+    out = _Kept()
+    ranks = [FakeRank(out, "intervals", r, 3) for r in range(3)]
+    interval = {0: 64, 1: 128, 2: 128}
+
+    def report(r, step, probed):
+        r.report(step, probe=probe_arrays(len(SLOTS), len(PARAMS), 10 * step + r.rank) if probed else None,
+                 probe_interval=interval[r.rank])
+
+    for r in ranks:
+        r.schema()
+        report(r, 0, True)
+    out.feed(st)
+    job = st.jobs["intervals"]
+    assert (job.rounds_complete, job.rounds_partial, job.rounds_incomplete) == (1, 0, 0)
+    for step in range(60, 130):
+        for r in ranks:
+            report(r, step, step % interval[r.rank] == 0)
+    out.feed(st)
+    assert (job.rounds_complete, job.rounds_partial, job.rounds_incomplete) == (2, 1, 0)  # 64 partial; 128 complete
+    from gradwatch.aggregator.exporter import SnapshotCollector
+    from gradwatch.aggregator.reconcile import snapshot
+
+    snap = snapshot(st, 1000.0)
+    (fam,) = [f for f in SnapshotCollector(lambda: snap).collect() if f.name == "gradwatch_rounds"]
+    got = {s.labels["outcome"]: s.value for s in fam.samples if s.name.endswith("_total")}
+    assert got == {"complete": 2.0, "partial": 1.0, "incomplete": 0.0}
+    interval[2] = 64  # rank 2 now probes every 64th step too, but its report of 192 never comes
+    for step in range(130, 200):
+        for r in ranks:
+            report(r, step, step % interval[r.rank] == 0 and not (r.rank == 2 and step == 192))
+    out.feed(st)
+    assert (job.rounds_complete, job.rounds_partial, job.rounds_incomplete) == (2, 1, 1)
+    interval.update({1: 0, 2: 0})  # older agents: an interval unknown
+    for step in range(200, 257):
+        for r in ranks:
+            report(r, step, step % 64 == 0 and r.rank == 0)
+    out.feed(st)
+    assert (job.rounds_complete, job.rounds_partial, job.rounds_incomplete) == (2, 1, 2)  # 256 incomplete
 
 
 def test_mesh_ranks_share_one_schema_and_are_placed_by_their_headers():
