@@ -81,6 +81,10 @@ CLOSE_LINGER_MS = 200
 #: refused its key (said at once): a peer killed or stopped mid-handshake, or a proxy before it
 #: starting, fails some handshakes of an agent that is rightly configured
 HANDSHAKE_WARN_S = 10.0
+#: seconds an agent goes without reaching any aggregator (no connection at all: none listening,
+#: a wrong host or port) before it says so, once; and says so again when one answers. A job may
+#: start before its aggregator; a multi-day one must not learn this only at close (a user's trial)
+UNREACHED_WARN_S = 60.0
 _ROW_BYTES = 8 * len(wire.STEP_COLUMNS)
 
 
@@ -245,6 +249,8 @@ class Sender:
         self.refused = 0  # handshakes that failed: refused keys, no CURVE keys, not an aggregator
         self._told = False
         self._failing_since = math.nan  # clock of the first failed handshake, while none succeeded
+        self._started = self._clock()
+        self._told_unreached = False
         self._sock.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name="gradwatch-sender", daemon=True)
 
@@ -372,6 +378,9 @@ class Sender:
             if event == zmq.EVENT_CONNECTED:
                 seen = True
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if not self.connected and self._told_unreached:
+                    log.warning("gradwatch: reached the aggregator at %s after %.0f s", self._endpoint,
+                                self._clock() - self._started)
                 self.connected = True
             elif event & auth.REFUSED_EVENTS:
                 self.refused += 1
@@ -384,6 +393,11 @@ class Sender:
         if not (self.connected or self._told) and self._clock() - self._failing_since >= HANDSHAKE_WARN_S:
             self._told = True
             log.warning("gradwatch: %s", self.refusal())
+        if not (self.connected or self._told or self._told_unreached) and self._clock() - self._started >= UNREACHED_WARN_S:
+            self._told_unreached = True
+            log.warning("gradwatch: no aggregator reached at %s in %.0f s: this rank's reports wait in a bounded queue, then are dropped, until "
+                        "one answers (is it running, and is GRADWATCH_ENDPOINT right?)", self._endpoint,
+                        self._clock() - self._started)
         return seen
 
     def refusal(self) -> str:

@@ -117,6 +117,37 @@ def test_no_aggregator_the_sender_thread_stays_idle_and_counts_each_lost_report_
     assert not sender.alive
 
 
+def test_an_agent_that_reaches_no_aggregator_says_so_during_the_run_and_again_once_one_answers(tmp_path, caplog,
+                                                                                                 monkeypatch):
+    """A wrong endpoint, or an aggregator not started, was said only at close: a multi-day job
+    learned it at its end (a user's trial). Once UNREACHED_WARN_S (1 s here) pass without any
+    connection the agent warns, once, naming the endpoint; when an aggregator then answers, it
+    says that too. Training never waits."""
+    from gradwatch.agent import transport
+
+    monkeypatch.setattr(transport, "UNREACHED_WARN_S", 1.0)
+    caplog.set_level("WARNING", logger="gradwatch.agent")
+    port = free_port()
+    t = Trainer(f"tcp://127.0.0.1:{port}", step_sleep_s=0.005, every=5, heartbeat_s=0.2).start()
+    agg = None
+    try:
+        def said(text):
+            return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+        (msg,) = wait_for(lambda: said("no aggregator reached"), 30, what="the warning after 1 s unreached")
+        assert f"tcp://127.0.0.1:{port}" in msg and "GRADWATCH_ENDPOINT" in msg
+        time.sleep(1.0)
+        assert len(said("no aggregator reached")) == 1  # once
+        agg = start_aggregator(tmp_path, "--publish-interval-s", "0.05", port=port)
+        wait_for(lambda: said("reached the aggregator at"), 30, what="the warning that it is reached now")
+        assert len(said("reached the aggregator at")) == 1 and t.sender.connected
+    finally:
+        t.stop()
+        if agg is not None:
+            agg.stop()
+    assert t.monitor.errors == 0 and t.sender.errors == 0
+
+
 def _rank_step(agg) -> float:
     got = samples(agg.scrape(), "gradwatch_rank_step")
     return max((v for k, v in got.items() if ("job_id", "outage") in k), default=-1.0)
