@@ -592,9 +592,16 @@ class Aggregator:
         stray or forged frame made) and once when it is gone (every rank silent past rank_ttl_s).
         At most ``max_jobs`` are admitted at once, and a job's slot frees only after rank_ttl_s
         of silence: at most 2 x max_jobs lines per rank_ttl_s, whatever peers send."""
-        admitted = {label: job.world for label, job in self.state.jobs.items() if job.admitted}
+        jobs = self.state.jobs
+        admitted = {label: job.world for label, job in jobs.items() if job.admitted}
         for label in sorted(admitted.keys() - self._announced):
-            log.info("gradwatch aggregator: job %r reporting, world %d", label, admitted[label])
+            name = jobs[label].name or label
+            if name != label:  # a second identity under a live job's id: say why it is not that id
+                log.warning("gradwatch aggregator: job %r reporting, world %d, as %r: job %r is live under another "
+                            "key (another job with the same id, or a relaunch of it after a crash: set "
+                            "GRADWATCH_JOB_KEY alike on every launch of one job)", name, admitted[label], label, name)
+            else:
+                log.info("gradwatch aggregator: job %r reporting, world %d", label, admitted[label])
         for label in sorted(self._announced - admitted.keys()):
             log.info("gradwatch aggregator: job %r gone", label)
         self._announced = set(admitted)

@@ -674,6 +674,42 @@ def test_the_daemon_logs_a_job_once_when_admitted_and_once_when_gone(caplog):
     assert lines()[1:] == ["gradwatch aggregator: job 'train\\nfake line' gone"]
 
 
+def test_a_second_job_under_a_live_jobs_id_is_logged_with_its_label_and_why(caplog):
+    """A relaunch after a crash (no goodbye, a new key) or another job with the same id reports as
+    ID~xxxx: its admission line said only the label, never why (a user's trial). It now warns,
+    naming the id, the label and GRADWATCH_JOB_KEY."""
+    import logging
+
+    import msgspec
+
+    from gradwatch.aggregator.config import load
+    from gradwatch.aggregator.daemon import Aggregator
+
+    class Keyed(FakeRank):
+        def __init__(self, *a, key: str):
+            super().__init__(*a)
+            self.key = key
+
+        def header(self):
+            return msgspec.structs.replace(super().header(), key=self.key)
+
+    agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0), clock=lambda: 100.0)
+    out = _Kept()
+    caplog.set_level(logging.INFO, logger="gradwatch.aggregator")
+    for key in ("first-launch", "relaunch"):
+        for r in [Keyed(out, "train", k, 2, key=key) for k in range(2)]:
+            r.schema()
+            r.report(0)
+    for f in out.frames:
+        agg.handle(f)
+    agg.publish()
+    (label,) = [j for j in agg.state.jobs if j != "train"]
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith("gradwatch aggregator: job")]
+    assert said[0] == ("INFO", "gradwatch aggregator: job 'train' reporting, world 2")
+    assert said[1][0] == "WARNING" and f"job 'train' reporting, world 2, as {label!r}" in said[1][1]
+    assert "GRADWATCH_JOB_KEY" in said[1][1] and len(said) == 2
+
+
 def test_the_daemon_says_which_signal_stopped_it(tmp_path):
     agg = start_aggregator(tmp_path)
     agg.stop()  # SIGTERM, as systemd and Kubernetes stop it
