@@ -451,10 +451,12 @@ def itself(t: Thresholds) -> dict:
                        target(f"rate(gradwatch_rank_restarts_total{{{JR}}}{rate})", "rank {{rank}} restarts", "B"),
                    ], unit="reqps", w=8),
         timeseries("Probed-step rounds by outcome", "Probed steps reconciled per second: complete (every rank "
-                   "reported) or incomplete (the grace period ran out).",
+                   "reported), partial (the ranks missing did not probe the step: their interval skips it, or a "
+                   "burst on other ranks) or incomplete (a report due did not come in time).",
                    [target(f"sum by (outcome) (rate(gradwatch_rounds_total{{{J}}}{rate}))", "{{outcome}}")], unit="reqps"),
-        stat("Round completion", "Share of the probed steps in the time range that every rank reported.",
-             [target(f'sum(increase(gradwatch_rounds_total{{{J}, outcome="complete"}}[$__range])) / '
+        stat("Round completion", "Share of the probed steps in the time range reconciled with every report due "
+             "(complete or partial rounds; incomplete ones missed a rank's report).",
+             [target(f'1 - sum(increase(gradwatch_rounds_total{{{J}, outcome="incomplete"}}[$__range])) / '
                      f"sum(increase(gradwatch_rounds_total{{{J}}}[$__range]))")],
              unit="percentunit", w=6, h=8, steps=((0.99, "green"),), no_value="no rounds"),
         stat("Check errors", "Exceptions raised inside checks in the time range (each is isolated and counted).",
