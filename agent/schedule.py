@@ -250,8 +250,9 @@ class ProbeSchedule:
             if self.over_budget and not self._warned:
                 self._warned = True
                 warn_user(
-                    f"gradwatch: the agent costs {c.fraction(top):.1%} of the step time even probing only every "
-                    f"{top} steps (max_probe_interval_s={self.max_interval_s:g}), over {OVER_BUDGET:g}x the budget "
+                    f"gradwatch: the agent costs {c.fraction(top):.1%} of the step time even at its longest probe "
+                    f"interval (max_probe_interval_s={self.max_interval_s:g}: every {top} steps at the step time "
+                    f"measured now; gradwatch_rank_probe_interval_steps follows it), over {OVER_BUDGET:g}x the budget "
                     f"of {self.budget:.1%} (sentinel {c.sentinel_s * 1e3:.3g} ms, probe {extra * 1e3:.3g} ms, "
                     f"step {c.train_s * 1e3:.3g} ms)")
         except Exception as e:
