@@ -393,11 +393,12 @@ class Sender:
         if not (self.connected or self._told) and self._clock() - self._failing_since >= HANDSHAKE_WARN_S:
             self._told = True
             log.warning("gradwatch: %s", self.refusal())
-        if not (self.connected or self._told or self._told_unreached) and self._clock() - self._started >= UNREACHED_WARN_S:
+        waited = self._clock() - self._started
+        if not (self.connected or self._told or self._told_unreached) and waited >= UNREACHED_WARN_S:
             self._told_unreached = True
-            log.warning("gradwatch: no aggregator reached at %s in %.0f s: this rank's reports wait in a bounded queue, then are dropped, until "
-                        "one answers (is it running, and is GRADWATCH_ENDPOINT right?)", self._endpoint,
-                        self._clock() - self._started)
+            log.warning("gradwatch: no aggregator reached at %s in %.0f s: this rank's reports wait in a bounded "
+                        "queue, then are dropped, until one answers (is it running, and is GRADWATCH_ENDPOINT right?)",
+                        self._endpoint, waited)
         return seen
 
     def refusal(self) -> str:

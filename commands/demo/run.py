@@ -136,8 +136,7 @@ def _train(rank: int, cfg: DemoConfig, endpoint: str) -> dict:
                                      lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), monitor,
                                      clip=cfg.clip_grad_norm)
             if bar is not None:
-                loss_v = loss.item()
-                bar.set_postfix(loss=f"{loss_v:.3f}")
+                bar.set_postfix(loss=f"{loss.item():.3f}")
                 bar.update()
         out = {
             "rank": rank, "steps": monitor.step, "probes": monitor.probes,
