@@ -3,10 +3,12 @@
 After all-reduce every rank holds the same gradient, so a rank whose data or device misbehaves
 only shows in what it contributed. DDP hands each gradient bucket to a communication hook before
 reducing it; :class:`CommHook` registers one (only when the model has none) that records the
-L2 norms of the bucket's chunks on the device (:func:`.stats.chunk_norms`, summed in float64 on the host) and the moment the step's first bucket was ready (the rank's own
-compute time, without waiting for peers) with the CPU wait so far of the threads the monitor
-follows (:class:`.measure.RunQueueWait`) and the id of the thread running the hook, then delegates to :func:`allreduce_mean`, which reduces
-exactly as DDP does without a hook. A user's hook registered later becomes the delegate instead of
+L2 norms of the bucket's chunks on the device (:func:`.stats.chunk_norms`, summed in float64 on the host) and the moment the step's first bucket was ready and the
+moment its backward pass ended, DDP's wait for the all-reduce included (the rank's own time is
+the step less what lies between: no waiting for peers), each with the CPU wait so far of the
+threads the monitor follows (:class:`.measure.RunQueueWait`), and the id of the thread running
+the hook, then delegates to :func:`allreduce_mean`, which reduces exactly as DDP does without a
+hook. A user's hook registered later becomes the delegate instead of
 failing; one registered before attach can be wrapped with :meth:`CommHook.wrap`.
 """
 
@@ -62,6 +64,10 @@ class CommHook:
         first_bucket: ``clock()`` time the step's first bucket was ready, or None.
         first_wait: ``wait.read()`` at that moment (the followed threads' schedstat, parsed by
             :func:`.measure.waited_s` on the sender thread), b"" when unknown.
+        backward_end: ``clock()`` time the latest backward pass that handed over a bucket ended,
+            after DDP waited for its all-reduce (an autograd final callback queued behind DDP's
+            own), or None.
+        end_wait: ``wait.read()`` at that moment, b"" when unknown.
         hook_tid: native id of the thread that ran the hook for the first bucket (the training
             thread on CPU, an autograd device thread on CUDA), 0 before one.
         wait: the monitor's :class:`.measure.RunQueueWait`, or None.
@@ -87,6 +93,10 @@ class CommHook:
         self.local_sq: list[torch.Tensor] = []
         self.first_bucket: Optional[float] = None
         self.first_wait = b""
+        self.backward_end: Optional[float] = None
+        self.end_wait = b""
+        self._queued = False  # this backward pass's end is awaited
+        self._timed = True  # cleared if autograd refuses a final callback: the end is then unknown
         self.hook_tid = 0
         self._hook_ident = 0
         self.wait = None  # the monitor's RunQueueWait
@@ -146,6 +156,8 @@ class CommHook:
                 ident = threading.get_ident()  # pthread_self: no system call, unlike the native id
                 if ident != self._hook_ident:
                     self._hook_ident, self.hook_tid = ident, threading.get_native_id()
+            if not self._queued and self._timed:
+                self._await_end()
             t = bucket.buffer()
             if t.layout != torch.strided:  # a sparse gradient's bucket (nn.Embedding(sparse=True)): its values
                 t = dense_values(t)
@@ -159,8 +171,40 @@ class CommHook:
         except Exception as e:
             self.on_error(PART, e)
 
+    def _await_end(self) -> None:
+        """Time the end of the running backward pass. DDP queues its own final callback, which
+        waits for the all-reduce, only once its last bucket is handed over, after this first
+        one: so a callback queued now queues the one that reads the clock, which autograd runs
+        after DDP's."""
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._behind_ddp)
+        except Exception as e:  # not inside a backward pass: the rank's own time stays the compute time
+            self._timed = False
+            log.debug("gradwatch: the end of backward cannot be timed: %s", e)
+            return
+        self._queued = True
+
+    def _behind_ddp(self) -> None:
+        # autograd's thread, at the end of backward, like _ended: never raises into it
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+        except Exception as e:
+            self._timed = False
+            log.debug("gradwatch: the end of backward cannot be timed: %s", e)
+
+    def _ended(self) -> None:
+        try:
+            self._queued = False
+            self.backward_end = self.clock()
+            self.end_wait = self.wait.read() if self.wait is not None else b""
+        except Exception:  # (neither raises: a guard for the thread it runs on)
+            self.backward_end = None
+
     def reset(self) -> None:
         """Forget the step's buckets (a step ended or was skipped)."""
         self.local_sq = []
         self.first_bucket = None
         self.first_wait = b""
+        self.backward_end = None
+        self.end_wait = b""
+        self._queued = False  # a backward pass that raised never ran its callbacks

@@ -100,7 +100,7 @@ class Monitor:
         # CPU wait of the training thread (and of the thread running the DDP hook, when another)
         # within the compute time: read where the interval starts (_post_step) and at the first bucket
         self._wait = measure.RunQueueWait()
-        self._last_wait = b""  # its reading at the previous step's end (measure.waited_s parses it)
+        self._last_wait = b""  # its reading at the previous step's end (report.waited_s parses it)
         self._slots: tuple = ()
         self._schema: Optional[wire.Schema] = None
         self._guard_memory = report.GuardMemory()  # the sender thread's, in step order
@@ -202,20 +202,24 @@ class Monitor:
         return wire.Heartbeat(
             h, step=self.step - 1, sent=self.sender.sent, drops=self.sender.drops,
             errors=self.errors + self.sender.errors, closing=self._closed,
-            in_step_s=time.perf_counter() - self._last_step_end, waiting=self.comm.first_bucket is not None,
+            in_step_s=time.perf_counter() - self._last_step_end,
+            # in DDP's all-reduce: between the step's first bucket and its backward's end
+            waiting=self.comm.first_bucket is not None and self.comm.backward_end is None,
             reason=self._close_reason if self._closed else "", run_s=measure.thread_run_s(self._train_tid),
             schema=self._schema.hash if self._schema is not None else "",
         )
 
-    def _follow_wait(self) -> None:
+    def _follow_wait(self) -> bool:
         """Where the compute time's interval starts: follow the training thread and the latest
-        hook thread (only while buckets are observed: else no compute time to split) and read them."""
+        hook thread (only while buckets are observed: else no compute time to split) and read
+        them. True when that changed the threads followed (readings before are not comparable)."""
         if not self.comm.observing:
             self._last_wait = b""
-            return
+            return True
         train, hook = self._train_tid, self.comm.hook_tid
-        self._wait.follow((train,) if hook in (0, train) else (train, hook))
+        changed = self._wait.follow((train,) if hook in (0, train) else (train, hook))
         self._last_wait = self._wait.read()
+        return changed
 
     def _stop_parts(self) -> None:
         """Hooks that cannot be removed (DDP's, the scaler's while forked) stop observing."""
@@ -251,13 +255,19 @@ class Monitor:
         step = self.step
         now = time.perf_counter()
         self._train_tid = threading.get_native_id()
-        first = self.comm.first_bucket
+        first, end = self.comm.first_bucket, self.comm.backward_end
         compute_time = (first - self._last_step_end) if first is not None else float("nan")
         # the CPU wait over the same interval: both readings of the same threads' files (follow()
         # changes them only here, after this), parsed on the sender thread
         waits = (self._last_wait, self.comm.first_wait) if first is not None else None
         step_time, self._last_step_end = now - self._last_step_end, now
-        self._follow_wait()
+        changed = self._follow_wait()
+        if waits is not None and end is not None and end >= first:
+            # and the rank's own time after its backward pass (clipping, logging, the optimizer),
+            # where a rank slow only there would keep its peers waiting unseen; the wait over it
+            # ends at the reading just taken, unless that follows other threads
+            compute_time += now - end
+            waits += (self.comm.end_wait, b"" if changed else self._last_wait)
         probed, hooks_s, guard_s = self.recorder.probing, self.recorder.host_s, self.recorder.guard_s
         try:
             self._submit(step, step_time, compute_time, waits)

@@ -30,11 +30,14 @@ class StepLayout(msgspec.Struct, frozen=True):
     Attributes:
         step: optimizer steps completed before this one.
         step_time: seconds from the previous step's end to this one's.
-        compute_time: seconds from the previous step's end to this step's first DDP bucket (NaN
-            without a communication hook).
-        waits: ``(start, end)``, the schedstat readings (:class:`.measure.RunQueueWait`) of the
-            training thread (and of the thread that ran the communication hook, when another) at
-            the previous step's end and at this step's first bucket, for the wire's
+        compute_time: the rank's own time in the step, seconds: from the previous step's end to
+            this step's first DDP bucket, plus from the end of its backward pass (DDP's wait for
+            the all-reduce included) to this step's end, where that end was timed (NaN without a
+            communication hook).
+        waits: ``(start, end)`` or ``(start, end, start, end)``, the schedstat readings
+            (:class:`.measure.RunQueueWait`) of the training thread (and of the thread that ran
+            the communication hook, when another) at the previous step's end and at this step's
+            first bucket, then at the end of backward and at this step's end, for the wire's
             ``compute_wait`` (:func:`waited_s`); () when unknown.
         skipped: steps the loss scaler skipped since the previous report.
         schema: hash of the schema the report refers to.
@@ -95,17 +98,24 @@ class StepLayout(msgspec.Struct, frozen=True):
     guard: Optional[tuple[int, ...]] = None
 
 
-def waited_s(start: bytes, end: bytes) -> float:
-    """Seconds the threads waited for a CPU between two :attr:`RunQueueWait.read` readings of the
-    same threads (run-queue wait, schedstat's second field of each thread, summed); NaN when
-    either is unknown or unreadable. Parsed here, on the sender thread, not where it was read (:class:`.measure.RunQueueWait`)."""
+def waited_s(*readings: bytes) -> float:
+    """Seconds the threads waited for a CPU between :attr:`RunQueueWait.read` readings of the
+    same threads, taken in pairs ``(start, end, start, end, ...)`` and summed over the intervals
+    (run-queue wait, schedstat's second field of each thread, summed); NaN when any is unknown or
+    unreadable, or the readings are not pairs. Parsed here, on the sender thread, not where it was
+    read (:class:`.measure.RunQueueWait`)."""
+    if not readings or len(readings) % 2:
+        return math.nan
+    total = 0
     try:
-        a, b = start.split(), end.split()
-        if not a or len(a) != len(b) or len(a) % 3:
-            return math.nan
-        return (sum(map(int, b[1::3])) - sum(map(int, a[1::3]))) * 1e-9
+        for start, end in zip(readings[::2], readings[1::2]):
+            a, b = start.split(), end.split()
+            if not a or len(a) != len(b) or len(a) % 3:
+                return math.nan
+            total += sum(map(int, b[1::3])) - sum(map(int, a[1::3]))
     except ValueError:
         return math.nan
+    return total * 1e-9
 
 
 def grad_sq(sq: np.ndarray, present, shard_dims) -> tuple[tuple[tuple[int, ...], float], ...]:

@@ -180,10 +180,11 @@ def test_comm_hook_sees_buckets_and_leaves_gradients_as_ddp_does(one_rank_group)
     for a, b in zip(plain.parameters(), ddp.parameters()):
         assert torch.equal(a.grad, b.grad)
     assert comm.first_bucket == 42.0 and len(comm.local_sq) >= 1 and not errors
+    assert comm.backward_end == 42.0  # the end of backward, timed by an autograd final callback
     total = sum(float(t.double().square().sum()) for t in comm.local_sq)  # each bucket's chunk norms
     assert total == pytest.approx(sum(float(p.grad.square().sum()) for p in plain.parameters()), rel=1e-5)
     comm.reset()
-    assert comm.local_sq == [] and comm.first_bucket is None
+    assert comm.local_sq == [] and comm.first_bucket is None and comm.backward_end is None
 
     calls = []
 
@@ -374,6 +375,11 @@ def test_run_queue_wait_is_unknown_where_it_cannot_be_read():
     assert waited_s(b"5 100 1\n7 20 2\n", b"9 150 2\n8 70 3\n") == pytest.approx(100e-9)
     for a, b in ((b"5 100 1\n", b"9 150 2\n8 70 3\n"), (b"", b"1 2 3\n"), (b"1 x 3\n", b"1 2 3\n"), (b"1 2\n", b"1 3\n")):
         assert math.isnan(waited_s(a, b)), (a, b)
+    # two intervals (until the first bucket, and after the end of backward): summed; one unknown
+    # reading, or an unpaired one, makes the whole unknown
+    assert waited_s(b"5 100 1\n", b"9 150 2\n", b"9 400 2\n", b"9 425 3\n") == pytest.approx(75e-9)
+    assert math.isnan(waited_s(b"5 100 1\n", b"9 150 2\n", b"", b"9 425 3\n"))
+    assert math.isnan(waited_s(b"5 100 1\n", b"9 150 2\n", b"9 400 2\n")) and math.isnan(waited_s())
 
 
 @needs_schedstat
@@ -409,6 +415,37 @@ def test_the_monitor_sends_the_cpu_wait_within_each_compute_time(one_rank_group,
     # counts as wait and shortens it: time.sleep keeps its deadline), the moments awake may wait
     assert np.median(compute[1:8] - wait[1:8]) >= 0.028, (wait, compute)
     assert np.median(wait[9:] / compute[9:]) > 0.25, (wait, compute)  # spinning beside a spinner: about half waiting
+    assert not monitor.errors
+
+
+def test_the_monitor_counts_the_ranks_work_after_its_backward_pass_as_its_own(one_rank_group, collector):
+    """Time a rank spends between the end of its backward pass and its optimizer step's end
+    (clipping, logging, a slow optimizer) is its own: with 40 ms of sleep there, each step's
+    ``compute_time`` holds them; without it, the step's compute time is a few milliseconds. The
+    backward pass itself ends behind DDP's all-reduce, whose wait is not the rank's."""
+    from gradwatch import agent
+
+    ddp = nn.parallel.DistributedDataParallel(net())
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    monitor = agent.attach(ddp, opt, endpoint=collector.endpoint, job="after", every=1000)
+    try:
+        for step in range(16):
+            ddp(torch.randn(4, 4)).square().sum().backward()
+            assert monitor.comm.backward_end is not None and monitor.comm.backward_end >= monitor.comm.first_bucket
+            if step < 8:
+                time.sleep(0.04)
+            opt.step()
+            opt.zero_grad()
+        collector.drain(monitor)
+    finally:
+        monitor.close()
+    reps = collector.wait_steps(16, job="after")
+    compute = np.array([reps[s].compute_time for s in range(16)])
+    wait = np.array([reps[s].compute_wait for s in range(16)])
+    step_time = np.array([reps[s].step_time for s in range(16)])
+    assert (compute[1:8] >= 0.04).all() and (compute <= step_time + 1e-6).all(), (compute, step_time)
+    assert np.median(compute[9:]) < 0.02, compute
+    assert (wait[np.isfinite(wait)] <= compute[np.isfinite(wait)] + 1e-3).all(), (wait, compute)
     assert not monitor.errors
 
 

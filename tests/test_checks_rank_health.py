@@ -988,14 +988,18 @@ def _raised(agg, job):
 
 @pytest.fixture(scope="module")
 def fault_and_clean(tmp_path_factory):
-    """One straggling and exploding job, and one clean job of the same length, run side by side."""
+    """One straggling and exploding job, one whose straggler is slow only between backward and the
+    optimizer step, and one clean job outlasting both, run side by side."""
     agg = start_aggregator(tmp_path_factory.mktemp("agg"), *SHORT)
     try:
         runs = {
             "faulty": ["straggler@10:rank=1:seconds=0.2", "explode@20:rank=2", "explode@21:rank=2", "explode@22:rank=2"],
+            # slow only after its backward pass (as in clipping or logging): its compute time until
+            # the first bucket is like its peers', who wait for it inside their next all-reduce
+            "late": ["straggler@10:rank=0:seconds=0.2:before=step"],
             "clean": [],
         }
-        steps = {"faulty": 30, "clean": 300}  # the clean job also outlasts the faulty one's end
+        steps = {"faulty": 30, "late": 30, "clean": 300}  # the clean job also outlasts the others' end
         errors = []
 
         def go(job, inject):
@@ -1026,6 +1030,20 @@ def test_straggler_real_run_names_only_the_sleeping_rank(fault_and_clean):
     rel = {dict(k)["rank"]: v for k, v in samples(metrics, "gradwatch_rank_straggler_relative_score").items()
            if ("job_id", "faulty") in k}
     assert set(rel) == {"0", "1", "2"} and rel["1"] < 0.5 and min(rel, key=rel.get) == "1"
+
+
+@pytest.mark.ddp
+def test_straggler_real_run_names_a_rank_slow_only_between_backward_and_the_optimizer_step(fault_and_clean):
+    _, runs, metrics = fault_and_clean
+    raised, events = runs["late"]
+    assert raised == [("straggler", 0)]
+    f = next(e for e in events if e["check"] == "straggler" and e["event"] == "raised")
+    # its own time (0.2 s more a step) is the rank's, not the peers' wait: the other two are not
+    # slower than their typical peer
+    assert f["details"]["source"] == "compute_time_less_wait" and f["details"]["relative_score"] < 0.5
+    rel = {dict(k)["rank"]: v for k, v in samples(metrics, "gradwatch_rank_straggler_relative_score").items()
+           if ("job_id", "late") in k}
+    assert set(rel) == {"0", "1", "2"} and rel["0"] < 0.5 and min(rel["1"], rel["2"]) > 0.7
 
 
 @pytest.mark.ddp

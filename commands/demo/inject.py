@@ -14,7 +14,8 @@ that one rank only, or on every rank with ``rank=all``):
                the same float)
     straggler  sleep ``seconds`` (default 0.2) before every forward pass from STEP on; with
                ``factor=F`` instead F times the median of the rank's own step times before STEP
-               (factor=0.3: 30 % slower)
+               (factor=0.3: 30 % slower); with ``before=step`` between backward and the optimizer
+               step instead (a rank slow in its gradient clipping, logging or optimizer)
     hang       stop the training thread for ``seconds`` (default 60) at STEP; the agent's
                sender thread keeps running, as it would in a rank stuck in a collective or a
                dead data loader
@@ -46,14 +47,14 @@ _DEFAULTS = {
     "nan": {"layer": "blocks.0.mlp.fc", "pass": "forward"},
     "desync": {"scale": "1e-3", "param": "head.weight"},
     "drift": {"param": "head.weight", "bit": "10"},
-    "straggler": {"seconds": "0.2"},
+    "straggler": {"seconds": "0.2", "before": "forward"},
     "hang": {"seconds": "60"},
     "silent": {"seconds": "30"},
     "dead": {"layer": "blocks.0.mlp.fc", "scale": "-1e3", "rank": "all"},  # job-wide faults
     "vanish": {"scale": "1e-12", "rank": "all"},
     "shard": {},
 }
-_KEYS = {"rank", "scale", "layer", "param", "seconds", "bit", "factor", "pass"}
+_KEYS = {"rank", "scale", "layer", "param", "seconds", "bit", "factor", "pass", "before"}
 _NUMBERS = {"scale": float, "seconds": float, "factor": float, "bit": int}  # options read as numbers
 ALL = -1  # Fault.rank of a fault on every rank
 
@@ -94,6 +95,8 @@ def parse(spec: str, world_size: int) -> Fault:
         options[k] = v
     if options.get("pass", "forward") not in ("forward", "backward"):
         raise ValueError(f"inject {spec!r}: pass must be forward or backward")
+    if options.get("before", "forward") not in ("forward", "step"):
+        raise ValueError(f"inject {spec!r}: before must be forward or step")
     for k, kind_of in _NUMBERS.items():
         if k in options:
             try:
@@ -176,13 +179,8 @@ class Injector:
             self._step_times.append(now - self._last)
         self._last = now
         for f in self.faults:
-            if f.kind == "straggler" and step >= f.step:
-                self._mark(f)
-                if "factor" in f.options:
-                    times = sorted(self._step_times[: f.step - 1])  # the steps before STEP
-                    time.sleep(float(f.options["factor"]) * (times[len(times) // 2] if times else 0.0))
-                else:
-                    time.sleep(float(f.options["seconds"]))
+            if f.kind == "straggler" and step >= f.step and f.options.get("before", "forward") == "forward":
+                self._straggle(f)
                 self._last = time.perf_counter()  # the sleep is not the rank's own step time
             elif f.kind == "hang" and step == f.step:
                 self._mark(f)
@@ -219,6 +217,14 @@ class Injector:
                         module.register_forward_hook(lambda m, a, out: out * float("nan"), prepend=True)
                     )
 
+    def _straggle(self, f: Fault) -> None:
+        self._mark(f)
+        if "factor" in f.options:
+            times = sorted(self._step_times[: f.step - 1])  # the steps before STEP
+            time.sleep(float(f.options["factor"]) * (times[len(times) // 2] if times else 0.0))
+        else:
+            time.sleep(float(f.options["seconds"]))
+
     def loss(self, step: int, loss):
         for f in self.faults:
             if f.kind == "explode" and step == f.step:
@@ -236,6 +242,8 @@ class Injector:
         import torch
 
         for f in self.faults:
+            if f.kind == "straggler" and step >= f.step and f.options.get("before") == "step":
+                self._straggle(f)
             if f.kind == "desync" and step == f.step:
                 self._mark(f)
                 with torch.no_grad():
