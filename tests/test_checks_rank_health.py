@@ -1086,14 +1086,17 @@ def _raised_event(agg, job, check):
 
 
 @pytest.mark.ddp
-def test_training_stalled_real_run_names_the_hung_rank_within_3_s_at_default_settings(tmp_path):
+@pytest.mark.parametrize("before", ["forward", "step"])
+def test_training_stalled_real_run_names_the_hung_rank_within_3_s_at_default_settings(tmp_path, before):
+    """Rank 2 hangs before its forward pass, or after its backward pass (its buckets handed to
+    all-reduce: it must not read as one more rank waiting there)."""
     agg = start_aggregator(tmp_path, *SHORT)
-    demo = _demo(agg.endpoint, "hang", 25, ["hang@15:rank=2:seconds=8"])
+    demo = _demo(agg.endpoint, "hang", 25, [f"hang@15:rank=2:seconds=8:before={before}"])
     try:
         named = wait_for(lambda: _active(agg, "hang", "training_stalled"), 120, 0.2, what="training_stalled")
         assert named == [2]
         f = next(f for f in agg.findings("hang", active=True) if f["check"] == "training_stalled")
-        assert f["details"]["waiting"] == [0, 1] and f["step"] == 14
+        assert f["details"]["waiting"] == [0, 1] and f["step"] == (14 if before == "forward" else 15)  # the peers did 15
         # the tiny model's steps take milliseconds: the bound is stall_after_s, and the aggregator
         # named the rank within 3 s of the last completed step it saw, on its own clock
         print(f"training_stalled: stalled_s {f['details']['stalled_s']:.2f}, bound_s {f['details']['bound_s']:.2f}")

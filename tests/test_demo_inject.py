@@ -46,6 +46,8 @@ def test_a_fault_the_model_or_the_run_cannot_take_is_refused(named, spec, steps,
     ("hang@4:seconds=nan", "seconds must be a finite number >= 0"),
     ("straggler@4:factor=inf", "factor must be a finite number >= 0"),
     ("silent@4:seconds=0", "seconds must be > 0"),  # the SIGCONT could come before the stop
+    ("straggler@4:before=backward", "before must be forward or step"),
+    ("explode@4:before=step", "before applies to straggler and hang only"),
 ])
 def test_an_option_that_is_no_number_is_refused_at_parse(spec, says):
     with pytest.raises(ValueError, match=says):

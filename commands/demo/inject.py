@@ -18,7 +18,8 @@ that one rank only, or on every rank with ``rank=all``):
                step instead (a rank slow in its gradient clipping, logging or optimizer)
     hang       stop the training thread for ``seconds`` (default 60) at STEP; the agent's
                sender thread keeps running, as it would in a rank stuck in a collective or a
-               dead data loader
+               dead data loader; before the forward pass, or with ``before=step`` between
+               backward and the optimizer step
     silent     stop the whole rank process (SIGSTOP to itself) at STEP for ``seconds`` (default
                30, > 0): nothing is sent any more, as from a frozen host or a lost network; then
                a process it started before stopping resumes it (SIGCONT), and the job goes on
@@ -48,7 +49,7 @@ _DEFAULTS = {
     "desync": {"scale": "1e-3", "param": "head.weight"},
     "drift": {"param": "head.weight", "bit": "10"},
     "straggler": {"seconds": "0.2", "before": "forward"},
-    "hang": {"seconds": "60"},
+    "hang": {"seconds": "60", "before": "forward"},
     "silent": {"seconds": "30"},
     "dead": {"layer": "blocks.0.mlp.fc", "scale": "-1e3", "rank": "all"},  # job-wide faults
     "vanish": {"scale": "1e-12", "rank": "all"},
@@ -95,6 +96,8 @@ def parse(spec: str, world_size: int) -> Fault:
         options[k] = v
     if options.get("pass", "forward") not in ("forward", "backward"):
         raise ValueError(f"inject {spec!r}: pass must be forward or backward")
+    if "before" in options and kind not in ("straggler", "hang"):
+        raise ValueError(f"inject {spec!r}: before applies to straggler and hang only")
     if options.get("before", "forward") not in ("forward", "step"):
         raise ValueError(f"inject {spec!r}: before must be forward or step")
     for k, kind_of in _NUMBERS.items():
@@ -182,7 +185,7 @@ class Injector:
             if f.kind == "straggler" and step >= f.step and f.options.get("before", "forward") == "forward":
                 self._straggle(f)
                 self._last = time.perf_counter()  # the sleep is not the rank's own step time
-            elif f.kind == "hang" and step == f.step:
+            elif f.kind == "hang" and step == f.step and f.options.get("before", "forward") == "forward":
                 self._mark(f)
                 time.sleep(float(f.options["seconds"]))
             elif f.kind == "silent" and step == f.step:
@@ -244,6 +247,9 @@ class Injector:
         for f in self.faults:
             if f.kind == "straggler" and step >= f.step and f.options.get("before") == "step":
                 self._straggle(f)
+            elif f.kind == "hang" and step == f.step and f.options.get("before") == "step":
+                self._mark(f)
+                time.sleep(float(f.options["seconds"]))
             if f.kind == "desync" and step == f.step:
                 self._mark(f)
                 with torch.no_grad():
