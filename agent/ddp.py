@@ -3,9 +3,9 @@
 After all-reduce every rank holds the same gradient, so a rank whose data or device misbehaves
 only shows in what it contributed. DDP hands each gradient bucket to a communication hook before
 reducing it; :class:`CommHook` registers one (only when the model has none) that records the
-L2 norms of the bucket's chunks on the device (:func:`.stats.chunk_norms`, summed in float64 on the host) and the moment the step's first bucket was ready and the
-moment its backward pass ended, DDP's wait for the all-reduce included (the rank's own time is
-the step less what lies between: no waiting for peers), each with the CPU wait so far of the
+L2 norms of the bucket's chunks on the device (:func:`.stats.chunk_norms`, summed in float64 on the host) and the moment the step's first bucket was ready and,
+for CPU buckets (gloo), the moment its backward pass ended, DDP's wait for the all-reduce included
+(the rank's own time is the step less what lies between: no waiting for peers), each with the CPU wait so far of the
 threads the monitor follows (:class:`.measure.RunQueueWait`), and the id of the thread running
 the hook, then delegates to :func:`allreduce_mean`, which reduces exactly as DDP does without a
 hook. A user's hook registered later becomes the delegate instead of
@@ -63,10 +63,11 @@ class CommHook:
             in float64 by the report builder.
         first_bucket: ``clock()`` time the step's first bucket was ready, or None.
         first_wait: ``wait.read()`` at that moment (the followed threads' schedstat, parsed by
-            :func:`.measure.waited_s` on the sender thread), b"" when unknown.
-        backward_end: ``clock()`` time the latest backward pass that handed over a bucket ended,
-            after DDP waited for its all-reduce (an autograd final callback queued behind DDP's
-            own), or None.
+            :func:`.report.waited_s` on the sender thread), b"" when unknown.
+        backward_end: ``clock()`` time the latest backward pass that handed over a CPU bucket
+            ended, after DDP waited for its all-reduce (an autograd final callback queued behind
+            DDP's own), or None (also while a later backward pass of the step runs, and on
+            accelerators, where DDP's wait returns once the collective is queued on the device).
         end_wait: ``wait.read()`` at that moment, b"" when unknown.
         hook_tid: native id of the thread that ran the hook for the first bucket (the training
             thread on CPU, an autograd device thread on CUDA), 0 before one.
@@ -156,9 +157,9 @@ class CommHook:
                 ident = threading.get_ident()  # pthread_self: no system call, unlike the native id
                 if ident != self._hook_ident:
                     self._hook_ident, self.hook_tid = ident, threading.get_native_id()
-            if not self._queued and self._timed:
-                self._await_end()
             t = bucket.buffer()
+            if not self._queued and self._timed and t.is_cpu:
+                self._await_end()
             if t.layout != torch.strided:  # a sparse gradient's bucket (nn.Embedding(sparse=True)): its values
                 t = dense_values(t)
             t = self.unscale.apply(t)  # a copy only under a huge loss scale: the bucket is DDP's to reduce
@@ -175,7 +176,11 @@ class CommHook:
         """Time the end of the running backward pass. DDP queues its own final callback, which
         waits for the all-reduce, only once its last bucket is handed over, after this first
         one: so a callback queued now queues the one that reads the clock, which autograd runs
-        after DDP's."""
+        after DDP's. CPU buckets only: on an accelerator DDP's wait returns once the collective is
+        queued on the device, so a host sync after backward (GradScaler's step, a logged
+        ``.item()``) would put the wait for peers into the rank's own time."""
+        if torch._C._current_graph_task_id() < 0:
+            return  # outside backward (DDP Join's shadow all-reduce): nothing to time, no reason to stop
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._behind_ddp)
         except Exception as e:  # not inside a backward pass: the rank's own time stays the compute time
@@ -183,6 +188,9 @@ class CommHook:
             log.debug("gradwatch: the end of backward cannot be timed: %s", e)
             return
         self._queued = True
+        # a second backward pass before the optimizer step (accumulation without no_sync, two
+        # losses) waits for its own all-reduce until it ends
+        self.backward_end, self.end_wait = None, b""
 
     def _behind_ddp(self) -> None:
         # autograd's thread, at the end of backward, like _ended: never raises into it

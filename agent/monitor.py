@@ -98,7 +98,8 @@ class Monitor:
         self._pre_s = self._carry_s = 0.0  # the agent's own host time in this step so far (budget)
         self._train_tid = threading.get_native_id()  # the thread stepping the optimizer (see _post_step)
         # CPU wait of the training thread (and of the thread running the DDP hook, when another)
-        # within the compute time: read where the interval starts (_post_step) and at the first bucket
+        # within the compute time: read where its intervals start and end (_post_step, the first
+        # bucket, the end of backward)
         self._wait = measure.RunQueueWait()
         self._last_wait = b""  # its reading at the previous step's end (report.waited_s parses it)
         self._slots: tuple = ()
@@ -290,7 +291,7 @@ class Monitor:
             self._acct_end, self._pre_s = end, 0.0
             self._carry_s = time.perf_counter() - end
 
-    def _submit(self, step: int, step_time: float, compute_time: float, waits: Optional[tuple[bytes, bytes]] = None) -> None:
+    def _submit(self, step: int, step_time: float, compute_time: float, waits: Optional[tuple[bytes, ...]] = None) -> None:
         pre, self._pre = self._pre, None
         present, sections, rows, split = pre if pre is not None else ([], {}, (), 0)
         probe, rec = self.recorder.probing, self.recorder

@@ -32,7 +32,7 @@ class StepLayout(msgspec.Struct, frozen=True):
         step_time: seconds from the previous step's end to this one's.
         compute_time: the rank's own time in the step, seconds: from the previous step's end to
             this step's first DDP bucket, plus from the end of its backward pass (DDP's wait for
-            the all-reduce included) to this step's end, where that end was timed (NaN without a
+            the all-reduce included) to this step's end, where that end was timed (CPU buckets) (NaN without a
             communication hook).
         waits: ``(start, end)`` or ``(start, end, start, end)``, the schedstat readings
             (:class:`.measure.RunQueueWait`) of the training thread (and of the thread that ran

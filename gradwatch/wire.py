@@ -61,8 +61,8 @@ declared once in :mod:`gradwatch.statistics`):
 Column meanings: ``step`` optimizer steps completed before this one, from 0; ``step_time`` seconds
 since the previous step ended; ``compute_time`` the rank's own work in the step, without waiting for
 peers: seconds from the previous step's end until this rank's first gradient bucket was ready for
-all-reduce, plus, where the agent timed it, from the end of its backward pass (after the
-all-reduce) to the step's end (NaN when unknown); ``compute_wait`` seconds of that time the rank's training thread
+all-reduce, plus, where the agent timed it (DDP over gloo: CPU buckets), from the end of its backward pass
+(after the all-reduce) to the step's end (NaN when unknown); ``compute_wait`` seconds of that time the rank's training thread
 (and the thread that ran its DDP communication hook, when another: an autograd device thread)
 spent waiting for a CPU, runnable but not running (Linux schedstat's run-queue wait): time the host
 starved the rank of, not its own work (NaN when unknown: no hook, no ``/proc``); ``grad_norm`` global L2 norm of all gradients before the optimizer step,
@@ -119,9 +119,9 @@ stage totals of the ranks that share every other coordinate (one per stage).
 ``heartbeat`` adds ``step`` (latest step seen, -1 before the first), ``sent`` and ``drops``
 (cumulative messages sent and dropped by this agent), ``errors`` (internal agent failures),
 ``closing`` (the agent is shutting down: the rank finished, it did not go silent), ``in_step_s``
-(seconds since the rank's latest optimizer step ended), ``waiting`` (the rank has handed its first
-gradient bucket of the current step to all-reduce and its backward pass has not ended, i.e. it
-waits on its peers), ``reason`` (why a
+(seconds since the rank's latest optimizer step ended), ``waiting`` (the rank has handed a gradient bucket
+of the current step to all-reduce and, where the agent times it (CPU buckets), the backward pass
+that did has not ended: it waits on its peers), ``reason`` (why a
 closing agent stops, one of :data:`CLOSE_REASONS`; "" otherwise), ``run_s`` (cumulative seconds the
 training thread has been running or waiting for a CPU, from Linux's schedstat: a thread blocked in
 a sleep, a lock or I/O adds nothing; NaN when unknown) and ``schema`` (the hash of the schema the

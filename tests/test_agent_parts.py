@@ -197,6 +197,39 @@ def test_comm_hook_sees_buckets_and_leaves_gradients_as_ddp_does(one_rank_group)
     assert calls and set(calls) == {"mine"} and len(comm.local_sq) == len(calls)
 
 
+def test_the_end_of_backward_is_each_passs_own_and_a_hook_called_outside_backward_keeps_it_timed(one_rank_group):
+    """Two backward passes before one optimizer step (accumulation without no_sync, two losses):
+    while the second one's buckets are reduced, its end is not yet known (the rank waits on its
+    peers). DDP's Join calls the hook outside any backward pass (a shadow all-reduce): nothing to
+    time then, and the next backward pass is still timed."""
+    ddp = nn.parallel.DistributedDataParallel(net())
+    comm = CommHook(Errors(), set())
+    comm.install(ddp)
+    seen = []
+
+    def user_hook(state, bucket):  # runs after the agent's observation of the bucket
+        seen.append(comm.backward_end)
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+    ddp.register_comm_hook(None, user_hook)
+    ddp(torch.randn(6, 4)).square().sum().backward()
+    first_end = comm.backward_end
+    ddp(torch.randn(6, 4)).square().sum().backward()
+    assert first_end is not None and seen and all(e is None for e in seen), seen
+    assert comm.backward_end is not None and comm.backward_end >= first_end
+    comm.reset()
+
+    class Bucket:  # what Join's shadow all-reduce hands the hook: a bucket, no backward pass
+        def buffer(self):
+            return torch.zeros(8)
+
+    comm.observe(Bucket())
+    assert comm._timed and not comm._queued and comm.backward_end is None
+    comm.reset()
+    ddp(torch.randn(6, 4)).square().sum().backward()
+    assert comm.backward_end is not None and comm.backward_end >= comm.first_bucket
+
+
 def test_a_bucket_of_many_chunks_gives_the_local_norm_within_1e6_of_float64(one_rank_group):
     """The hook records a bucket as its chunk norms (one foreach on the device); the report builder
     sums their squares in float64: the local gradient norm is a float64 reference's within 1e-6,

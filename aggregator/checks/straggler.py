@@ -5,8 +5,9 @@ slow rank (a throttled or faulty device, a noisy neighbour, a slow input pipelin
 slows the whole job while every rank's *step* time looks the same. This check therefore times
 what each rank does on its own: ``Report.compute_time``, from the end of its previous optimizer
 step until its first gradient bucket is handed to all-reduce — forward, most of backward and data
-loading — and from the end of its backward pass (DDP has waited for the all-reduce) until its
-optimizer step ends — gradient clipping, logging, the optimizer — but no waiting for peers; less ``Report.compute_wait``, the part of it the rank's
+loading — and, where the agent times it (DDP over gloo: on an accelerator DDP's wait returns
+before the device is done), from the end of its backward pass (DDP has waited for the
+all-reduce) until its optimizer step ends — gradient clipping, logging, the optimizer — but no waiting for peers; less ``Report.compute_wait``, the part of it the rank's
 training thread spent waiting for a CPU (Linux run-queue wait: runnable, not running). That wait
 is the host starving the rank (another busy process on its core, more threads than cores), not
 the rank's own slowness: on a shared host a rank that shares its core with a busy process is
@@ -193,7 +194,7 @@ class Straggler(Check):
     severity = "warning"
     description = (
         "Times each rank's own work per step (compute time: until its first gradient bucket is ready, "
-        "and from the end of its backward pass to its optimizer step's end, without waiting for peers, less the time its training thread waited for a CPU: a host starving a "
+        "and, for DDP over gloo, from the end of its backward pass to its optimizer step's end, without waiting for peers, less the time its training thread waited for a CPU: a host starving a "
         "rank is not the rank's slowness) against the median of its peers' at the same step, so load slowing every "
         "rank cancels out. Names a rank when, over its latest straggler_windows windows of straggler_window "
         "steps pooled, the median of the per-step ratios (peers' median / own: the relative score, as NVIDIA's "

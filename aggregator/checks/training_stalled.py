@@ -28,7 +28,8 @@ if no rank is left to name, the job has moved on and the check is healthy. At th
 the peers so start their next step before the step that freed them is reported.
 
 Each heartbeat says whether the rank has handed its first gradient bucket of the current step to
-all-reduce and its backward pass has not ended yet (``waiting``: it waits on its peers). A rank that is *not* waiting while its peers are
+all-reduce and, where the agent times it (CPU buckets), that backward pass has not ended yet
+(``waiting``: it waits on its peers). A rank that is *not* waiting while its peers are
 is where the job is stuck: its peers wait for it in the collective. A silent rank while its peers
 wait is the same case. The check raises one finding per such rank (naming it, so
 ``gradwatch_check_rank_flagged`` shows it); when no rank can be told apart (every rank waits: a
