@@ -44,12 +44,14 @@ import json, sys, time, requests
 from prometheus_client.parser import text_string_to_metric_families
 base, job = sys.argv[1:3]
 while True:
-    rec = {"t": time.time(), "steps": {}, "findings": None}
+    rec = {"t": time.time(), "steps": {}, "findings": None, "received": {}}
     try:
         for fam in text_string_to_metric_families(requests.get(base + "/metrics", timeout=0.5).text):
             for s in fam.samples:
                 if s.name == "gradwatch_rank_step" and s.labels.get("job_id") == job:
                     rec["steps"][s.labels["rank"]] = s.value
+                elif s.name == "gradwatch_messages_received_total":  # is anything arriving at all
+                    rec["received"][s.labels["kind"]] = s.value
         found = requests.get(base + "/api/findings", params={"active": "1"}, timeout=0.5).json()["findings"]
         rec["findings"] = sorted({f["check"] for f in found if f["job"] == job})
     except Exception as e:
@@ -75,15 +77,17 @@ class Poller:
         for line in self.proc.stdout:
             self.recs.append(json.loads(line))
 
-    def wait(self, pred, timeout: float, what: str) -> dict:
-        """The first record after now satisfying ``pred``; fails the test after ``timeout`` s."""
+    def wait(self, pred, timeout: float, what: str, context=None) -> dict:
+        """The first record after now satisfying ``pred``; fails the test after ``timeout`` s,
+        saying ``context()`` too (what the processes and sockets were doing then)."""
         start, deadline = time.time(), time.monotonic() + timeout
         while time.monotonic() < deadline:
             for r in list(self.recs):
                 if r["t"] >= start and pred(r):
                     return r
             time.sleep(0.05)
-        pytest.fail(f"timed out after {timeout} s waiting for {what}; last records: {self.recs[-5:]}")
+        more = context() if context is not None else ""
+        pytest.fail(f"timed out after {timeout} s waiting for {what}; last records: {self.recs[-5:]}{more}")
 
     def close(self):
         self.proc.kill()
@@ -141,6 +145,19 @@ def _reference(pair, tmp: Path, steps: int) -> None:
         warnings.warn(f"the reference run without the agent failed (rc {rc}), run again: {log[-6000:]}")
 
 
+def _context(pair, tmp: Path) -> str:
+    """For a failure message: the TCP connections of both namespaces (state, queues, timers) and
+    the tails of the aggregator's and the job's logs (the temp directory is gone after the run)."""
+    out = []
+    for ns in (pair.train, pair.agg):
+        r = subprocess.run(pair.cmd(ns, "ss", "-tanoi"), capture_output=True, text=True, timeout=10)
+        out.append(f"--- ss -tanoi in {ns}:\n{r.stdout[-3000:]}{r.stderr[-500:]}")
+    for name in ("aggregator.log", "agent.log"):
+        f = tmp / name
+        out.append(f"--- {name} (tail):\n" + ("\n".join(f.read_text(errors="replace").splitlines()[-40:]) if f.exists() else "(none)"))
+    return "\n" + "\n".join(out)
+
+
 def _progress(tmp: Path, name: str) -> int:
     """Steps both ranks have completed (written after each step)."""
     out = []
@@ -163,7 +180,8 @@ def test_partition_kill_and_stop_leave_training_unchanged_and_metrics_return(pai
         def back_within_5s(what: str) -> None:
             # the step the job had reached at recovery: metrics must show it within 5 s
             at = _progress(tmp_path, "agent")
-            poller.wait(both_at(at), 5.0, f"both ranks at step {at - 1} on /metrics after {what}")
+            poller.wait(both_at(at), 5.0, f"both ranks at step {at - 1} on /metrics after {what}",
+                        context=lambda: _context(pair, tmp_path))
 
         poller.wait(both_at(10), 90.0, "the job's first steps on /metrics")
         # partition: longer than silent_after_s, so the aggregator rightly names both ranks silent
