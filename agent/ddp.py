@@ -28,6 +28,10 @@ log = logging.getLogger("gradwatch.agent")
 
 PART = "comm-hook"  # the name its failures are counted, warned about and switched off under
 
+#: the running backward pass's id, -1 outside one (private to torch: where absent, a hook called
+#: outside backward finds out from queue_callback refusing, and its end is no longer timed)
+_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
+
 
 def allreduce_mean(process_group, bucket):
     """DDP communication hook doing exactly what DDP's reducer does without one: scale the bucket
@@ -179,7 +183,7 @@ class CommHook:
         after DDP's. CPU buckets only: on an accelerator DDP's wait returns once the collective is
         queued on the device, so a host sync after backward (GradScaler's step, a logged
         ``.item()``) would put the wait for peers into the rank's own time."""
-        if torch._C._current_graph_task_id() < 0:
+        if _GRAPH_TASK is not None and _GRAPH_TASK() < 0:
             return  # outside backward (DDP Join's shadow all-reduce): nothing to time, no reason to stop
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._behind_ddp)
