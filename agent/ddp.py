@@ -73,6 +73,8 @@ class CommHook:
             DDP's own), or None (also while a later backward pass of the step runs, and on
             accelerators, where DDP's wait returns once the collective is queued on the device).
         end_wait: ``wait.read()`` at that moment, b"" when unknown.
+        host_s: seconds spent observing buckets since the last reset (the agent's own cost, for
+            its budget and ``agent_cost``).
         hook_tid: native id of the thread that ran the hook for the first bucket (the training
             thread on CPU, an autograd device thread on CUDA), 0 before one.
         wait: the monitor's :class:`.measure.RunQueueWait`, or None.
@@ -100,6 +102,7 @@ class CommHook:
         self.first_wait = b""
         self.backward_end: Optional[float] = None
         self.end_wait = b""
+        self.host_s = 0.0
         self._queued = False  # this backward pass's end is awaited
         self._timed = True  # cleared if autograd refuses a final callback: the end is then unknown
         self.hook_tid = 0
@@ -154,6 +157,7 @@ class CommHook:
         """Record one bucket's chunk norms (on the device, no sync) and, for the first, the time."""
         if not self.live or PART in self.disabled:
             return
+        t0 = time.perf_counter()
         try:
             if self.first_bucket is None:
                 self.first_bucket = self.clock()
@@ -175,6 +179,7 @@ class CommHook:
             self.local_sq.append(chunk_norms((t,), (k,), split_max(t)) if k <= SPLIT_MAX else l2_norms([t])[0].reshape(1))
         except Exception as e:
             self.on_error(PART, e)
+        self.host_s += time.perf_counter() - t0
 
     def _await_end(self) -> None:
         """Time the end of the running backward pass. DDP queues its own final callback, which
@@ -219,4 +224,5 @@ class CommHook:
         self.first_wait = b""
         self.backward_end = None
         self.end_wait = b""
+        self.host_s = 0.0
         self._queued = False  # a backward pass that raised never ran its callbacks

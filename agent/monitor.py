@@ -269,7 +269,7 @@ class Monitor:
             # ends at the reading just taken, unless that follows other threads
             compute_time += now - end
             waits += (self.comm.end_wait, b"" if changed else self._last_wait)
-        probed, hooks_s, guard_s = self.recorder.probing, self.recorder.host_s, self.recorder.guard_s
+        probed, hooks_s, guard_s = self.recorder.probing, self.recorder.host_s + self.comm.host_s, self.recorder.guard_s
         try:
             self._submit(step, step_time, compute_time, waits)
         except Exception as e:
@@ -282,7 +282,7 @@ class Monitor:
         if self.scaler is not None:
             self.scaler.stepped = True
         if self.active:  # a failed step may have switched the agent off: no hooks after close
-            # the budget: this step's agent host time (sentinel, module hooks, submit, and the
+            # the budget: this step's agent host time (sentinel, bucket observation, module hooks, submit, and the
             # previous boundary's hook switching) against its wall time, boundary to boundary
             end = time.perf_counter()
             agent_s = self._carry_s + self._pre_s + hooks_s + guard_s + (end - now)

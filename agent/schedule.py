@@ -78,7 +78,8 @@ class Cost:
     :data:`REFRESH` samples (and on each of the first), of probed steps on every sample.
 
     Attributes:
-        sentinel_s: agent host time on an unprobed step (sentinel, step hooks, pack, submit).
+        sentinel_s: agent host time on an unprobed step (sentinel, DDP bucket observation,
+            step hooks, pack, submit).
         step_s: wall time of an unprobed step, agent included.
         probe_host_s: agent host time on a probed step (module and tensor hooks included).
         probe_step_s: wall time of a probed step.

@@ -482,6 +482,33 @@ def test_the_monitor_counts_the_ranks_work_after_its_backward_pass_as_its_own(on
     assert not monitor.errors
 
 
+def test_the_agents_own_cost_includes_its_bucket_observation(one_rank_group, collector, monkeypatch):
+    """The budget (and ``agent_cost``) counts every host second the agent spends, the DDP bucket
+    observation during backward included: made 3 ms slower, it shows in the unprobed steps' cost."""
+    from gradwatch import agent
+    from gradwatch.agent import ddp as ddp_mod
+
+    real = ddp_mod.chunk_norms
+
+    def slow(*args, **kwargs):
+        time.sleep(0.003)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ddp_mod, "chunk_norms", slow)
+    ddp = nn.parallel.DistributedDataParallel(net())
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    monitor = agent.attach(ddp, opt, endpoint=collector.endpoint, job="cost")  # budget mode
+    try:
+        for _ in range(40):
+            ddp(torch.randn(4, 4)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert monitor.schedule.cost.sentinel_s >= 0.003, monitor.schedule.cost.sentinel_s
+        assert not monitor.errors
+    finally:
+        monitor.close()
+
+
 # --- report builder -------------------------------------------------------------------------------
 
 
