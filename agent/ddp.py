@@ -190,24 +190,26 @@ class CommHook:
         ``.item()``) would put the wait for peers into the rank's own time."""
         if _GRAPH_TASK is not None and _GRAPH_TASK() < 0:
             return  # outside backward (DDP Join's shadow all-reduce): nothing to time, no reason to stop
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._behind_ddp)
-        except Exception as e:  # not inside a backward pass: the rank's own time stays the compute time
-            self._timed = False
-            log.debug("gradwatch: the end of backward cannot be timed: %s", e)
-            return
-        self._queued = True
-        # a second backward pass before the optimizer step (accumulation without no_sync, two
-        # losses) waits for its own all-reduce until it ends
-        self.backward_end, self.end_wait = None, b""
+        if self._queue(self._behind_ddp):
+            self._queued = True
+            # a second backward pass before the optimizer step (accumulation without no_sync, two
+            # losses) waits for its own all-reduce until it ends
+            self.backward_end, self.end_wait = None, b""
 
     def _behind_ddp(self) -> None:
         # autograd's thread, at the end of backward, like _ended: never raises into it
+        self._queue(self._ended)
+
+    def _queue(self, callback) -> bool:
+        """Queue an autograd final callback; False (and no more timing) where autograd refuses:
+        the rank's own time stays the time until the first bucket."""
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
+            return True
         except Exception as e:
             self._timed = False
             log.debug("gradwatch: the end of backward cannot be timed: %s", e)
+            return False
 
     def _ended(self) -> None:
         try:

@@ -393,8 +393,8 @@ class Sender:
         if not (self.connected or self._told) and self._clock() - self._failing_since >= HANDSHAKE_WARN_S:
             self._told = True
             log.warning("gradwatch: %s", self.refusal())
-        waited = self._clock() - self._started
-        if not (self.connected or self._told or self._told_unreached) and waited >= UNREACHED_WARN_S:
+        waited = 0.0 if self.connected or self._told or self._told_unreached else self._clock() - self._started
+        if waited >= UNREACHED_WARN_S:
             self._told_unreached = True
             log.warning("gradwatch: no aggregator reached at %s in %.0f s: this rank's reports wait in a bounded "
                         "queue, then are dropped, until one answers (is it running, and is GRADWATCH_ENDPOINT right?)",

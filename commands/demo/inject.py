@@ -182,12 +182,11 @@ class Injector:
             self._step_times.append(now - self._last)
         self._last = now
         for f in self.faults:
-            if f.kind == "straggler" and step >= f.step and f.options.get("before", "forward") == "forward":
+            if f.kind == "straggler" and step >= f.step and self._before(f, "forward"):
                 self._straggle(f)
                 self._last = time.perf_counter()  # the sleep is not the rank's own step time
-            elif f.kind == "hang" and step == f.step and f.options.get("before", "forward") == "forward":
-                self._mark(f)
-                time.sleep(float(f.options["seconds"]))
+            elif f.kind == "hang" and step == f.step and self._before(f, "forward"):
+                self._hang(f)
             elif f.kind == "silent" and step == f.step:
                 import os
                 import signal
@@ -220,6 +219,15 @@ class Injector:
                         module.register_forward_hook(lambda m, a, out: out * float("nan"), prepend=True)
                     )
 
+    @staticmethod
+    def _before(f: Fault, point: str) -> bool:
+        """A straggler or hang acts before this point of the step: ``forward`` or ``step``."""
+        return f.options.get("before", "forward") == point
+
+    def _hang(self, f: Fault) -> None:
+        self._mark(f)
+        time.sleep(float(f.options["seconds"]))
+
     def _straggle(self, f: Fault) -> None:
         self._mark(f)
         if "factor" in f.options:
@@ -245,11 +253,10 @@ class Injector:
         import torch
 
         for f in self.faults:
-            if f.kind == "straggler" and step >= f.step and f.options.get("before") == "step":
+            if f.kind == "straggler" and step >= f.step and self._before(f, "step"):
                 self._straggle(f)
-            elif f.kind == "hang" and step == f.step and f.options.get("before") == "step":
-                self._mark(f)
-                time.sleep(float(f.options["seconds"]))
+            elif f.kind == "hang" and step == f.step and self._before(f, "step"):
+                self._hang(f)
             if f.kind == "desync" and step == f.step:
                 self._mark(f)
                 with torch.no_grad():
