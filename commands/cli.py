@@ -10,7 +10,7 @@ that model and one line in :class:`Gradwatch`::
 Exit statuses: 0 done; 2 an invalid, unknown or missing setting (one line naming it:
 ``gradwatch: aggregator.metrics_port: Input should be ...``); 1 a command that failed
 (:class:`~gradwatch.commands.errors.CommandError` and the other :class:`~gradwatch.GradwatchError`
-s, one line). Importing this module imports neither torch nor a Grafana client.
+s, one line). Importing this module imports neither torch, nor a Grafana client, nor textual.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from .demo.run import DemoConfig, run as run_demo
 from .errors import CommandError
 from .keys import KeysCommand
 from .stack import StackCommand
+from .top import TopCommand
 
 
 class AggregatorCommand(AggregatorConfig):
@@ -70,6 +71,8 @@ class Gradwatch(BaseSettings):
         description="Make CURVE keys: a server pair for the aggregator, client pairs for the agents.")
     stack: CliSubCommand[StackCommand] = Field(
         description="Run a local Prometheus and Alertmanager with the shipped alert rules against an aggregator.")
+    top: CliSubCommand[TopCommand] = Field(
+        description="Watch a running aggregator live in the terminal: jobs, ranks, findings (pip install 'gradwatch[top]').")
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)
