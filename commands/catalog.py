@@ -1,8 +1,8 @@
-"""README catalog, generated from the registries: metrics, statistics, checks, thresholds and settings.
+"""The catalog (docs/catalog.md), generated from the registries: metrics, statistics, checks, thresholds and settings.
 
 ``python -m gradwatch.commands.catalog`` prints it; ``python -m gradwatch.commands.catalog --write``
-rewrites the part of README.md between the catalog markers. tests/test_readme.py fails when README
-drifts. A tool for a checkout: the README it writes by default is the checkout's.
+rewrites the part of docs/catalog.md between the catalog markers. tests/test_readme.py fails when
+the file drifts. A tool for a checkout: the file it writes by default is the checkout's.
 """
 
 from __future__ import annotations
@@ -99,30 +99,32 @@ def render() -> str:
     return "\n".join(out)
 
 
-def splice(readme: str, catalog: str) -> str:
-    head, sep, rest = readme.partition(BEGIN)
+def splice(doc: str, catalog: str) -> str:
+    """``doc`` with the part between the catalog markers (markers included) replaced by ``catalog``;
+    ValueError when ``doc`` lacks a marker."""
+    head, sep, rest = doc.partition(BEGIN)
     _, sep2, tail = rest.partition(END)
     if not sep or not sep2:
-        raise ValueError("README.md lacks the catalog markers")
+        raise ValueError("the catalog file lacks the catalog markers")
     return head + catalog + tail
 
 
 class CatalogCommand(BaseSettings):
-    """Print the README catalog (metrics, checks, thresholds, settings), generated from the registries."""
+    """Print the catalog (metrics, checks, thresholds, settings), generated from the registries."""
 
     model_config = SettingsConfigDict(
         env_prefix="GRADWATCH_CATALOG_", extra="forbid", frozen=True, cli_kebab_case=True,
         cli_implicit_flags=True, cli_prog_name="python -m gradwatch.commands.catalog",
     )
 
-    write: bool = Field(False, description="Rewrite the catalog in --readme instead of printing it.")
-    readme: str = Field(str(Path(__file__).resolve().parents[1] / "README.md"),
-                        description="README.md to rewrite (default: the checkout's).")
+    write: bool = Field(False, description="Rewrite the catalog in --path instead of printing it.")
+    path: str = Field(str(Path(__file__).resolve().parents[1] / "docs" / "catalog.md"),
+                      description="Markdown file whose catalog markers --write rewrites (default: the checkout's docs/catalog.md).")
 
     def cli_cmd(self) -> None:
         text = render()
         if self.write:
-            path = Path(self.readme)
+            path = Path(self.path)
             path.write_text(splice(path.read_text(), text))
         else:
             print(text)

@@ -1,6 +1,6 @@
 """Cardinality budget (case C34): a synthetic 1,024-rank x 200-layer job, fed as real wire frames to an
 in-process aggregator (no sockets, no ranks), exports a bounded number of series; the figures are the
-ones README's "Cardinality budget" section and the scrape job's sample_limit state.
+ones the scrape job's sample_limit and the stated budget give (docs/operations.md: Cardinality budget).
 
 Also: layer grouping combines member layers soundly, and the per-rank detail limit keeps the ranks a
 finding names."""
@@ -25,7 +25,7 @@ from gradwatch.aggregator.reconcile import JobView, Snapshot, group_layers, laye
 from .conftest import ROOT
 
 WORLD, EVERY = 1024, 10
-#: the budget README states for this job with layer_depth=2 and the default rank_detail_max
+#: the budget docs/operations.md states for this job with layer_depth=2 and the default rank_detail_max
 BUDGET = 8_000
 SAMPLE_LIMIT = 20_000
 
@@ -130,7 +130,7 @@ def test_shipped_scrape_job_sets_the_sample_limit_the_budget_assumes():
     cfg = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     (job,) = [j for j in cfg["scrape_configs"] if j["job_name"] == "gradwatch"]
     assert job["sample_limit"] == SAMPLE_LIMIT
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "operations.md").read_text()
     section = readme.split("## Cardinality budget", 1)[1].split("\n## ", 1)[0]
     assert f"{BUDGET:,}" in section and f"{SAMPLE_LIMIT:,}" in section
 
