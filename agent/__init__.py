@@ -31,11 +31,16 @@ def attach(model, optimizer, *, scaler=None, mesh=None, **settings):
     """Attach the agent to ``model`` (plain or DistributedDataParallel) and its ``optimizer``.
 
     Args:
-        model: the ``torch.nn.Module`` being trained, optionally wrapped in DDP or torch.compile.
-        optimizer: its ``torch.optim.Optimizer``; its step marks the step boundary.
-        scaler: the ``torch.amp.GradScaler``, if the script uses one: steps it skips (inf/NaN
-            gradients) are then counted and labelled instead of reported (case C10), and reports
-            carry the loss scale.
+        model: the ``torch.nn.Module`` being trained, optionally wrapped in DDP or torch.compile;
+            the module inside DDP works too (a framework's callback gets that one): the wrapper is
+            found when it first runs the module (:class:`.targets.FollowDDP`).
+        optimizer: its ``torch.optim.Optimizer``, or a framework's wrapper of one (accelerate's
+            ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, DeepSpeed's): the step of
+            the optimizer inside (:func:`.targets.real_optimizer`) marks the step boundary. A
+            ``step(closure)`` (Lightning, LBFGS) is measured after its closure ran.
+        scaler: the ``torch.amp.GradScaler``, if the script uses one (found by itself inside
+            accelerate's optimizer wrapper): steps it skips (inf/NaN gradients) are then counted
+            and labelled instead of reported, and reports carry the loss scale.
         mesh: the job's whole ``torch.distributed.DeviceMesh``, when the model alone does not show
             it: pipeline parallelism with plain (DDP or unsharded) stages, whose stage dimension
             must be named ``pp``. Under FSDP2, HSDP and tensor parallelism it is found from the

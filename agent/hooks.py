@@ -72,10 +72,18 @@ def _in_backward() -> bool:
 
 def first_batch(args: tuple, kwargs: dict) -> int:
     """Samples in a root call: the first dimension of its first tensor argument of at least one
-    dimension, positional first, then keyword (``model(input_ids=..., labels=...)``); 0 if none."""
-    for a in (*args, *kwargs.values()):
+    dimension, positional first, then keyword (``model(input_ids=..., labels=...)``); where no
+    argument is such a tensor, the first one inside a tuple, list or dict argument (Lightning's
+    ``training_step(batch, batch_idx)`` with ``batch = (x, y)``); 0 if none."""
+    values = (*args, *kwargs.values())
+    for a in values:
         if isinstance(a, torch.Tensor) and a.dim() > 0:
             return a.shape[0]
+    for a in values:
+        items = a.values() if isinstance(a, dict) else a if isinstance(a, (tuple, list)) else ()
+        for t in items:
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                return t.shape[0]
     return 0
 
 

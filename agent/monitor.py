@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import os
 import secrets
 import threading
@@ -29,7 +30,7 @@ import torch
 from gradwatch import wire
 from gradwatch.errors import warn_user
 
-from . import frame, measure, parallel, report
+from . import frame, measure, parallel, report, targets
 from .amp import UNSCALE_BELOW, UNSCALE_FROM, ScalerWatch, Unscale
 from .config import AgentConfig, job_key, resolve_identity
 from .failures import Failures
@@ -40,6 +41,8 @@ from .null import NullMonitor  # noqa: F401  (re-exported)
 from .schedule import ProbeSchedule
 from .stats import Reducer
 from .transport import Sender
+
+log = logging.getLogger("gradwatch.agent")
 
 _MONITORS: "weakref.WeakSet[Monitor]" = weakref.WeakSet()
 
@@ -70,6 +73,9 @@ class Monitor:
         self.job, self.rank, self.world_size, self.local_rank, self.host = resolve_identity(cfg)
         self.job_key = job_key(cfg, self.job, self.world_size)
         self.boot = secrets.token_hex(8)
+        if scaler is None:  # accelerate's optimizer wrapper steps through the GradScaler it holds
+            scaler = targets.wrapped_scaler(optimizer)
+        optimizer = targets.real_optimizer(optimizer)  # inside a framework's wrapper: the one that steps
         inner = unwrap(model)
         # DDP, FSDP1, FSDP2/HSDP, tensor and pipeline parallel: what this rank holds of each parameter
         self.layout = parallel.detect(inner, mesh)
@@ -90,6 +96,7 @@ class Monitor:
         self.fingerprints = Fingerprints(self.world_size)
         self.scaler: Optional[ScalerWatch] = None
         self.step = self.probes = 0
+        self._stepped = False  # an optimizer step has ended (start_at is refused after one)
         self._closed = self._forked = False
         self._close_reason = ""  # wire.CLOSE_REASONS, sent in the goodbye heartbeat
         self._pre: Optional[tuple[list[int], dict, tuple, int]] = None  # the sentinel's (present, sections, rows, split)
@@ -112,8 +119,30 @@ class Monitor:
             schema_every_s=cfg.schema_every_s, world=self.world_size, coalesce_s=cfg.coalesce_s, watch=self._watch,
             errors=lambda: self.failures.errors, keys=cfg.curve_keys(),
         )
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and cfg.local_norms:
-            self.comm.install(model)
+        self._step_handles: list = []
+        self._at_close: list[Callable[[], None]] = []
+        self._follow: Optional[targets.FollowDDP] = None
+        try:
+            self._install(model, inner, optimizer, scaler)
+        except BaseException:
+            # whatever was started goes: no hook left behind, no socket or context left for the
+            # garbage collector to close on some training thread
+            self._closed = self.failures.stopped = True
+            self._teardown()
+            raise
+        _MONITORS.add(self)
+        ref = weakref.ref(self)
+        atexit.register(lambda: (m := ref()) and m.close("exit"))
+
+    def _install(self, model: torch.nn.Module, inner: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> None:
+        """Hooks on the model, the optimizer and the scaler, then the sender thread."""
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if self.cfg.local_norms:
+                self.comm.install(model)
+        elif self.world_size > 1 and self.layout.kind == "plain" and self.layout.mesh is None:
+            # given the module inside DDP (a framework's callback, or attached before wrapping):
+            # the wrapper is found when it first runs the module
+            self._follow = targets.FollowDDP(inner, self._adopt_ddp, self._no_ddp, self.failures)
         self.comm.wait = self._wait
         self._follow_wait()
         self._step_handles = [
@@ -122,10 +151,8 @@ class Monitor:
         ]
         if scaler is not None:
             self.scaler = ScalerWatch(scaler, self._discard_step, self.failures)
+        self._check_optimizer(inner, optimizer)
         self.sender.start()
-        _MONITORS.add(self)
-        ref = weakref.ref(self)
-        atexit.register(lambda: (m := ref()) and m.close("exit"))
         self.schedule.advance(0)
 
     # --- public ------------------------------------------------------------------------------
@@ -138,6 +165,13 @@ class Monitor:
     def errors(self) -> int:
         return self.failures.errors
 
+    @property
+    def local_norms(self) -> bool:
+        """Whether the ranks' own gradient norms (before all-reduce) are measured: a DDP
+        communication hook of the agent's is in place or wrapped, or the DDP wrapper of the
+        module it was given is awaited (:class:`.targets.FollowDDP`)."""
+        return self.active and (self.comm.observing or self._follow is not None)
+
     def close(self, reason: str = "closed") -> None:
         """Remove every hook, stop the sender; idempotent, never raises. ``reason`` (one of
         ``wire.CLOSE_REASONS``) travels in the goodbye heartbeat."""
@@ -145,18 +179,9 @@ class Monitor:
             return
         self._close_reason = reason
         self._closed = self.failures.stopped = True
-        self._stop_parts()
-        self._wait.close()
-        self.recorder.remove(final=True)
-        for h in self._step_handles:
-            h.remove()
-        self._step_handles = []
-        if self.scaler is not None:
-            self.scaler.close()
-            self.scaler = None
+        self._teardown()
         if not self._forked:
             try:
-                self.sender.close()
                 if self.sender.refused and not self.sender.connected:  # wrong keys or port must not go unnoticed
                     warn_user(f"gradwatch: {self.sender.refusal()} ({self.sender.refused} failed handshakes)")
                 elif not self.sender.connected:  # a wrong endpoint must not go unnoticed
@@ -164,6 +189,28 @@ class Monitor:
                               "aggregator (is it running, and is GRADWATCH_ENDPOINT right?)")
             except Exception:
                 pass
+
+    def _teardown(self) -> None:
+        """Every part stopped and every hook removed; the sender closed unless in a forked child
+        (the parent's socket is not the child's to close). Never raises."""
+        for part in (self._stop_parts, self._wait.close, lambda: self.recorder.remove(final=True),
+                     self._remove_step_hooks, self._close_scaler,
+                     lambda: self._follow is not None and self._follow.remove(keep_traced=True),
+                     lambda: self._forked or self.sender.close(), *self._at_close):
+            try:
+                part()
+            except Exception:
+                pass
+
+    def _remove_step_hooks(self) -> None:
+        handles, self._step_handles = self._step_handles, []
+        for h in handles:
+            h.remove()
+
+    def _close_scaler(self) -> None:
+        scaler, self.scaler = self.scaler, None
+        if scaler is not None:
+            scaler.close()
 
     def __enter__(self) -> "Monitor":
         return self
@@ -179,6 +226,23 @@ class Monitor:
         if self.active and isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self._losses.append(loss.detach().reshape(()).float())
 
+    def at_close(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when the monitor closes (an integration undoing what it wrapped); its
+        exceptions are swallowed."""
+        self._at_close.append(fn)
+
+    def start_at(self, step: int) -> None:
+        """Number steps from ``step``: the next optimizer step is reported as step ``step`` and
+        the ones after it count on from there (a framework's own numbering, a resumed run). Only
+        before the first step: later, or for a negative ``step``, it warns and changes nothing."""
+        if not self.active:
+            return
+        if self.step != 0 or self._stepped or not isinstance(step, int) or step < 0:
+            warn_user(f"gradwatch: start_at({step!r}) ignored: give a step >= 0 before the first optimizer step")
+            return
+        self.step = step
+        self.schedule.advance(step)
+
     def wrap_comm_hook(self, hook):
         """Wrap a user's DDP communication hook so the agent still sees local gradient norms.
 
@@ -187,6 +251,38 @@ class Monitor:
             ddp.register_comm_hook(state, monitor.wrap_comm_hook(fp16_compress_hook))
         """
         return self.comm.wrap(hook)
+
+    # --- what the agent was given (training thread) ------------------------------------------
+
+    def _adopt_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """The DDP wrapper found running the module the agent was given: its buckets are observed
+        from now on (the ranks' own gradient norms)."""
+        self._follow = None
+        if self.active and self.cfg.local_norms:
+            self.comm.install(ddp)
+            log.info("gradwatch: found the DistributedDataParallel wrapper of the model it was given; "
+                     "the ranks' own gradient norms are measured from this step on")
+
+    def _no_ddp(self) -> None:
+        self._follow = None
+        if self.active:
+            warn_user(
+                f"gradwatch: rank {self.rank} of {self.world_size} trains a model that no DistributedDataParallel runs: "
+                "the ranks' own gradient norms (before all-reduce) are not measured, so a blow-up under gradient "
+                "clipping is not found and no finding names the rank it came from. Attach the model DDP wraps "
+                "(gw.attach(ddp_model, optimizer)), or wrap your own communication hook with monitor.wrap_comm_hook")
+
+    @staticmethod
+    def _check_optimizer(inner: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Warn when the optimizer updates none of the parameters the agent watches (the model was
+        wrapped, FSDP's flat or DTensor parameters made, after the agent was given it)."""
+        mine = {id(p) for p in inner.parameters()}
+        theirs = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if mine and theirs and not (mine & theirs):
+            warn_user(
+                "gradwatch: the optimizer updates none of the parameters of the model the agent was given (was "
+                "the model wrapped, FSDP or fully_shard applied, after attach?): its gradient statistics would "
+                "read parameters that never get gradients. Attach the model the optimizer was built from")
 
     # --- wire messages (called from the sender thread) -----------------------------------------
 
@@ -237,9 +333,32 @@ class Monitor:
         self.recorder.reset()
         self._unscale.reset()
 
-    def _pre_step(self, optimizer, args, kwargs) -> None:
+    def _pre_step(self, optimizer, args, kwargs):
         if not self.active or "sentinel" in self.disabled:
-            return
+            return None
+        # ``args`` holds the optimizer, then step's own arguments
+        closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+        if callable(closure):
+            # the closure computes this step's gradients (Lightning, LBFGS): measured after it runs
+            wrapped = functools.partial(self._run_closure, closure)
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": wrapped}
+            return (args[0], wrapped, *args[2:]), kwargs
+        self._take_sentinel()
+        return None
+
+    def _run_closure(self, closure, *args, **kwargs):
+        """The user's closure (forward and backward), then the sentinel over the gradients it
+        left; its loss is the step's unless ``observe_loss`` gave one. An optimizer calling it
+        several times (LBFGS) gets the sentinel of the last call."""
+        loss = closure(*args, **kwargs)
+        if self.active and not self._losses and isinstance(loss, torch.Tensor):
+            self.observe_loss(loss)
+        if self.active and "sentinel" not in self.disabled:
+            self._take_sentinel()
+        return loss
+
+    def _take_sentinel(self) -> None:
         t0 = time.perf_counter()
         try:
             scale = self.scaler.scale() if self.scaler is not None else None  # get_scale() would sync
@@ -275,6 +394,7 @@ class Monitor:
         except Exception as e:
             self.failures("step", e)
         self.step = step + 1
+        self._stepped = True
         self.recorder.reset()
         self.comm.reset()
         self._unscale.reset()

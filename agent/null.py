@@ -11,6 +11,7 @@ class NullMonitor:
     """What :func:`attach` returns when the agent is disabled or cannot run: does nothing."""
 
     active = False
+    local_norms = False
     step = probes = errors = 0
     not_instrumented: list = []
 
@@ -19,6 +20,12 @@ class NullMonitor:
 
     def wrap_comm_hook(self, hook):
         return hook
+
+    def start_at(self, step: int) -> None:
+        pass
+
+    def at_close(self, fn) -> None:
+        pass
 
     def close(self) -> None:
         pass

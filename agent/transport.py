@@ -219,31 +219,6 @@ class Sender:
         self._beat_errors = 0  # the error count the latest heartbeat said
         self.turns = 0  # sender loop turns (tests bound them)
         self.blocked = 0  # attempts that found ZeroMQ refusing
-        self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, send_hwm)
-        if keys is not None:
-            keys.apply(self._sock)  # CURVE client: before connect
-        # queue only to a connected aggregator: a restarted one must not first get stale reports
-        # queued during the outage, ahead of the schema resent on connect
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)
-        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # ms, exponential in between
-        self._sock.setsockopt(zmq.CONNECT_TIMEOUT, 2000)  # a SYN into a partition is given up
-        if keys is None:
-            # a peer that accepts TCP but never speaks ZMTP (an HTTP port) fails the handshake
-            # after 5 s, not ZeroMQ's 30 s. (With CURVE the aggregator's ZAP thread admits ~1,000
-            # handshakes a second: a large job connecting at once needs ZeroMQ's default.)
-            self._sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
-        # ZMTP heartbeats: a peer silent for 3 s (partition, SIGSTOP) is dropped and reconnected,
-        # instead of waiting out TCP's retransmission backoff after the network heals
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        # completed handshakes (a TCP connection alone is not one: a CURVE aggregator refuses a
-        # keyless agent, an HTTP port answers no ZMTP) and failed ones (said once, counted)
-        self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | auth.REFUSED_EVENTS)
         self._endpoint = endpoint
         self._curve = keys is not None
         self.refused = 0  # handshakes that failed: refused keys, no CURVE keys, not an aggregator
@@ -251,7 +226,37 @@ class Sender:
         self._failing_since = math.nan  # clock of the first failed handshake, while none succeeded
         self._started = self._clock()
         self._told_unreached = False
-        self._sock.connect(endpoint)
+        self._ctx = zmq.Context(io_threads=1)
+        try:
+            self._sock = self._ctx.socket(zmq.PUSH)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.SNDHWM, send_hwm)
+            if keys is not None:
+                keys.apply(self._sock)  # CURVE client: before connect
+            # queue only to a connected aggregator: a restarted one must not first get stale reports
+            # queued during the outage, ahead of the schema resent on connect
+            self._sock.setsockopt(zmq.IMMEDIATE, 1)
+            self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # ms, exponential in between
+            self._sock.setsockopt(zmq.CONNECT_TIMEOUT, 2000)  # a SYN into a partition is given up
+            if keys is None:
+                # a peer that accepts TCP but never speaks ZMTP (an HTTP port) fails the handshake
+                # after 5 s, not ZeroMQ's 30 s. (With CURVE the aggregator's ZAP thread admits ~1,000
+                # handshakes a second: a large job connecting at once needs ZeroMQ's default.)
+                self._sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+            # ZMTP heartbeats: a peer silent for 3 s (partition, SIGSTOP) is dropped and reconnected,
+            # instead of waiting out TCP's retransmission backoff after the network heals
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+            # completed handshakes (a TCP connection alone is not one: a CURVE aggregator refuses a
+            # keyless agent, an HTTP port answers no ZMTP) and failed ones (said once, counted)
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | auth.REFUSED_EVENTS)
+            self._sock.connect(endpoint)
+        except BaseException:
+            # nothing half-made is left for the garbage collector to close on another thread
+            self._ctx.destroy(linger=0)
+            raise
         self._thread = threading.Thread(target=self._run, name="gradwatch-sender", daemon=True)
 
     def start(self) -> "Sender":
@@ -312,11 +317,21 @@ class Sender:
         self._stop.set()
         self._wake.set()
         if self._thread.ident is None:  # never started: the thread would have closed these
-            self._monitor.close(linger=0)
-            self._sock.close(linger=0)
-            self._ctx.term()
+            self._release()
         elif threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+    def _release(self) -> None:
+        """Close both sockets without lingering and end the context; returns at once (nothing
+        left open for ``term`` to wait for). Never raises."""
+        try:
+            self._sock.disable_monitor()
+        except Exception:
+            pass
+        try:
+            self._ctx.destroy(linger=0)
+        except Exception:
+            pass
 
     # --- sender thread -------------------------------------------------------------------------
 

@@ -1,0 +1,300 @@
+"""What ``attach`` is given and how it can fail: framework wrappers of the optimizer, steps taken
+with a closure, numbering steps from a framework's, and every way attach can fail leaving nothing
+running (no hook, no thread, no ZeroMQ context that blocks the garbage collector).
+
+Real parts: real models and optimizers, the agent's real ZeroMQ socket reporting to a real PULL
+socket bound here, and fresh interpreters where a hang is what is tested for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gradwatch import agent
+from gradwatch.agent import targets
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Wrapper(torch.optim.Optimizer):
+    """An optimizer wrapper as accelerate writes one: an ``Optimizer`` subclass that never runs
+    ``Optimizer.__init__`` and steps the optimizer it holds."""
+
+    def __init__(self, optimizer, scaler=None):
+        self.optimizer = optimizer
+        self.scaler = scaler
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.optimizer.zero_grad(set_to_none)
+
+
+class Holder:
+    """A wrapper as Lightning writes one: no optimizer at all, the real one as ``_optimizer``."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+
+
+def native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+# --- the optimizer the agent hooks ------------------------------------------------------------------
+
+
+def test_real_optimizer_follows_wrappers_to_the_one_with_step_hooks():
+    model = nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert targets.real_optimizer(sgd) is sgd
+    assert targets.real_optimizer(Wrapper(sgd)) is sgd
+    assert targets.real_optimizer(Holder(Wrapper(sgd))) is sgd
+    with pytest.raises(TypeError, match=r"Wrapper -> object is no torch.optim.Optimizer"):
+        targets.real_optimizer(Wrapper(object()))
+    with pytest.raises(TypeError, match="Holder"):
+        targets.real_optimizer(Holder(None))
+    scaler = torch.amp.GradScaler("cpu")
+    assert targets.wrapped_scaler(Wrapper(sgd, scaler)) is scaler
+    assert targets.wrapped_scaler(Wrapper(sgd)) is None and targets.wrapped_scaler(sgd) is None
+
+
+def test_a_wrapped_optimizer_is_monitored_through_the_one_inside(collector):
+    """The twelve lines that once hung: a Linear, SGD in an accelerate-style wrapper, attach. Now
+    the wrapped optimizer's steps are reported, and the wrapper's own object gets no hook."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapper = Wrapper(sgd)
+    monitor = agent.attach(model, wrapper, endpoint=collector.endpoint, every=1, nan_guard="off")
+    try:
+        assert monitor.active
+        for _ in range(3):
+            F.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 2)).backward()
+            wrapper.step()
+            wrapper.zero_grad()
+        assert monitor.step == 3
+        assert len(sgd._optimizer_step_pre_hooks) == 1 and "_optimizer_step_pre_hooks" not in vars(wrapper)
+        reports = collector.wait_steps(3)
+        assert all(reports[s].probe for s in range(3))
+    finally:
+        monitor.close()
+    assert not sgd._optimizer_step_pre_hooks and not sgd._optimizer_step_post_hooks
+
+
+# --- every way attach can fail ----------------------------------------------------------------------
+
+FAILURES = textwrap.dedent(
+    """
+    import gc, json, os, sys, threading, time, warnings
+    import torch, torch.nn as nn
+    import gradwatch.agent as gw
+
+    def tasks():
+        return len(os.listdir("/proc/self/task"))
+
+    class NeverInit(torch.optim.Optimizer):          # holds nothing that steps
+        def __init__(self, params): self.params = list(params)
+
+    class RefusesPostHook(torch.optim.SGD):           # fails after the pre-hook is in place
+        def register_step_post_hook(self, hook): raise RuntimeError("no post hooks here")
+
+    class FrozenScaler:                                # the agent cannot wrap its update
+        __slots__ = ()
+        def update(self): pass
+
+    model = nn.Linear(4, 2)
+    base = tasks()
+    cases = {
+        "optimizer-without-hooks": lambda: gw.attach(model, NeverInit(model.parameters()), endpoint=EP),
+        "optimizer-refuses-a-hook": lambda: gw.attach(model, RefusesPostHook(model.parameters(), lr=0.1), endpoint=EP),
+        "scaler-refuses-its-wrapper": lambda: gw.attach(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                        scaler=FrozenScaler(), endpoint=EP),
+    }
+    out = {}
+    for name, make in cases.items():
+        t0 = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            monitor = make()
+        del monitor
+        gc.collect()
+        out[name] = dict(
+            monitor_seconds=time.monotonic() - t0,
+            warned=[str(w.message) for w in caught if "could not attach" in str(w.message)],
+            threads=[t.name for t in threading.enumerate() if t is not threading.main_thread()],
+            native_extra=tasks() - base,
+            model_hooks=len(model._forward_pre_hooks) + len(model._forward_hooks),
+        )
+    print(json.dumps(out))
+    """
+)
+
+
+def test_every_failed_attach_returns_at_once_and_leaves_nothing_running(tmp_path):
+    """In a fresh interpreter (a hang there must not hang the suite): each failure after the
+    agent's socket exists warns, returns the null monitor within seconds, and leaves no thread
+    (Python's or ZeroMQ's native ones), no hook, and nothing that blocks ``gc.collect()``."""
+    script = tmp_path / "failures.py"
+    script.write_text("EP = 'tcp://127.0.0.1:9'\n" + FAILURES)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(out) == {"optimizer-without-hooks", "optimizer-refuses-a-hook", "scaler-refuses-its-wrapper"}
+    for name, r in out.items():
+        assert r["warned"], (name, r)
+        assert r["monitor_seconds"] < 10, (name, r)
+        assert r["threads"] == [] and r["native_extra"] == 0, (name, r)
+        assert r["model_hooks"] == 0, (name, r)
+
+
+def test_a_sender_that_cannot_be_made_closes_its_context():
+    """The socket's setup failing part-way (here: key material that cannot be applied) ends
+    the ZeroMQ context it made, so no native thread of it is left behind."""
+    from gradwatch.agent.transport import Sender
+
+    class BadKeys:
+        def apply(self, sock):
+            raise ValueError("not a key pair")
+
+    base = native_threads()
+    for _ in range(3):
+        with pytest.raises(ValueError, match="not a key pair"):
+            Sender("tcp://127.0.0.1:9", header=None, schema=None, heartbeat=None, keys=BadKeys())
+    assert native_threads() == base
+
+
+# --- steps taken with a closure --------------------------------------------------------------------
+
+
+def _norm64(model: nn.Module) -> float:
+    return math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword"])
+def test_a_step_with_a_closure_reports_the_gradients_it_applies(collector, how):
+    """``optimizer.step(closure)`` (Lightning's automatic optimization): the closure computes this
+    step's gradients inside the step, and the reported norm is theirs (float64 reference taken in
+    the closure), not the previous step's; the loss is the one the closure returns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    monitor = agent.attach(model, opt, endpoint=collector.endpoint, every=2, nan_guard="off")
+    ref_norms, ref_losses = [], []
+    try:
+        for step in range(6):
+            x, y = torch.randn(16, 6) * (1 + step), torch.randn(16, 3)
+
+            def closure():
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                ref_norms.append(_norm64(model))
+                ref_losses.append(float(loss.detach()))
+                return loss
+
+            opt.step(closure) if how == "positional" else opt.step(closure=closure)
+        reports = collector.wait_steps(6)
+    finally:
+        monitor.close()
+    for step in range(6):
+        r = reports[step]
+        assert r.grad_norm == pytest.approx(ref_norms[step], rel=1e-6), step
+        assert r.loss == pytest.approx(ref_losses[step], rel=1e-6), step
+    assert reports[2].probe and not reports[1].probe
+
+
+def test_observe_loss_inside_the_closure_wins_and_lbfgs_gets_the_last_evaluation(collector):
+    """A loss given to ``observe_loss`` during the step is the step's, not the closure's return;
+    LBFGS, which evaluates its closure several times a step, is measured at the gradients the
+    last evaluation left."""
+    torch.manual_seed(1)
+    model = nn.Linear(5, 1)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    monitor = agent.attach(model, opt, endpoint=collector.endpoint, every=1, nan_guard="off")
+    x, y = torch.randn(32, 5), torch.randn(32, 1)
+    last, calls = [], []
+    try:
+        for step in range(3):
+            def closure():
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                if not calls or calls[-1] != step:
+                    monitor.observe_loss(torch.tensor(100.0 + step))
+                calls.append(step)
+                last[:] = [_norm64(model)]
+                return loss
+
+            opt.step(closure)
+            reports = collector.wait_steps(step + 1)
+            assert reports[step].grad_norm == pytest.approx(last[0], rel=1e-6)
+            assert reports[step].loss == pytest.approx(100.0 + step)
+    finally:
+        monitor.close()
+    assert len(calls) > 3  # LBFGS evaluated more than once a step
+    assert monitor.errors == 0
+
+
+# --- steps numbered as a framework numbers them -----------------------------------------------------
+
+
+def test_start_at_numbers_steps_from_the_frameworks_step(collector):
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = agent.attach(model, opt, endpoint=collector.endpoint, every=4, nan_guard="off")
+    try:
+        monitor.start_at(41)
+        for _ in range(4):
+            F.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 1)).backward()
+            opt.step()
+            opt.zero_grad()
+        with pytest.warns(RuntimeWarning, match="start_at"):
+            monitor.start_at(0)  # after a step: refused, said
+        reports = collector.wait(lambda: (r := collector.reports()) and 44 in r and r, what="steps 41..44")
+    finally:
+        monitor.close()
+    assert sorted(reports) == [41, 42, 43, 44] and monitor.step == 45
+    assert [s for s in sorted(reports) if reports[s].probe] == [44]  # the cadence counts the framework's steps
+
+
+def test_the_batch_is_found_inside_a_tuple_argument():
+    from gradwatch.agent.hooks import first_batch
+
+    x, y = torch.zeros(7, 3), torch.zeros(7)
+    assert first_batch(((x, y), 0), {}) == 7  # Lightning's training_step(batch, batch_idx)
+    assert first_batch(({"input_ids": torch.zeros(5, 2, dtype=torch.long)},), {}) == 5
+    assert first_batch((torch.zeros(4, 1), (x, y)), {}) == 4  # a tensor argument comes first
+    assert first_batch((3, "a"), {}) == 0
+
+
+def test_an_optimizer_over_other_parameters_is_said(collector):
+    """The model the agent watches is not the one the optimizer trains (wrapped after attach):
+    warned at attach, naming what to do."""
+    model, other = nn.Linear(3, 1), nn.Linear(3, 1)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="updates none of the parameters"):
+        monitor = agent.attach(model, opt, endpoint=collector.endpoint)
+    monitor.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ok = agent.attach(other, opt, endpoint=collector.endpoint)
+    ok.close()
+    assert ok is not monitor and not [w for w in caught if "updates none" in str(w.message)]
