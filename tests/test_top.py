@@ -249,6 +249,19 @@ def test_rank_status_in_order_of_what_matters():
     assert model.rank_status(was, job, now, 2.5, 600) == "ok (was explosion, 1m15s ago)"
 
 
+def test_rank_rows_list_every_rank_by_rank_or_those_needing_a_look_first():
+    now = 1000.0
+    ranks = tuple(model.Rank(k, last_seen=now) for k in range(6))
+    ranks = ranks[:2] + (model.Rank(2, last_seen=now - 30), model.Rank(3, last_seen=now, flagged=("straggler",)),
+                         model.Rank(4, last_seen=now, named=(("explosion", now - 5),))) + ranks[5:]
+    job = model.Job(JOB, world=6, reporting=6, ranks=ranks[::-1])
+    rows, hidden = model.rank_rows(job, now, 2.5, 600, most=6)
+    assert [(r.rank, s) for r, s in rows] == [(0, "ok"), (1, "ok"), (2, "silent"), (3, "straggler"),
+                                               (4, "ok (was explosion, 5.0s ago)"), (5, "ok")] and hidden == 0
+    rows, hidden = model.rank_rows(job, now, 2.5, 600, most=4)
+    assert [r.rank for r, _ in rows] == [2, 3, 4, 0] and hidden == 2
+
+
 def test_age_reads_in_a_few_characters():
     assert [model.age(s) for s in (0.04, 9.96, 12.5, 185, 7440, math.nan, -1)] == [
         "0.0s", "10.0s", "12s", "3m05s", "2h04m", "-", "0.0s"]

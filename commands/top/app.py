@@ -96,25 +96,20 @@ class JobPanel(Vertical):
         if job.restarts:
             parts.append(f"restarts {job.restarts}")
         if job.active:
-            parts.append("findings: " + ", ".join(f"{c}" + (f" x{n}" if n > 1 else "") for c, n in job.active))
+            parts.append("findings: " + ", ".join(c + (f" x{n}" if n > 1 else "") for c, n in job.active))
         self.title.update(Text("  ·  ".join(parts), style="bold red" if job.active else ""))
 
         self.spark.data = history.sparkline(self.job_id)
-        pts = [(s, v) for s, v in history.points(self.job_id)]
+        pts = history.points(self.job_id)
         label = f"grad norm {number(job.grad_norm)}"
         finite = [v for _, v in pts if math.isfinite(v) and v > 0]
         if finite:
             label += f" (log scale: {number(min(finite))}..{number(max(finite))}, steps {pts[0][0]}..{pts[-1][0]})"
         self.spark_label.update(label)
 
-        rows = list(job.ranks)
-        statuses = {r.rank: model.rank_status(r, job, now, silent_after_s, recent_s) for r in rows}
-        if len(rows) > max_ranks:  # the ranks that need a look first, then by rank
-            rows.sort(key=lambda r: (statuses[r.rank].startswith(("ok", "finished")), r.rank))
-        shown = sorted(rows[:max_ranks], key=lambda r: r.rank) if len(rows) <= max_ranks else rows[:max_ranks]
+        rows, hidden = model.rank_rows(job, now, silent_after_s, recent_s, max_ranks)
         self.ranks.clear()
-        for r in shown:
-            word = statuses[r.rank]
+        for r, word in rows:
             self.ranks.add_row(
                 str(r.rank), "-" if r.step is None else str(r.step), seconds(r.step_s), number(r.grad_norm),
                 number(r.local_grad_norm), number(r.loss),
@@ -122,9 +117,9 @@ class JobPanel(Vertical):
                 Text(word, style=_status_style(word)), key=str(r.rank),
             )
         notes = []
-        if len(rows) > max_ranks:
-            notes.append(f"{len(rows) - max_ranks} more ranks not shown (--max-ranks {max_ranks})")
-        if job.world > len(job.ranks) and job.reporting > len(job.ranks):
+        if hidden:
+            notes.append(f"{hidden} more ranks not shown (--max-ranks {max_ranks})")
+        if job.reporting > len(job.ranks):
             notes.append(f"{job.reporting - len(job.ranks)} reporting ranks have no per-rank series "
                          "(a job above the aggregator's --rank-series-max: only the ranks a finding names)")
         self.note.update("; ".join(notes))
@@ -190,6 +185,8 @@ class TopApp(App):
             v = model.view(model.fetch(self.url, self.timeout_s), self.recent_s)
         except model.FetchError as e:
             self._hand(self._failed, str(e))
+        except Exception as e:  # a bug of ours reading what it got: said on the status line, retried
+            self._hand(self._failed, f"cannot show {self.url}: {type(e).__name__}: {e}")
         else:
             self._hand(self._show, v)
         finally:

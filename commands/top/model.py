@@ -451,7 +451,7 @@ def view(scrape: Scrape, recent_s: float) -> View:
     """
     try:
         js = jobs(scrape.metrics)
-    except ValueError as e:
+    except (ValueError, KeyError) as e:  # KeyError: a gradwatch_ series without the labels it has here
         raise FetchError(f"/metrics is not a gradwatch aggregator's: {e}") from None
     return View(js, findings(scrape.events, scrape.active, scrape.server_time, recent_s), scrape.server_time)
 
@@ -483,6 +483,17 @@ def rank_status(rank: Rank, job: Job, now: float, silent_after_s: float, recent_
         check, t = was[0]
         word += f" (was {check}, {age(now - t)} ago)"
     return word
+
+
+def rank_rows(job: Job, now: float, silent_after_s: float, recent_s: float, most: int) -> tuple[list[tuple[Rank, str]], int]:
+    """The ranks of ``job`` to list, each with its :func:`rank_status`, and how many are left out:
+    every rank by rank when there are at most ``most``; else the ranks whose status is other than
+    a plain ``ok`` or ``finished`` first, then by rank, ``most`` in all."""
+    rows = [(r, rank_status(r, job, now, silent_after_s, recent_s)) for r in sorted(job.ranks, key=lambda r: r.rank)]
+    if len(rows) <= most:
+        return rows, 0
+    rows.sort(key=lambda x: (x[1] in ("ok", "finished"), x[0].rank))
+    return rows[:most], len(rows) - most
 
 
 def age(seconds: float) -> str:
