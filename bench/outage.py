@@ -49,7 +49,7 @@ def main() -> int:
     p.add_argument("--malloc", choices=("fixed", "glibc"), default="fixed",
                    help="fixed (default): both jobs run with glibc's heap trimming and mmap threshold held "
                    f"({MALLOC_FIXED}), so the ratio is the agent's cost, not which of glibc's trim regimes "
-                   "each job fell into; glibc: its defaults (see README, 'The allocator')")
+                   "each job fell into; glibc: its defaults (see docs/agent.md: CPU jobs and the allocator)")
     p.add_argument("--json", default="", help="also write the results here")
     a = p.parse_args()
     reason = netns.unavailable()

@@ -1,4 +1,4 @@
-"""The smallest DDP training script with the gradwatch agent attached: README's "Attach the agent"
+"""The smallest DDP training script with the gradwatch agent attached: README's "A plain training loop"
 snippet, runnable. A 2-layer MLP learns y = sum(x) on random batches, on CPU over gloo.
 
 Run it beside an aggregator (``gradwatch aggregator`` listens on tcp://127.0.0.1:5555)::

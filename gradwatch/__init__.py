@@ -7,8 +7,8 @@ The package is in rooms that import in one direction only (tests/test_layout.py 
   it imports nothing of the rooms below;
 * :mod:`gradwatch.agent` (inside each rank, needs torch) and :mod:`gradwatch.aggregator` (the
   daemon, runs without torch): each imports the foundation only, never the other;
-* :mod:`gradwatch.commands` (the ``gradwatch`` command, the demo, the local stack, the README
-  catalog) and :mod:`gradwatch.grafana` (dashboards as code): they may import anything.
+* :mod:`gradwatch.commands` (the ``gradwatch`` command, the demo, the local stack, the
+  catalog in docs/catalog.md) and :mod:`gradwatch.grafana` (dashboards as code): they may import anything.
 """
 
 from .errors import ConfigError, GradwatchError

@@ -26,7 +26,7 @@ from datetime import timedelta
 #: large blocks stay in the heap and freed memory is not handed back, so no step page-faults fresh
 #: memory in (PyTorch's CPU tuning guide swaps in jemalloc or tcmalloc for the same reason). With
 #: glibc's defaults a job falls into one of two trim regimes, ~0.1k or ~4k faults a step at width
-#: 4096, and stays there; which one is chance, nudged by any other allocation (README, "The allocator")
+#: 4096, and stays there; which one is chance, nudged by any other allocation (docs/agent.md: CPU jobs and the allocator)
 MALLOC_FIXED = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 

@@ -387,7 +387,7 @@ def _feed(j: Job, t: np.ndarray) -> None:
             j.report(r, step, compute_time=float(t[step, r]))
 
 
-SENSITIVE = dict(straggler_score=0.85, straggler_min_s=0.002)  # the fault matrix's 30 % settings (README)
+SENSITIVE = dict(straggler_score=0.85, straggler_min_s=0.002)  # the fault matrix's 30 % settings (bench/README.md: Detection figures)
 
 
 def test_straggler_names_a_30_percent_slower_rank_within_64_steps_despite_jitter():

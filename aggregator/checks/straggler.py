@@ -205,11 +205,11 @@ class Straggler(Check):
     dashboard = "rank_health"
 
     class Thresholds(Check.Thresholds):
-        straggler_score: float = Field(0.7, gt=0, lt=1, description="Relative straggler score (0-1: median over the latest straggler_windows windows' steps of the peers' median time at the step / the rank's; 1 = no slower than its typical peer) below which a rank straggles. 0.7 is about 43 % slower; a 30 % straggler scores 0.77 and needs 0.85, which on CPUs shared with other work also names ranks that merely got a smaller CPU share (README, Detection quality).")
+        straggler_score: float = Field(0.7, gt=0, lt=1, description="Relative straggler score (0-1: median over the latest straggler_windows windows' steps of the peers' median time at the step / the rank's; 1 = no slower than its typical peer) below which a rank straggles. 0.7 is about 43 % slower; a 30 % straggler scores 0.77 and needs 0.85, which on CPUs shared with other work also names ranks that merely got a smaller CPU share (bench/README.md: Detection figures).")
         straggler_window: int = Field(16, ge=2, description="Judged steps per window of the straggler medians.")
         straggler_windows: int = Field(3, ge=1, description="Windows pooled for the relative score and excess (the span), and the windows a rank needs before it can be named.")
         straggler_exclude_wait: bool = Field(True, description="Leave out of each rank's own time the part its training thread waited for a CPU (the agent's compute_wait, Linux run-queue wait), so a rank that a busy host starves of CPU is not named (gradwatch_rank_straggler_cpu_wait_ratio shows it). False compares wall compute times, as before 2026-12: for hosts where that wait overlaps work elsewhere, such as a GPU-bound rank whose thread yields while waiting for its device on busy CPUs.")
-        straggler_min_s: float = Field(0.003, ge=0, description="Seconds by which a rank's time must exceed its peers' median at the same step (median over the span's steps) for it to straggle, so scheduling jitter and systematic differences on very short steps are not named (0.002 suffices against jitter: the medians ignore pauses). 0.01 until 2026-12-02: it hid 30 % stragglers on 15-20 ms steps (README, Detection quality).")
+        straggler_min_s: float = Field(0.003, ge=0, description="Seconds by which a rank's time must exceed its peers' median at the same step (median over the span's steps) for it to straggle, so scheduling jitter and systematic differences on very short steps are not named (0.002 suffices against jitter: the medians ignore pauses). 0.01 until 2026-12-02: it hid 30 % stragglers on 15-20 ms steps (bench/README.md: Detection figures).")
 
     metrics = {
         "rank_straggler_relative_score": (
