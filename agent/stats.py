@@ -301,43 +301,61 @@ def _fused_moments(x: torch.Tensor) -> torch.Tensor:
 class Reducer:
     """Computes moments records, eagerly or with a fused kernel compiled off the training thread.
 
+    The fused kernel is compiled and checked against the eager record on each device it is to
+    run on, in a background thread; until it is ready for a tensor's device, that tensor is
+    reduced eagerly. So the caller's thread never compiles: a kernel compiled for one device
+    would recompile on the caller's thread the first time it met a tensor of another.
+
     Args:
-        mode: "on" compile now in a background thread, "off" eager only, "auto" compile in the
-            background the first time a CUDA tensor is seen.
+        mode: "on" compile now for the CPU in a background thread, and for any other device the
+            first time one of its tensors is seen; "off" eager only; "auto" compile in the
+            background the first time a CUDA tensor is seen, for its device.
     """
 
     def __init__(self, mode: str = "auto"):
         self.mode = mode
-        self._fused = None
-        self._compiling = False
+        self._fused = None  # the compiled function (one for every device: dynamo keeps a graph per device)
+        self._ready: frozenset = frozenset()  # devices the fused kernel was compiled and checked on
+        self._started: set = set()  # devices a compile was started for (done, failed or running)
         self._lock = threading.Lock()
         if mode == "on":
             self._start_compile(torch.device("cpu"))
 
     @property
     def fused_ready(self) -> bool:
-        return self._fused is not None
+        """The fused kernel is ready for some device."""
+        return bool(self._ready)
+
+    def ready_for(self, device) -> bool:
+        """The fused kernel is ready for ``device`` (a ``torch.device`` or its name; ``"cuda"``
+        without an index: for any CUDA device): its tensors take it from now on."""
+        dev = torch.device(device)
+        return any(d.type == dev.type and (dev.index is None or d.index == dev.index) for d in self._ready)
 
     def _start_compile(self, device: torch.device) -> None:
         with self._lock:
-            if self._compiling or self.mode == "off":
+            if device in self._started or self.mode == "off":
                 return
-            self._compiling = True
+            self._started.add(device)
 
         def build():
             try:
-                fn = torch.compile(_fused_moments, dynamic=True)
+                with self._lock:
+                    if self._fused is None:
+                        self._fused = torch.compile(_fused_moments, dynamic=True)
+                    fn = self._fused
                 for n in (4099, 17):  # two sizes so the graph is shape-generic from the start
                     probe = torch.linspace(-1, 1, n, device=device)
                     got, want = fn(probe), _eager_moments(probe)
                     if not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
                         raise RuntimeError(f"fused kernel disagrees with eager: {got} vs {want}")
-                self._fused = fn
-                log.info("gradwatch: fused statistics kernel ready")
+                with self._lock:
+                    self._ready = self._ready | {device}
+                log.info("gradwatch: fused statistics kernel ready on %s", device)
             except Exception as e:  # compile is an optimisation; eager stays correct
-                log.warning("gradwatch: fused statistics unavailable, staying eager (%s)", e)
+                log.warning("gradwatch: fused statistics unavailable on %s, staying eager (%s)", device, e)
 
-        log.info("gradwatch: compiling the fused statistics kernel in the background (eager until ready)")
+        log.info("gradwatch: compiling the fused statistics kernel for %s in the background (eager until ready)", device)
         threading.Thread(target=build, name="gradwatch-compile", daemon=True).start()
 
     def moments(self, t: torch.Tensor) -> torch.Tensor:
@@ -354,12 +372,13 @@ class Reducer:
             out[1:2].zero_()
             out[4:].zero_()
             return out
-        fused = self._fused
-        if fused is None:
-            if self.mode == "auto" and x.is_cuda and not self._compiling:
-                self._start_compile(x.device)
-            return _eager_moments(x)
-        return fused(x)
+        device = x.device
+        if device in self._ready:
+            return self._fused(x)
+        if self.mode == "on" or (self.mode == "auto" and x.is_cuda):
+            if device not in self._started:
+                self._start_compile(device)
+        return _eager_moments(x)
 
     @staticmethod
     def sumsq_nonfinite(t: torch.Tensor) -> torch.Tensor:

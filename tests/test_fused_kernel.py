@@ -1,0 +1,57 @@
+"""The fused statistics kernel (``Reducer``, ``fused="on"``) runs only on devices it was compiled
+and checked on: a tensor of another device is reduced eagerly on the caller's thread while that
+device's kernel compiles in the background, never compiled on the caller's (the training) thread.
+
+A CUDA model under ``fused="on"`` had its kernel compiled for the CPU at attach, and its first
+probed step then recompiled it for CUDA inside the training step. Without a GPU here, the other
+device is ``meta``: the caller's thread must not compile a graph for it either.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from gradwatch.agent.stats import Reducer, _eager_moments
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _compiles_settled(timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(t.name == "gradwatch-compile" and t.is_alive() for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the background compile did not finish"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow  # compiles the kernel with inductor: ~15 s on a cold cache
+def test_fused_kernel_is_used_only_on_devices_it_was_compiled_for_and_never_compiles_on_the_caller():
+    from torch._dynamo.utils import counters
+
+    red = Reducer("on")
+    _compiles_settled()
+    assert red.ready_for("cpu") and red.fused_ready, "the fused kernel did not compile for the CPU"
+    x = torch.linspace(-3, 5, 10_001)
+    assert torch.allclose(red.moments(x), _eager_moments(x), rtol=1e-5, atol=1e-4)
+
+    graphs = counters["stats"]["unique_graphs"]
+    m = torch.linspace(-1, 1, 1000, device="meta")
+    out = red.moments(m)  # another device: eager here, its compile (if any) in the background
+    assert out.device.type == "meta" and out.shape == (6,)
+    assert counters["stats"]["unique_graphs"] == graphs, "a graph was compiled on the caller's thread"
+    assert not red.ready_for("meta")
+    _compiles_settled()  # meta has no values to check the kernel against: it stays eager there
+    assert not red.ready_for("meta") and red.ready_for("cpu")
+    assert red.moments(m).device.type == "meta"
+
+
+def test_off_never_compiles_and_auto_waits_for_a_cuda_tensor():
+    for mode in ("off", "auto"):
+        red = Reducer(mode)
+        x = torch.randn(5000)
+        assert torch.equal(red.moments(x), _eager_moments(x))
+        assert not any(t.name == "gradwatch-compile" and t.is_alive() for t in threading.enumerate()), mode
+        assert not red.fused_ready and not red.ready_for("cpu")
