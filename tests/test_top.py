@@ -272,9 +272,10 @@ def test_norm_history_keeps_one_point_per_new_step_and_starts_over_on_a_restart(
         return model.Job(job_id, ranks=(model.Rank(0, step=step, grad_norm=norm),), steps=(step, step))
 
     h = model.NormHistory(size=3)
-    for step, norm in ((1, 1.0), (1, 9.0), (2, 100.0), (3, math.inf), (4, 0.01)):
+    for step, norm in ((-1, math.nan), (1, 1.0), (1, 9.0), (2, 100.0), (3, math.inf), (4, 0.01)):
         h.add([job(step, norm), job(step, 1.0, "other")])
     assert h.points(JOB) == [(2, 100.0), (3, math.inf), (4, 0.01)]  # size 3; the repeated step 1 is one point
+    h.add([job(-1, math.nan)])  # a job's ranks before their first step report step -1: nothing to draw
     assert h.sparkline(JOB) == [2.0, -2.0]  # log10, the non-finite left out
     h.add([job(1, 5.0)])  # restarted from an earlier step; "other" is gone
     assert h.points(JOB) == [(1, 5.0)] and h.points("other") == []

@@ -218,7 +218,7 @@ class TopApp(App):
         status.update(
             f"{self.url}  ·  {len(v.jobs)} job{'s' if len(v.jobs) != 1 else ''}  ·  {active} active "
             f"finding{'s' if active != 1 else ''}, {len(v.findings) - active} resolved in the last "
-            f"{model.age(self.recent_s)}  ·  updated {time.strftime('%H:%M:%S', time.localtime(v.now))}, "
+            f"{model.age(self.recent_s)}  ·  updated {time.strftime('%H:%M:%S', time.localtime(self.updated_at))}, "
             f"every {self.refresh_s:g} s  ·  q quit, r refresh")
         await self._show_jobs(v)
         self._show_findings(v)

@@ -529,7 +529,7 @@ class NormHistory:
         seen = set()
         for j in js:
             seen.add(j.job_id)
-            if j.steps is None:
+            if j.steps is None or j.steps[1] < 0:  # -1: no step reported yet
                 continue
             step = j.steps[1]
             pts = self._points.setdefault(j.job_id, collections.deque(maxlen=self.size))
