@@ -125,7 +125,7 @@ class ProbeRecorder:
     nothing: the root's hooks record that they were traced (``compiled``), and from then on
     :meth:`install` and :meth:`remove` leave every hook in place (dynamo guards on the number of
     hooks a module has) until the monitor closes. Modules inside a compiled region therefore get
-    no per-layer statistics; see README "torch.compile".
+    no per-layer statistics; see docs/agent.md: torch.compile.
     """
 
     def __init__(self, reducer: Reducer, on_error: Callable[[str, BaseException], None],

@@ -1,5 +1,5 @@
 """The check registry: a check is one file, declaring its own thresholds and the dashboard that shows
-it; the aggregate thresholds model, the aggregator's ``checks`` setting, the README catalog and the
+it; the aggregate thresholds model, the aggregator's ``checks`` setting, the catalog (docs/catalog.md) and the
 Grafana generator all read the registry."""
 
 from __future__ import annotations
