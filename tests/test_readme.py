@@ -91,21 +91,42 @@ def test_link_check_finds_a_broken_anchor(tmp_path):
     assert "gone" not in anchors((tmp_path / "a.md").read_text()) and "x" not in anchors("# B\n")
 
 
+MENTION = re.compile(r"docs/(\w+\.md): ([A-Za-z][\w'. -]*[\w'])")
+
+
+def stale_mentions(text: str, titles: dict[str, set[str]]) -> list[str]:
+    """Each ``docs/<name>.md: Section`` in ``text`` whose file is not in ``titles`` (file name -> its
+    headings, lower-case) or has no such heading, as ``"docs/<name>.md: Section"``."""
+    return [f"docs/{name}: {section}" for name, section in MENTION.findall(text)
+            if section.lower() not in titles.get(name, ())]
+
+
+def headings(text: str) -> set[str]:
+    """A Markdown file's heading titles, lower-case, without code and emphasis marks."""
+    return {re.sub(r"[`*]", "", m).strip().lower() for _, line in prose_lines(text)
+            for m in re.findall(r"^#{1,6}\s+(.*)$", line)}
+
+
 def test_code_mentions_of_docs_sections_name_existing_headings():
     """A comment or help string saying ``docs/<name>.md: Section`` names a heading that file has."""
-    titles = {p.name: {re.sub(r"[`*]", "", m).strip().lower()
-                       for m in re.findall(r"^#{1,6}\s+(.*)$", p.read_text(), re.M)} for p in DOCS}
+    titles = {p.name: headings(p.read_text()) for p in DOCS}
+    rooms = ["agent", "aggregator", "gradwatch", "integrations", "commands", "grafana", "deploy", "bench", "tests",
+             "scripts", "examples", "docs"]
+    sources = [p for room in rooms if (ROOT / room).is_dir() for p in (ROOT / room).rglob("*") if p.is_file()]
     bad = []
-    rooms = ["agent", "aggregator", "gradwatch", "commands", "grafana", "deploy", "bench", "tests", "scripts", "examples", "docs"]
-    sources = [p for room in rooms for p in (ROOT / room).rglob("*") if p.is_file()] + [ROOT / "README.md", ROOT / "pyproject.toml"]
-    for src in sources:
+    for src in sources + [ROOT / "README.md", ROOT / "pyproject.toml"]:
         if src.suffix not in {".py", ".yml", ".yaml", ".sbatch", ".service", ".md", ".toml", ".sh", ".json"} \
                 or {"vendor", "results", "__pycache__"} & set(src.relative_to(ROOT).parts):
             continue
-        for name, section in re.findall(r"docs/(\w+\.md): ([A-Za-z][\w' -]*[\w'])", src.read_text(errors="replace")):
-            if name not in titles or section.lower() not in titles[name]:
-                bad.append(f"{src.relative_to(ROOT)}: docs/{name}: {section}")
+        bad += [f"{src.relative_to(ROOT)}: {m}" for m in stale_mentions(src.read_text(errors="replace"), titles)]
     assert not bad, "\n".join(bad)
+
+
+def test_a_mention_of_a_missing_section_is_found():
+    titles = {"operations.md": headings("# Operations\n## Cardinality budget\n```\n# Scale\n```\n")}
+    text = ("# (docs/operations.md: Cardinality budget) (docs/operations.md: Scale)\n"
+            "see docs/agent.md: torch.compile.\n")
+    assert stale_mentions(text, titles) == ["docs/operations.md: Scale", "docs/agent.md: torch.compile"]
 
 
 def test_each_docs_file_opens_with_a_title_and_a_summary_paragraph():
