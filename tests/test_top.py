@@ -363,6 +363,9 @@ def test_the_app_waits_for_an_unreachable_aggregator_and_shows_it_once_it_answer
                 assert app.error is None and app.query_one("#no-jobs")
             finally:
                 agg.stop()
+            await pilot.press("ctrl+c")  # quits, as q does
+            await _until(pilot, lambda: not app.is_running, "the app to quit")
+        assert app.return_code == 0
 
     asyncio.run(run())
 

@@ -46,7 +46,7 @@ class TopCommand(BaseSettings):
         return base_url(v)
 
     def cli_cmd(self) -> None:
-        """Run the view until q or Ctrl-C.
+        """Run the view until q or ctrl+c.
 
         Raises:
             CommandError: textual is not installed (:data:`NO_TEXTUAL`).

@@ -16,6 +16,7 @@ from typing import Optional
 
 from rich.text import Text
 from textual.app import App, ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Footer, Sparkline, Static
 
@@ -146,7 +147,8 @@ class TopApp(App):
     #findings-title { height: 1; padding: 0 1; text-style: bold; }
     #findings { height: 1fr; }
     """
-    BINDINGS = [("q", "quit", "Quit"), ("r", "poll", "Refresh now")]
+    # ctrl+c quits too, as it does top(1) (textual's own ctrl+c only says to press ctrl+q)
+    BINDINGS = [("q", "quit", "Quit"), ("r", "poll", "Refresh now"), Binding("ctrl+c", "quit", show=False, priority=True)]
 
     def __init__(self, url: str, *, refresh_s: float = 1.0, recent_s: float = 600.0, silent_after_s: float = 2.5,
                  max_ranks: int = 32, timeout_s: float = 5.0):
