@@ -464,7 +464,8 @@ def rank_status(rank: Rank, job: Job, now: float, silent_after_s: float, recent_
 
     - the checks whose active finding names the rank (``explosion``, ``rank_silent, straggler``);
     - else ``finished`` once the job ended (every rank said goodbye);
-    - else ``silent`` when the aggregator has not heard from it for more than ``silent_after_s``;
+    - else ``silent`` when the aggregator has not heard from it for more than ``silent_after_s``
+      (a rank that said goodbye too, until the job shows ended: /metrics has no goodbye per rank);
     - else ``ok``.
 
     Followed by ``(was CHECK, Ns ago)`` when a finding that no longer stands named the rank at
