@@ -21,6 +21,8 @@ from typing import Callable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from gradwatch import columns
+
 
 @dataclass(frozen=True)
 class Section:
@@ -48,8 +50,10 @@ SECTIONS: tuple[Section, ...] = (
     Section("grad_fp", width=2, bits=True, doc="fingerprint of each present parameter's gradient"),
     Section("weight_norm", doc="L2 norm of every parameter after the optimizer step"),
     Section("weight_fp", width=2, bits=True, doc="fingerprint of every parameter after the step"),
-    Section("act", width=6, doc="moments record of each recorded output (stats.MOMENT_FIELDS)"),
-    Section("out_grad", width=2, doc="[sum of squares, non-finite count] of each output gradient"),
+    Section("act", width=len(columns.records("act")),
+            doc="moments record of each recorded output (the act array's records, stats.MOMENT_FIELDS)"),
+    Section("out_grad", width=len(columns.records("act_grad")),
+            doc="record of each output gradient: the act_grad array's records (sum of squares, non-finite count)"),
     Section("guard", doc="the NaN guard's sum of each output it saw, in call order (not finite: the output held NaN/Inf)"),
 )
 NAMES = tuple(s.name for s in SECTIONS)

@@ -15,7 +15,7 @@ from typing import Optional
 import msgspec
 import numpy as np
 
-from gradwatch import wire
+from gradwatch import columns, wire
 
 from . import frame
 from .stats import SPLIT_MAX, combine_chunks, combine_moments
@@ -205,21 +205,22 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int, guard: Op
         if L.guard is not None and len(f["guard"]) == len(L.guard):
             slot = (guard if guard is not None else GuardMemory()).verdict(L.guard, f["guard"])
         return wire.Report(h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite, nonfinite_slot=slot, **common)
-    param = np.full((L.n_params, 3), np.nan)
+    P, A, G, C = (columns.at(a) for a in ("param", "act", "act_grad", "act_count"))
+    param = np.full((L.n_params, len(P)), np.nan)
     fp_grad = np.zeros(L.n_params, np.uint64)
     fp_weight = np.zeros(L.n_params, np.uint64)
     if len(f["weight_norm"]):
-        param[:, 1] = f["weight_norm"]
+        param[:, P.weight_norm] = f["weight_norm"]
     if len(f["weight_fp"]):
         fp_weight[:] = f["weight_fp"]
     if has_grads:
         idx = np.asarray(L.present)
-        param[idx, 0] = np.sqrt(sq)
+        param[idx, P.grad_norm] = np.sqrt(sq)
         if len(f["grad_nonfinite"]) == len(idx):
-            param[idx, 2] = f["grad_nonfinite"]
+            param[idx, P.grad_nonfinite] = f["grad_nonfinite"]
         if len(f["grad_fp"]):
             fp_grad[idx] = f["grad_fp"]
-    act = np.full((L.n_slots, 6), np.nan)
+    act = np.full((L.n_slots, len(A)), np.nan)
     if L.act:
         recs = f["act"]
         slot_of = np.fromiter((i for i, _ in L.act), np.int64, len(L.act))
@@ -227,19 +228,22 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int, guard: Op
         for s in np.unique(slot_of):
             sel = slot_of == s
             act[s] = combine_moments(numel[sel], recs[sel])
-    act_count = np.full((L.n_slots, 2), np.nan)
-    for s, calls, elements in L.calls:
-        act_count[s] = (calls, elements)
-    act_grad = np.full((L.n_slots, 2), np.nan)
+    act_count = np.full((L.n_slots, len(C)), np.nan)
+    if L.calls:
+        slots, calls, elements = zip(*L.calls)
+        act_count[list(slots), C.calls] = calls
+        act_count[list(slots), C.elements] = elements
+    act_grad = np.full((L.n_slots, len(G)), np.nan)
     if L.grad:
+        R = columns.record_at("act_grad")  # an output gradient's record: its sum of squares and non-finite count
         slot_of = np.asarray(L.grad, np.int64)
-        sums = np.zeros((L.n_slots, 2))
+        sums = np.zeros((L.n_slots, len(R)))
         np.add.at(sums, slot_of, f["out_grad"])
         seen = np.unique(slot_of)
-        act_grad[seen, 0] = np.sqrt(sums[seen, 0])
+        act_grad[seen, G.norm] = np.sqrt(sums[seen, R.sumsq])
         if scaled and not L.unscaled:
-            act_grad[seen, 0] /= loss_scale
-        act_grad[seen, 1] = sums[seen, 1]
+            act_grad[seen, G.norm] /= loss_scale
+        act_grad[seen, G.nonfinite] = sums[seen, R.nonfinite]
     return wire.Report(
         h, L.schema, L.step, L.step_time, grad_norm, grad_nonfinite,
         micro=L.micro, probe=True, batch=L.batch, burst=L.burst,

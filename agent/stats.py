@@ -24,7 +24,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from gradwatch.statistics import combine_calls, records
+from gradwatch.columns import records
+
+from .combine import combine_calls
 
 log = logging.getLogger("gradwatch.agent")
 
@@ -393,7 +395,7 @@ class Reducer:
 
 def combine_moments(n: np.ndarray, rec: np.ndarray) -> tuple[float, float, float, float, float, float]:
     """Combine per-call moments records of one slot into ``ACT_FIELDS`` of the wire format, by
-    the ``combine`` rule each ``act`` row of :data:`gradwatch.statistics.STATISTICS` declares.
+    the ``combine`` rule each ``act`` row of :data:`gradwatch.columns.STATISTICS` declares.
 
     Args:
         n: int64 [k] element counts of each call.

@@ -23,7 +23,7 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from gradwatch import statistics
+from gradwatch import columns
 
 from .checks import CHECKS, Runner
 from .reconcile import Snapshot, group_layers
@@ -119,13 +119,13 @@ def _rank_total(col: int):
     return fn
 
 
-for _col, _stat in enumerate(s for s in statistics.STATISTICS if s.rank_total):
+for _col, _stat in enumerate(s for s in columns.STATISTICS if s.rank_total):
     metric(_stat.rank_total[0], "gauge", _stat.rank_total[1], JR)(_rank_total(_col))
 
 
 # --- per layer, aggregated over ranks at the latest probed step -----------------------------------
-def _layer_stat(stat: statistics.Statistic):
-    per_module = statistics.ARRAYS[stat.array].exported_per == "module"
+def _layer_stat(stat: columns.Statistic):
+    per_module = columns.ARRAYS[stat.array].exported_per == "module"
 
     def fn(s: Snapshot):
         for j in s.jobs:
@@ -141,7 +141,7 @@ def _layer_stat(stat: statistics.Statistic):
     return fn
 
 
-for _stat in statistics.STATISTICS:
+for _stat in columns.STATISTICS:
     metric(
         f"layer_{_stat.name}", "gauge",
         f"{_stat.help} Aggregated over ranks (agg={'|'.join(_stat.aggs)}) at the latest probed step.",

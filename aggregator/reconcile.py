@@ -20,8 +20,9 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from gradwatch import statistics, wire
+from gradwatch import columns, wire
 
+from . import reductions
 from .shards import combine, global_norms, gradless, holders, parts, shard_groups
 
 @dataclass(frozen=True)
@@ -42,9 +43,9 @@ class RoundResult:
             norm, weight norm, grad non-finite count.
         agg: statistic name -> (float64 [len(aggs), n] aggregated over ranks (min/median/max),
             bool [n] observed by any rank), for each row of
-            :data:`gradwatch.statistics.STATISTICS`; a round merged for export
+            :data:`gradwatch.columns.STATISTICS`; a round merged for export
             (:attr:`grouped`) aggregates its own layers when a reader first asks
-            (:class:`gradwatch.statistics.LazyAggregates`).
+            (:class:`.reductions.LazyAggregates`).
         rank_totals: float64 [n_ranks, 3]: the statistics with a ``rank_total`` (non-finite
             counts of activations, output gradients and parameter gradients) summed over layers.
         layer_types: module class name of each layer (``ReLU``, ``Linear``, ...).
@@ -121,7 +122,7 @@ def owner(param: str) -> str:
 def _rank_totals(arrays: dict[str, np.ndarray]) -> np.ndarray:
     """float64 [R, n]: each statistic with a ``rank_total`` summed over a rank's layers (NaN skipped)."""
     return np.stack(
-        [np.nansum(arrays[s.array][..., s.column], axis=1) for s in statistics.STATISTICS if s.rank_total], axis=-1
+        [np.nansum(arrays[s.array][..., s.column], axis=1) for s in columns.STATISTICS if s.rank_total], axis=-1
     )
 
 
@@ -194,7 +195,7 @@ class Layout:
         dense: one schema whose slots and parameters are exactly ``layers`` and ``params`` in
             order (every rank's arrays stack as they are).
         sharded: some schema has a mesh and shards (:func:`.shards.combine_params` has work).
-        module_plan: :class:`~gradwatch.statistics.MergePlan` of the parameters into ``modules``.
+        module_plan: :class:`~.reductions.MergePlan` of the parameters into ``modules``.
         holders: int64 [n_schemas, n_params], :func:`.shards.holders` per schema (numbered as
             over the ranks: in first use order).
         parts: int64 [n_schemas], :func:`.shards.parts` per schema.
@@ -212,7 +213,7 @@ class Layout:
     param_cols: tuple
     dense: bool
     sharded: bool
-    module_plan: statistics.MergePlan
+    module_plan: reductions.MergePlan
     holders: np.ndarray
     parts: np.ndarray
     kinds: np.ndarray
@@ -264,7 +265,7 @@ class Layout:
         return Layout(
             schemas, layers, modules, params, tuple(types.get(n, "") for n in layers), slot_cols, param_cols, dense,
             sharded=any(s.mesh is not None and s.shard for s in schemas),
-            module_plan=statistics.merge_plan([np.array(v, np.int64) for v in owners.values()]),
+            module_plan=reductions.merge_plan([np.array(v, np.int64) for v in owners.values()]),
             holders=holders([s.mesh for s in schemas], [s.shard for s in schemas], list(param_cols), len(params)),
             parts=parts(list(schemas)),
             kinds=np.asarray(kind, np.int64),
@@ -355,13 +356,13 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
         # the usual job: one schema, every array present: the ranks' rows stack as they are
         act = _stack(reps, "act", np.float64, (R, L, len(wire.ACT_FIELDS)))
         act_grad = _stack(reps, "act_grad", np.float64, (R, L, len(wire.ACT_GRAD_FIELDS)))
-        act_count = _stack(reps, "act_count", np.float64, (R, L, len(statistics.fields("act_count"))))
+        act_count = _stack(reps, "act_count", np.float64, (R, L, len(columns.fields("act_count"))))
         yield
         param = _stack(reps, "param", np.float64, (R, P, len(wire.PARAM_FIELDS)))
         present = None  # every rank has every parameter
         fp_grad = _stack(reps, "fp_grad", np.uint64, (R, P))
         fp_weight = _stack(reps, "fp_weight", np.uint64, (R, P))
-        fp_grad_seen = statistics.observed_rows("param", param)  # had a gradient
+        fp_grad_seen = reductions.observed_rows("param", param)  # had a gradient
         fp_weight_seen = np.ones((R, P), bool)
     else:
         act, act_grad, act_count, param, present, fp_grad, fp_weight, fp_grad_seen, fp_weight_seen = _scatter(
@@ -378,12 +379,12 @@ def reconcile_in_slices(world: int, schemas: dict, step: int, reports: dict[int,
                               if lay.schemas[which[k]].mesh is not None})
         grad_norm[sq] = gradless(np.array([norms.get(k, math.nan) for k in sq], np.float64), grad_norm[sq],
                                  np.array([reps[k].grad_nonfinite for k in sq]))
-    # parameters merge into their module as layers merge into a group (statistics.merge: each module's sum in one order)
-    module = statistics.merge("param", param, present, lay.module_plan)
+    # parameters merge into their module as layers merge into a group (reductions.merge: each module's sum in one order)
+    module = reductions.merge("param", param, present, lay.module_plan)
     yield
     arrays = {"act": act, "act_grad": act_grad, "param": module, "act_count": act_count}
     # exported merged (group_depth): the per-layer aggregates only as the checks read them
-    agg = statistics.aggregate_all(arrays) if group_depth <= 0 else statistics.LazyAggregates(arrays)
+    agg = reductions.aggregate_all(arrays) if group_depth <= 0 else reductions.LazyAggregates(arrays)
     yield
     totals = _rank_totals(arrays)
     rr = RoundResult(
@@ -437,7 +438,7 @@ def _scatter(lay: Layout, reps: list, which: np.ndarray) -> tuple:
     R, L, P = len(reps), len(lay.layers), len(lay.params)
     act = np.full((R, L, len(wire.ACT_FIELDS)), np.nan)
     act_grad = np.full((R, L, len(wire.ACT_GRAD_FIELDS)), np.nan)
-    act_count = np.full((R, L, len(statistics.fields("act_count"))), np.nan)
+    act_count = np.full((R, L, len(columns.fields("act_count"))), np.nan)
     param = np.full((R, P, len(wire.PARAM_FIELDS)), np.nan)
     present = np.zeros((R, P), bool)
     fp_grad = np.zeros((R, P), np.uint64)
@@ -463,7 +464,7 @@ def _scatter(lay: Layout, reps: list, which: np.ndarray) -> tuple:
         fp = [(k, x, row) for k, x, row in zip(ks, reps_g, rows) if x.fp_grad is not None]
         if fp:
             fk = np.array([k for k, _, _ in fp], dtype=np.int64)[:, None]
-            has = statistics.observed_rows("param", np.stack([row for _, _, row in fp]))  # had a gradient
+            has = reductions.observed_rows("param", np.stack([row for _, _, row in fp]))  # had a gradient
             fp_grad[fk, pcols] = np.stack([x.fp_grad for _, x, _ in fp])
             fp_weight[fk, pcols] = np.stack([x.fp_weight for _, x, _ in fp])
             at, col = np.nonzero(has)
@@ -478,17 +479,17 @@ def layer_group(name: str, depth: int) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _groups(names: tuple[str, ...], depth: int) -> tuple[tuple[str, ...], statistics.MergePlan]:
+def _groups(names: tuple[str, ...], depth: int) -> tuple[tuple[str, ...], reductions.MergePlan]:
     """The groups of ``names`` at ``depth`` and their merge plan; cached: a job's layers (the
     same tuple every round, :class:`Layout`) are grouped once per scrape of a new round."""
     members: dict[str, list[int]] = {}
     for i, n in enumerate(names):
         members.setdefault(layer_group(n, depth), []).append(i)
-    return tuple(members), statistics.merge_plan([np.array(v, dtype=np.int64) for v in members.values()])
+    return tuple(members), reductions.merge_plan([np.array(v, dtype=np.int64) for v in members.values()])
 
 
 @functools.lru_cache(maxsize=64)
-def _group_types(types: tuple[str, ...], plan: statistics.MergePlan) -> tuple[str, ...]:
+def _group_types(types: tuple[str, ...], plan: reductions.MergePlan) -> tuple[str, ...]:
     """Each group's layer type: its members' when they all agree, else ''."""
     return tuple(types[idx[0]] if types and len({types[i] for i in idx}) == 1 else "" for idx in plan.groups)
 
@@ -509,11 +510,11 @@ def group_layers(rr: RoundResult, depth: int) -> RoundResult:
     layers, lplan = _groups(rr.layers, depth)
     modules, mplan = _groups(rr.modules, depth)
     act, act_grad, module, act_count = (
-        statistics.merge(name, values, None, plan)
+        reductions.merge(name, values, None, plan)
         for name, values, plan in (("act", rr.act, lplan), ("act_grad", rr.act_grad, lplan), ("param", rr.module, mplan),
                                    ("act_count", rr.act_count, lplan))
     )
-    agg = statistics.aggregate_all({"act": act, "act_grad": act_grad, "param": module, "act_count": act_count})
+    agg = reductions.aggregate_all({"act": act, "act_grad": act_grad, "param": module, "act_count": act_count})
     return replace(rr, layers=layers, modules=modules, act=act, act_grad=act_grad, module=module, agg=agg,
                    layer_types=_group_types(rr.layer_types, lplan), act_count=act_count, grouped=None,
                    group_depth=depth)

@@ -28,7 +28,7 @@ from typing import Optional
 import msgspec
 import numpy as np
 
-from gradwatch import wire
+from gradwatch import columns, wire
 
 
 def _off(mesh: wire.Mesh, dims) -> tuple:
@@ -389,6 +389,24 @@ def shard_groups(meshes: list, shards: list, pcols: list) -> "_Groups":
     return _Groups(meshes, lambda k: (shards[k], pcols[k]), on=False)
 
 
+def _norm_columns() -> frozenset:
+    """The columns of ``param`` that are norms, whose shards combine as the square root of their
+    summed squares (their merge rule's ``squares``, :data:`gradwatch.columns.MERGE_RULES`); every
+    other column (a count) is summed.
+
+    Raises:
+        ValueError: a ``param`` column merges by a rule that is neither a norm nor a sum: its
+            shards have no exact combination here.
+    """
+    out = set()
+    for s in columns.of("param"):
+        if columns.MERGE_RULES[s.merge].squares:
+            out.add(s.column)
+        elif s.merge != "sum":
+            raise ValueError(f"{s.name}: a parameter's shards combine as a norm or a sum, not by {s.merge!r}")
+    return frozenset(out)
+
+
 def combine(g: "_Groups", param: np.ndarray) -> np.ndarray:
     """:func:`combine_groups` with the groups worked out (:func:`shard_groups`): a new array,
     ``param`` unchanged."""
@@ -398,13 +416,15 @@ def combine(g: "_Groups", param: np.ndarray) -> np.ndarray:
     src = param.reshape(-1, param.shape[2])  # rank-major rows
     at, group = g.placed(*param.shape[:2]), g.index
     total = np.empty((g.n, src.shape[1]))
+    norms = _norm_columns()
     with np.errstate(invalid="ignore", over="ignore"):
         for f in range(src.shape[1]):  # a field at a time, contiguous (a 16,384-rank round has ~3 million entries)
             x = src[:, f].copy() if at is None else src[at, f]  # a copy: squared in place below
-            if f < 2:
-                np.multiply(x, x, out=x)  # squares (field 2 is a count: summed as it is)
+            if f in norms:
+                np.multiply(x, x, out=x)  # a norm: its squares summed (a count is summed as it is)
             total[:, f] = np.bincount(group, x, minlength=g.n)  # in entry order: members in rank order
-        np.sqrt(total[:, :2], out=total[:, :2])
+        for f in norms:
+            np.sqrt(total[:, f], out=total[:, f])
     total[g.short] = np.nan
     if at is None:  # every row is an entry
         return np.take(total, group, axis=0).reshape(param.shape)

@@ -74,7 +74,7 @@ import msgspec
 import numpy as np
 
 from gradwatch import wire
-from gradwatch.statistics import ARRAYS, STATISTICS
+from gradwatch.columns import ARRAYS, STATISTICS
 
 from .reconcile import LayoutCache, RoundResult, group_layers, reconcile, reconcile_in_slices
 from .shards import fits, gradless, norms_of, place, sq_kind, unplace
@@ -1171,7 +1171,8 @@ def counters_of(columns: dict) -> dict[str, int]:
 
 
 def _nbytes(m: wire.Report) -> int:
-    return sum(a.nbytes for a in (m.act, m.act_grad, m.param, m.fp_grad, m.fp_weight) if a is not None)
+    """Bytes of a probe report's arrays, every one :data:`gradwatch.wire.PROBE_ARRAYS` declares."""
+    return sum(a.nbytes for a in (getattr(m, k) for k in wire.PROBE_ARRAYS) if a is not None)
 
 
 def series_of(rr: RoundResult) -> int:

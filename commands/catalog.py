@@ -35,16 +35,16 @@ def _fields(model, prefix: str, flag: bool) -> list[str]:
 
 
 def _observed(st) -> str:
-    from gradwatch.statistics import fields
+    from gradwatch.columns import at
 
-    return f"`{st.array}[{fields(st.array).index(st.observed_by)}]`" if st.observed_by else "always"
+    return f"`{st.array}[{getattr(at(st.array), st.observed_by)}]`" if st.observed_by else "always"
 
 
 def _statistics() -> list[str]:
-    from gradwatch.statistics import CALL_RULES, MERGE_RULES, STATISTICS
+    from gradwatch.columns import CALL_RULES, MERGE_RULES, STATISTICS
 
     out = ["", "### Per-layer statistics", "",
-           "Each `gradwatch_layer_*` series is one row of `gradwatch/statistics.py`: the probe array and "
+           "Each `gradwatch_layer_*` series is one row of `gradwatch/columns.py`: the probe array and "
            "column it travels in, how several calls of one module in a step combine on the rank, how members "
            "merge (a module's parameters; layers under `--layer-depth`), and the `agg` values exported over "
            "the ranks that observed it.", "",

@@ -47,7 +47,7 @@ unknown) and ``over_budget`` (even the longest probe interval costs over 3 budge
 0 when not counted; ``batch``: samples the rank processed in the step, 0 when unknown; ``burst``:
 probed out of cadence after an anomaly). The agent sends a report for each probed step; when
 ``probe`` is true it adds arrays of raw little-endian bytes, row-major (the float32 columns are
-declared once in :mod:`gradwatch.statistics`):
+declared once in :mod:`gradwatch.columns`):
 
     act        float32 [n_slots, 6]   activation mean, std, min, max, zero ratio, non-finite count
     act_grad   float32 [n_slots, 2]   output-gradient L2 norm, non-finite count
@@ -147,15 +147,15 @@ import msgpack
 import msgspec
 import numpy as np
 
-from gradwatch import statistics
+from gradwatch import columns
 from gradwatch.errors import GradwatchError
 
 PROTOCOL_VERSION = 3
 
-#: column names of the probe arrays, declared in :data:`gradwatch.statistics.STATISTICS`
-ACT_FIELDS = statistics.fields("act")
-ACT_GRAD_FIELDS = statistics.fields("act_grad")
-PARAM_FIELDS = statistics.fields("param")
+#: column names of the probe arrays, declared in :data:`gradwatch.columns.STATISTICS`
+ACT_FIELDS = columns.fields("act")
+ACT_GRAD_FIELDS = columns.fields("act_grad")
+PARAM_FIELDS = columns.fields("param")
 
 #: Every reason :func:`decode` may give; the aggregator labels its rejection counter with them.
 REJECT_REASONS = (
@@ -352,10 +352,10 @@ def _scalar(c: Column):
     return _Nat if c.count else float
 
 
-#: The probed step's arrays beside :data:`gradwatch.statistics.ARRAYS`: ``key -> (dtype, columns,
+#: The probed step's arrays beside :data:`gradwatch.columns.ARRAYS`: ``key -> (dtype, columns,
 #: rows)``, columns 0 for one value per row; rows ``"slots"`` or ``"params"``.
 PROBE_ARRAYS: dict[str, tuple[str, int, str]] = {
-    **{k: ("<f4", len(statistics.fields(k)), a.rows) for k, a in statistics.ARRAYS.items()},
+    **{k: ("<f4", len(columns.fields(k)), a.rows) for k, a in columns.ARRAYS.items()},
     "fp_grad": ("<u8", 0, "params"),
     "fp_weight": ("<u8", 0, "params"),
 }
@@ -363,7 +363,7 @@ PROBE_ARRAYS: dict[str, tuple[str, int, str]] = {
 # PROBE_ARRAYS as the encoder and decoder read them: (key, dtype, columns, row kind, bytes a row, optional)
 _PROBE_PLAN = tuple(
     (key, np.dtype(dtype), cols, kind, np.dtype(dtype).itemsize * max(cols, 1),
-     key in statistics.ARRAYS and statistics.ARRAYS[key].optional)
+     key in columns.ARRAYS and columns.ARRAYS[key].optional)
     for key, (dtype, cols, kind) in PROBE_ARRAYS.items()
 )
 

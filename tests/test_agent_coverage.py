@@ -239,7 +239,8 @@ def test_complex_empty_integer_outputs_and_call_counts(collector):
 def test_empty_output_counts_zero_and_exports_no_min_max(collector):
     """An empty last batch: calls 1, elements 0, and its act row is "not observed" (the
     aggregator exports no NaN mean/std/min/max gauges for it)."""
-    from gradwatch import statistics
+    from gradwatch import columns
+    from gradwatch.aggregator import reductions
 
     model = nn.Sequential(nn.Linear(3, 2))
     x = torch.randn(0, 3)
@@ -248,8 +249,8 @@ def test_empty_output_counts_zero_and_exports_no_min_max(collector):
     assert p.report.act_count[p.slot("0")].tolist() == [1, 0]
     row = p.act("0")
     assert np.isnan(row).all()
-    for s in statistics.of("act"):
-        assert not statistics.observed(s, row[None])[0]
+    for s in columns.of("act"):
+        assert not reductions.observed(s, row[None])[0]
 
 
 # --- keyword-only roots --------------------------------------------------------------------------

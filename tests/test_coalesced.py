@@ -239,7 +239,7 @@ def test_a_round_in_slices_of_a_job_dropped_meanwhile_is_dropped_and_a_failing_o
     import gradwatch.aggregator.reconcile as rec
 
     g = Feed(ROUND_CHECKS, round_slice_ranks=1)
-    monkeypatch.setattr(rec.statistics, "aggregate_all", lambda arrays: 1 / 0)
+    monkeypatch.setattr(rec.reductions, "aggregate_all", lambda arrays: 1 / 0)
     _one_round_in_slices(g, traffic)
     for s in range(1, 5):  # steps behind the round: their events wait
         for r in range(WORLD):

@@ -4,7 +4,7 @@
 
 Rooms (top-level folders, each installed under ``gradwatch``) and what each may import:
 
-    foundation  gradwatch/   wire, statistics, settings, errors, auth -> nothing of the other rooms
+    foundation  gradwatch/   wire, columns, settings, errors, auth  -> nothing of the other rooms
     agent       agent/       in every rank                -> the foundation
     aggregator  aggregator/  the daemon                   -> the foundation
     commands    commands/    gradwatch CLI, demo, stack   -> anything
@@ -158,8 +158,8 @@ def test_the_room_check_sees_a_lazy_import_upwards():
 
 
 def test_foundation_holds_only_what_both_sides_share():
-    # the wire format, the statistics table, settings, errors and key material: nothing that runs a command
-    assert sorted(p.name for p in FOUNDATION.glob("*.py")) == ["__init__.py", "auth.py", "errors.py", "settings.py", "statistics.py", "wire.py"]
+    # the wire format, the table of columns, settings, errors and key material: nothing that runs a command
+    assert sorted(p.name for p in FOUNDATION.glob("*.py")) == ["__init__.py", "auth.py", "columns.py", "errors.py", "settings.py", "wire.py"]
     assert not [p for p in FOUNDATION.iterdir() if p.is_dir() and p.name != "__pycache__"]
 
 

@@ -68,7 +68,7 @@ def _schema(rank, layers, dup=False):
 
 def _reference(world, schemas, step, reports, complete):
     """The per-rank reconciliation this change replaced (fingerprints and rows, one rank at a time)."""
-    from gradwatch import statistics
+    from gradwatch.aggregator import reductions
 
     rr = reconcile(world, schemas, step, reports, complete)
     lidx = {n: i for i, n in enumerate(rr.layers)}
@@ -83,7 +83,7 @@ def _reference(world, schemas, step, reports, complete):
         if rep.act_count is not None:
             count[k, cols] = rep.act_count
         pcols = np.array([pidx[p[0]] for p in s.params])
-        seen[k, pcols[statistics.observed_rows("param", rep.param)]] = True
+        seen[k, pcols[reductions.observed_rows("param", rep.param)]] = True
     return rr, act, count, seen
 
 

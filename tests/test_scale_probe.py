@@ -17,7 +17,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from gradwatch import statistics, wire
+from gradwatch import columns, wire
+from gradwatch.aggregator import reductions
 from gradwatch.aggregator.checks import Finding, Thresholds
 from gradwatch.aggregator.checks._fingerprints import minority
 from gradwatch.aggregator.checks.explosion import _LayerNorms, _medians, _rolling_medians
@@ -250,10 +251,10 @@ def test_aggregate_all_equals_each_statistic_aggregated_alone_bit_for_bit():
     rng = np.random.default_rng(5)
     for trial in range(1500):
         R, n = int(rng.integers(1, 12)), int(rng.integers(0, 30))
-        arrays = {k: _values(rng, (R, n, len(statistics.fields(k))), np.float64) for k in statistics.ARRAYS}
-        got = statistics.aggregate_all(arrays)
-        want = {s.name: statistics.aggregate(arrays[s.array][..., s.column], statistics.observed(s, arrays[s.array]), s.aggs)
-                for s in statistics.STATISTICS}
+        arrays = {k: _values(rng, (R, n, len(columns.fields(k))), np.float64) for k in columns.ARRAYS}
+        got = reductions.aggregate_all(arrays)
+        want = {s.name: reductions.aggregate(arrays[s.array][..., s.column], reductions.observed(s, arrays[s.array]), s.aggs)
+                for s in columns.STATISTICS}
         _same(got, want)
 
 
@@ -263,12 +264,12 @@ def test_lazy_aggregates_equal_aggregate_all_read_in_any_order_from_threads():
     import threading
 
     rng = np.random.default_rng(13)
-    names = [s.name for s in statistics.STATISTICS]
+    names = [s.name for s in columns.STATISTICS]
     for trial in range(40):
         R, n = int(rng.integers(1, 12)), int(rng.integers(0, 30))
-        arrays = {k: _values(rng, (R, n, len(statistics.fields(k))), np.float64) for k in statistics.ARRAYS}
-        want = statistics.aggregate_all(arrays)
-        lazy = statistics.LazyAggregates(arrays)
+        arrays = {k: _values(rng, (R, n, len(columns.fields(k))), np.float64) for k in columns.ARRAYS}
+        want = reductions.aggregate_all(arrays)
+        lazy = reductions.LazyAggregates(arrays)
         assert len(lazy) == len(want) and list(lazy) == names
         got = {}
         order = [list(rng.permutation(names)) for _ in range(3)]
@@ -281,7 +282,7 @@ def test_lazy_aggregates_equal_aggregate_all_read_in_any_order_from_threads():
             _same(lazy[k], want[k], k)
             assert all(got[id(o), k] is lazy[k] for o in order)  # worked out once
     with pytest.raises(KeyError):
-        statistics.LazyAggregates({})["no_such_statistic"]
+        reductions.LazyAggregates({})["no_such_statistic"]
 
 
 def _reduceat_sum(xs: list) -> float:
@@ -343,13 +344,13 @@ class _RefReducer:
 
 
 def _merge_reference(array, values, present, groups):
-    """statistics.merge by its definition: each group's members gathered in order, reduced one
+    """reductions.merge by its definition: each group's members gathered in order, reduced one
     group and rank at a time (:class:`_RefReducer`), the rules applied as the table says."""
-    rows = statistics.of(array)
+    rows = columns.of(array)
     R = values.shape[0]
     order = np.concatenate(groups) if groups else np.zeros(0, np.int64)
     vals = values[:, order]
-    masks = {s.observed_by: (statistics.observed(s, values) & present)[:, order] for s in rows}
+    masks = {s.observed_by: (reductions.observed(s, values) & present)[:, order] for s in rows}
     red = _RefReducer(groups)
     counts = {k: red.total(m.astype(np.float64)).astype(np.int64) for k, m in masks.items()}
     members = {s.field: vals[..., s.column] for s in rows}
@@ -358,7 +359,7 @@ def _merge_reference(array, values, present, groups):
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         for s in rows:
             o, cnt = masks[s.observed_by], counts[s.observed_by]
-            x = statistics.MERGE_RULES[s.merge].fn(members[s.field], o, cnt, members, done, red)
+            x = reductions.MERGE_FUNCS[s.merge](members[s.field], o, cnt, members, done, red)
             if s.observed_by is not None:
                 x = np.where(cnt == 0, np.nan, x)
             done[s.field] = x
@@ -380,19 +381,19 @@ def test_merge_equals_its_definition_bit_for_bit():
             groups = groups[:-1]  # members in no group
         if rng.random() < 0.1:
             groups.insert(int(rng.integers(0, len(groups) + 1)), np.zeros(0, np.int64))  # a group without members
-        for array in statistics.ARRAYS:
-            values = _values(rng, (R, n, len(statistics.fields(array))), np.float64)
+        for array in columns.ARRAYS:
+            values = _values(rng, (R, n, len(columns.fields(array))), np.float64)
             if rng.random() < 0.3:
                 values[np.isnan(values)] = 1.0  # observed everywhere: the healthy round's shortcut
             present = rng.random((R, n)) < 0.9 if rng.random() < 0.5 else np.ones((R, n), bool)
             want = _merge_reference(array, values, present, groups)
-            _same(statistics.merge(array, values, present, groups), want)
-            _same(statistics.merge(array, values, present, statistics.merge_plan(groups)), want)
+            _same(reductions.merge(array, values, present, groups), want)
+            _same(reductions.merge(array, values, present, reductions.merge_plan(groups)), want)
             if present.all():
-                _same(statistics.merge(array, values, None, groups), want)
+                _same(reductions.merge(array, values, None, groups), want)
     assert _reduceat_sum([1.0, 1e16, -1e16]) == 1.0 != np.sum([1.0, 1e16, -1e16])
-    plan = statistics.merge_plan([np.arange(3)])
-    assert statistics._Reducer(plan).total(np.array([[1.0, 1e16, -1e16]]))[0, 0] == 1.0
+    plan = reductions.merge_plan([np.arange(3)])
+    assert reductions._Reducer(plan).total(np.array([[1.0, 1e16, -1e16]]))[0, 0] == 1.0
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 33])
@@ -407,9 +408,9 @@ def test_finite_median_and_nanmedian_equal_numpys_bit_for_bit(n):
             v[u > 0.9] = np.inf
         with np.errstate(over="ignore", invalid="ignore"):
             want = np.median(v)
-            assert np.array(statistics.finite_median(v)).tobytes() == want.tobytes(), v
+            assert np.array(reductions.finite_median(v)).tobytes() == want.tobytes(), v
             for axis, a in ((0, v[:, None]), (1, v[None, :])):
-                got = statistics.nanmedian(a, axis)
+                got = reductions.nanmedian(a, axis)
                 assert got.tobytes() == _nanmedian_reference(a, axis).tobytes() == want.reshape(1).tobytes()
                 assert np.array_equal(got, np.nanmedian(a, axis=axis), equal_nan=True)
 
@@ -418,8 +419,8 @@ def test_nanmedian_equals_np_median_of_each_column_bit_for_bit_whatever_its_coun
     """Columns partitioned per count of values (NaN-free, a few counts, and past _MEDIAN_COUNTS
     the sort): each is np.median of its values, zeros of both signs, ties and infinities included."""
     rng = np.random.default_rng(10)
-    for limit in (statistics._MEDIAN_COUNTS, 0):
-        monkeypatch.setattr(statistics, "_MEDIAN_COUNTS", limit)
+    for limit in (reductions._MEDIAN_COUNTS, 0):
+        monkeypatch.setattr(reductions, "_MEDIAN_COUNTS", limit)
         for trial in range(600):
             shape = tuple(int(x) for x in rng.integers(1, 14, size=int(rng.integers(1, 4))))
             a = rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 300)
@@ -433,7 +434,7 @@ def test_nanmedian_equals_np_median_of_each_column_bit_for_bit_whatever_its_coun
                 a = np.round(a)
             for axis in range(a.ndim):
                 with np.errstate(over="ignore", invalid="ignore"):
-                    got, want = statistics.nanmedian(a, axis), _nanmedian_reference(a, axis)
+                    got, want = reductions.nanmedian(a, axis), _nanmedian_reference(a, axis)
                 assert got.shape == want.shape and got.tobytes() == want.tobytes(), (a, axis)
 
 

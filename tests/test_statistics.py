@@ -1,4 +1,4 @@
-"""The table of statistics (gradwatch/statistics.py) is the one declaration of each per-layer and
+"""The table of statistics (gradwatch/columns.py) is the one declaration of each per-layer and
 per-parameter statistic: every row reaches the wire, /metrics of a real aggregator and the README
 catalog, and a row added to the table reaches all three with no other change (but the agent's
 on-device reducer, which these tests replace by hand-made wire arrays)."""
@@ -15,8 +15,8 @@ import pytest
 import requests
 import zmq
 
-from gradwatch import statistics, wire
-from gradwatch.statistics import STATISTICS, Statistic
+from gradwatch import columns, wire
+from gradwatch.columns import STATISTICS, Statistic
 
 from .conftest import ROOT, free_port, samples, wait_for
 from .test_layout import imports, offenders
@@ -32,14 +32,14 @@ SLOTS = (("emb", "", "Embedding", "float32"), ("fc1", "", "Linear", "float32"), 
 def cell(array: str, rank: int, row: int, col: int) -> float:
     """A value unique to (array, rank, row, column), exact in float32, never NaN: every cell counts
     as observed, and a statistic read from a wrong column or row cannot match."""
-    return 1000.0 * (list(statistics.ARRAYS).index(array) + 1) + 100.0 * col + 10.0 * row + 0.25 * rank + 0.125
+    return 1000.0 * (list(columns.ARRAYS).index(array) + 1) + 100.0 * col + 10.0 * row + 0.25 * rank + 0.125
 
 
 def arrays(rank: int) -> dict[str, np.ndarray]:
     n = {"slots": len(SLOTS), "params": len(PARAMS)}
     return {
-        key: np.array([[cell(key, rank, i, c) for c in range(len(statistics.fields(key)))] for i in range(n[a.rows])], np.float32)
-        for key, a in statistics.ARRAYS.items()
+        key: np.array([[cell(key, rank, i, c) for c in range(len(columns.fields(key)))] for i in range(n[a.rows])], np.float32)
+        for key, a in columns.ARRAYS.items()
     }
 
 
@@ -56,7 +56,7 @@ def frames(job: str) -> list[bytes]:
 
 def expected(stat: Statistic) -> dict[tuple[str, str], float]:
     """(layer, agg) -> value of ``gradwatch_layer_<stat>``, computed here with plain numpy."""
-    a = statistics.ARRAYS[stat.array]
+    a = columns.ARRAYS[stat.array]
     if a.rows == "slots":
         names = [m + o for m, o, _, _ in SLOTS]
         per_rank = np.array([[cell(stat.array, r, i, stat.column) for i in range(len(names))] for r in range(R)])
@@ -71,13 +71,13 @@ def expected(stat: Statistic) -> dict[tuple[str, str], float]:
 # --- the table itself ------------------------------------------------------------------------------
 
 
-def test_statistics_module_is_foundation_and_torch_free():
-    path = ROOT / "gradwatch" / "statistics.py"
-    found = {"statistics.py": imports(path.read_text(), "gradwatch")}
-    assert offenders(found, ("torch", "prometheus_client", "zmq", "msgpack", "gradwatch")) == {}
+def test_the_table_is_foundation_and_imports_neither_torch_nor_numpy():
+    path = ROOT / "gradwatch" / "columns.py"
+    found = {"columns.py": imports(path.read_text(), "gradwatch")}
+    assert offenders(found, ("torch", "numpy", "prometheus_client", "zmq", "msgpack", "gradwatch")) == {}
     run = subprocess.run(
-        [sys.executable, "-c", "import sys, gradwatch.statistics; print(sorted(n for n in sys.modules "
-         "if n.split('.')[0] in ('torch', 'prometheus_client', 'zmq') or n.startswith(('gradwatch.agent', 'gradwatch.aggregator'))))"],
+        [sys.executable, "-c", "import sys, gradwatch.columns; print(sorted(n for n in sys.modules "
+         "if n.split('.')[0] in ('torch', 'numpy', 'prometheus_client', 'zmq') or n.startswith(('gradwatch.agent', 'gradwatch.aggregator'))))"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
@@ -88,16 +88,16 @@ def test_wire_columns_are_the_tables():
     assert wire.ACT_GRAD_FIELDS == ("norm", "nonfinite")
     assert wire.PARAM_FIELDS == ("grad_norm", "weight_norm", "grad_nonfinite")
     for s in STATISTICS:
-        assert statistics.fields(s.array)[s.column] == s.field
-    for key in statistics.ARRAYS:
-        assert [s.column for s in statistics.of(key)] == list(range(len(statistics.of(key))))
+        assert columns.fields(s.array)[s.column] == s.field
+    for key in columns.ARRAYS:
+        assert [s.column for s in columns.of(key)] == list(range(len(columns.of(key))))
 
 
 def test_agent_record_fields_are_the_tables():
     pytest.importorskip("torch")
     from gradwatch.agent import stats
 
-    assert stats.MOMENT_FIELDS == statistics.records("act") == ("mean", "m2", "min", "max", "zeros", "nonfinite")
+    assert stats.MOMENT_FIELDS == columns.records("act") == ("mean", "m2", "min", "max", "zeros", "nonfinite")
 
 
 @pytest.mark.parametrize(
@@ -116,26 +116,28 @@ def test_agent_record_fields_are_the_tables():
 def test_a_row_that_references_nothing_known_is_refused_at_import(row, why):
     base = STATISTICS if why == "duplicate" else ()
     with pytest.raises(ValueError, match=why):
-        statistics.declare(*base, row)
+        columns.declare(*base, row)
 
 
 def test_host_combine_of_several_calls_follows_the_rules():
     """Two calls of one module: the exact pooled moments of the concatenated data."""
+    pytest.importorskip("torch")
+    from gradwatch.agent import combine
     a, b = np.array([0.0, 1.0, 2.0, 0.0]), np.array([5.0, np.inf, 0.0])
 
     def record(x):
         f = x[np.isfinite(x)]
         return [f.mean(), ((f - f.mean()) ** 2).sum(), x.min(), x.max(), (x == 0).sum(), (~np.isfinite(x)).sum()]
 
-    got = statistics.combine_calls("act", np.array([3, 2]), np.array([record(a[:3]), record(np.array([5.0, 0.0]))]))
+    got = combine.combine_calls("act", np.array([3, 2]), np.array([record(a[:3]), record(np.array([5.0, 0.0]))]))
     both = np.array([0.0, 1.0, 2.0, 5.0, 0.0])
     assert got == pytest.approx((both.mean(), both.std(), 0.0, 5.0, 2 / 5, 0.0))
-    got = statistics.combine_calls("act", np.array([4, 3]), np.array([record(a), record(b)]))
+    got = combine.combine_calls("act", np.array([4, 3]), np.array([record(a), record(b)]))
     assert got[2:4] == (0.0, np.inf) and got[4] == 3 / 7 and got[5] == 1.0
-    empty = statistics.combine_calls("act", np.array([0]), np.zeros((1, 6)))
+    empty = combine.combine_calls("act", np.array([0]), np.zeros((1, 6)))
     assert np.isnan(empty[:4]).all() and empty[4:] == (0.0, 0.0)
     with pytest.raises(ValueError):  # output gradients are combined by the agent's vectorised code
-        statistics.combine_calls("act_grad", np.array([1]), np.zeros((1, 2)))
+        combine.combine_calls("act_grad", np.array([1]), np.zeros((1, 2)))
 
 
 # --- every row reaches the wire, /metrics and the README ----------------------------------------
@@ -187,7 +189,7 @@ def test_every_row_reaches_metrics(scrape, stat):
     assert f"# HELP {name} {stat.help}" in scrape
     if stat.rank_total:
         totals = {dict(k)["rank"]: v for k, v in samples(scrape, "gradwatch_" + stat.rank_total[0]).items()}
-        n = len(SLOTS) if statistics.ARRAYS[stat.array].rows == "slots" else len(PARAMS)
+        n = len(SLOTS) if columns.ARRAYS[stat.array].rows == "slots" else len(PARAMS)
         assert totals == {str(r): sum(cell(stat.array, r, i, stat.column) for i in range(n)) for r in range(R)}
 
 
@@ -198,8 +200,8 @@ def test_every_row_reaches_the_readme_catalog(stat):
     assert len(metric_rows) == 2, metric_rows  # the metrics table and the statistics table
     assert stat.help in metric_rows[0]
     row = metric_rows[1]
-    for part in (f"`{stat.array}[{stat.column}]`", statistics.CALL_RULES[stat.combine].doc,
-                 statistics.MERGE_RULES[stat.merge].doc, ", ".join(stat.aggs)):
+    for part in (f"`{stat.array}[{stat.column}]`", columns.CALL_RULES[stat.combine].doc,
+                 columns.MERGE_RULES[stat.merge].doc, ", ".join(stat.aggs)):
         assert part in row, (part, row)
 
 
@@ -233,7 +235,8 @@ def test_the_plumbing_names_no_statistic(name):
 ADD_A_ROW = """
 import json
 import numpy as np
-import gradwatch.statistics as st
+import gradwatch.columns as st
+from gradwatch.agent.combine import combine_calls
 
 # the one change: a row (an activation's largest absolute value) appended to the table
 st.STATISTICS = st.declare(*st.STATISTICS, st.Statistic(
@@ -268,7 +271,7 @@ for depth in (0, 1):
         for s in f.samples if s.name == "gradwatch_layer_activation_absmax"
     )
 calls = np.array([[0, 0, -1, 1, 0, 0, 1], [0, 0, -4, 2, 0, 0, 4]], np.float64)
-out["combined"] = st.combine_calls("act", np.array([2, 3]), calls)[-1]
+out["combined"] = combine_calls("act", np.array([2, 3]), calls)[-1]
 out["catalog"] = [l for l in catalog.render().splitlines() if "`gradwatch_layer_activation_absmax`" in l]
 print(json.dumps(out))
 """
@@ -293,11 +296,11 @@ def test_adding_a_row_is_enough():
 
 
 def test_nanmedian_equals_numpys_bit_for_bit():
-    """The aggregations' median (statistics.nanmedian) gives np.nanmedian's values exactly, NaN
+    """The aggregations' median (reductions.nanmedian) gives np.nanmedian's values exactly, NaN
     where a column holds none, on either axis."""
     import warnings
 
-    from gradwatch.statistics import nanmedian
+    from gradwatch.aggregator.reductions import nanmedian
 
     rng = np.random.default_rng(0)
     with warnings.catch_warnings():
@@ -309,3 +312,96 @@ def test_nanmedian_equals_numpys_bit_for_bit():
                 a = np.round(a)  # ties
             for axis in (0, 1):
                 assert np.array_equal(nanmedian(a, axis), np.nanmedian(a, axis=axis), equal_nan=True)
+
+
+# --- a column is named once ----------------------------------------------------------------------
+
+#: names of the arrays whose last axis is the table's columns (or the agent's records of them): the
+#: wire arrays, a round's merged and own parameter rows, and the records a report is built from
+COLUMN_ARRAYS = frozenset(columns.ARRAYS) | {"module", "own_param", "out_grad", "rec", "recs", "sums"}
+
+
+def _names(node) -> set[str]:
+    """Every name and attribute name mentioned in the expression ``node``."""
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))}
+
+
+def _literal_int(node) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        node = node.operand
+    return isinstance(node, ast.Constant) and type(node.value) is int
+
+
+def positional_reads(source: str) -> list[str]:
+    """Where ``source`` reads or writes a column of a :data:`COLUMN_ARRAYS` array by position: a
+    subscript with two or more indices (or ``...``) whose last one is an integer literal
+    (``r.act[:, :, 5]``, ``np.asarray(r.act)[rows, :, 1]``), a tuple unpacked from such an
+    array's row (``mean, std, lo, hi, zero, n = (float(x) for x in r.act[k, i])``), or a row
+    written from a tuple (``act_count[s] = (calls, elements)``)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) >= 2:
+            if _literal_int(node.slice.elts[-1]) and _names(node.value) & COLUMN_ARRAYS:
+                out.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple):
+            # the row unpacked: the value itself, or what a comprehension in it iterates over
+            rows = [node.value, *(g.iter for g in ast.walk(node.value) if isinstance(g, ast.comprehension))]
+            if any(isinstance(x, ast.Subscript) and _names(x.value) & COLUMN_ARRAYS for x in rows):
+                out.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+            # a row written from a tuple: each value lands in the column of its position
+            if any(isinstance(t, ast.Subscript) and _names(t.value) & COLUMN_ARRAYS for t in node.targets):
+                out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_the_positional_read_finder_sees_each_form():
+    src = textwrap.dedent(
+        """
+        a = r.act[:, :, 5] > 0
+        b = np.asarray(r.act, np.float64)[rows, :, 1]
+        c = r.module[..., -1]
+        param[idx, 2] = f["grad_nonfinite"]
+        mean, std, lo, hi, zero, n = (float(x) for x in r.act[k, i])
+        ok = r.act[:, :, A.nonfinite], r.act[k], rr.rank_totals[k, col], values[1], x[:, 0]
+        at, group = g.placed(*param.shape[:2]), g.index
+        loss, scale = rec["loss"], rec["loss_scale"]
+        norm, n = r.act_grad[k, i]
+        act_count[s] = (calls, elements)
+        """
+    )
+    assert sorted(line.split(":")[0] for line in positional_reads(src)) == ["line 10", "line 11", "line 2", "line 3", "line 4", "line 5", "line 6"]
+
+
+@pytest.mark.parametrize("folder", ["agent", "aggregator", "gradwatch"])
+def test_no_column_is_read_by_position(folder):
+    """The agent's report builder and frame, the aggregator's reconciliation, reductions and
+    checks read and write each column by its name in the table (:func:`gradwatch.columns.at`),
+    never by a literal position: a column added or moved in the table is read where it is."""
+    found = {str(p.relative_to(ROOT)): hits for p in sorted((ROOT / folder).rglob("*.py"))
+             if (hits := positional_reads(p.read_text()))}
+    assert found == {}
+
+
+def test_every_declared_rule_has_its_implementation():
+    """The table names its rules; each side implements those it runs: the agent's host combine,
+    the aggregator's member merge and aggregations over ranks."""
+    pytest.importorskip("torch")
+    from gradwatch.agent.combine import CALL_FUNCS
+    from gradwatch.aggregator.reductions import AGG_FUNCS, MERGE_FUNCS
+
+    assert set(CALL_FUNCS) == {name for name, rule in columns.CALL_RULES.items() if rule.host}
+    assert set(MERGE_FUNCS) == set(columns.MERGE_RULES)
+    assert tuple(AGG_FUNCS) == columns.AGGREGATIONS
+
+
+def test_columns_are_read_by_name_through_the_table():
+    for key in columns.ARRAYS:
+        at, rec = columns.at(key), columns.record_at(key)
+        assert at._fields == columns.fields(key) and tuple(at) == tuple(range(len(at)))
+        assert rec._fields == columns.records(key) and tuple(rec) == tuple(range(len(rec)))
+    assert columns.at("param").weight_norm == wire.PARAM_FIELDS.index("weight_norm")
+    assert columns.named("grad_norm").array == "param" and columns.named("no_such_statistic") is None
+    groups = columns.observing()
+    assert sorted(s.name for g in groups for s in g) == sorted(s.name for s in STATISTICS)
+    assert all(len({(s.array, s.observed_by) for s in g}) == 1 for g in groups)

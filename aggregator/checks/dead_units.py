@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 
 from pydantic import Field
 
+from gradwatch import columns
+
 from . import Check, Evaluation, Finding, register
 
 #: leaf module types that are exactly 0, with a zero gradient, over a whole input region
@@ -49,6 +51,10 @@ PIECEWISE_TYPES = ("ReLU", "ReLU6", "Threshold", "Hardsigmoid", "Hardswish", "Ha
 TAIL_TYPES = ("GELU", "SiLU", "Mish")
 #: the leaf module types judged
 DEAD_TYPES = frozenset(PIECEWISE_TYPES + TAIL_TYPES)
+
+_ACT = columns.at("act")
+#: the row of the zero ratio aggregated over ranks that holds their median
+_MEDIAN = columns.named("activation_zero_ratio").aggs.index("median")
 
 
 @dataclass
@@ -90,7 +96,7 @@ class DeadUnits(Check):
             judged = True
             if not observed[i]:
                 continue
-            ratio = float(values[1, i])
+            ratio = float(values[_MEDIAN, i])
             if math.isfinite(ratio) and ratio > self.t.dead_ratio:
                 n, first = st.streak.get(layer, (0, r.step))
                 st.streak[layer] = (n + 1, first)
@@ -103,7 +109,7 @@ class DeadUnits(Check):
         dead.sort(key=lambda x: (-x[0], x[1]))
         findings = []
         for ratio, i, layer, typ, n, first in dead[: self.t.max_layers]:
-            per_rank = {rk: float(r.act[k, i, 4]) for k, rk in enumerate(r.ranks)}
+            per_rank = {rk: float(r.act[k, i, _ACT.zero_ratio]) for k, rk in enumerate(r.ranks)}
             findings.append(Finding(
                 self.name, job.job, first,
                 f"layer {layer} ({typ}) looks dead: {ratio:.1%} of its outputs are exactly zero (median over ranks) "

@@ -62,9 +62,14 @@ from typing import Optional
 import numpy as np
 from pydantic import Field
 
-from gradwatch import statistics as gw_statistics
+from gradwatch import columns
 
+from ..reductions import finite_median
 from . import Check, Evaluation, Finding, register
+
+
+#: the row of a layer's gradient norm aggregated over ranks that holds their median
+_MEDIAN = columns.named("grad_norm").aggs.index("median")
 
 
 @dataclass
@@ -208,7 +213,7 @@ class Explosion(Check):
         if st.layer_norms is None:
             st.layer_norms = _LayerNorms(self.t.spike_window)
         hist = st.layer_norms
-        v = values[1]  # the median over ranks
+        v = values[_MEDIAN]  # the median over ranks
         judged = np.flatnonzero(observed & np.isfinite(v))
         rows, v = hist.at(r.modules)[judged], v[judged]
         medians = hist.medians(rows, self._min_history)
@@ -410,7 +415,7 @@ def _medians(rows: list) -> np.ndarray:
     """float64 [len(rows)]: the median of each row's finite values (NaN for a row without any),
     as ``np.median`` of them gives it; rows of one length at once."""
     if len(rows) == 1 and len(rows[0]) and np.isfinite(rows[0]).all():  # one step, every norm finite
-        return np.array([gw_statistics.finite_median(np.asarray(rows[0], np.float64))])
+        return np.array([finite_median(np.asarray(rows[0], np.float64))])
     if len({len(r) for r in rows}) == 1 and len(rows[0]):
         m = np.stack(rows)
         fin = np.isfinite(m)
@@ -446,7 +451,7 @@ def _rolling_medians(hist: np.ndarray, new: np.ndarray, window: int, need: int) 
     (fewer at the start), NaN while fewer than ``need`` precede it."""
     h = min(len(hist), window)
     if len(new) == 1:  # one step: the median of the window before it
-        return np.array([gw_statistics.finite_median(hist[-window:]) if h >= min(need, window) else np.nan])
+        return np.array([finite_median(hist[-window:]) if h >= min(need, window) else np.nan])
     seq = np.concatenate([hist[-window:], new])
     out = np.full(len(new), np.nan)
     full = [i for i in range(len(new)) if h + i >= window]

@@ -64,6 +64,8 @@ from typing import Optional
 
 import numpy as np
 
+from gradwatch import columns
+
 from ..reconcile import owner
 from . import Check, Evaluation, Finding, register
 
@@ -72,6 +74,8 @@ PASSES = ("activation", "output_gradient", "parameter_gradient", "weight")
 HOLD_STEPS = 16
 #: seconds (aggregator clock) the finding waits for a probed step to locate the module
 HOLD_S = 5.0
+
+_ACT, _GRAD, _PARAM = columns.at("act"), columns.at("act_grad"), columns.at("param")
 
 
 @dataclass
@@ -96,8 +100,8 @@ class _Clean:
 def _may_locate(r) -> bool:
     """Whether :meth:`NonFinite._locate` can find anything in round ``r``: any of the conditions
     it searches holds somewhere (a non-finite weight norm, or a positive non-finite count)."""
-    return bool((~np.isfinite(r.module[:, :, 1])).any() or (r.act[:, :, 5] > 0).any()
-                or (r.act_grad[:, :, 1] > 0).any() or (r.module[:, :, 2] > 0).any())
+    return bool((~np.isfinite(r.module[:, :, _PARAM.weight_norm])).any() or (r.act[:, :, _ACT.nonfinite] > 0).any()
+                or (r.act_grad[:, :, _GRAD.nonfinite] > 0).any() or (r.module[:, :, _PARAM.grad_nonfinite] > 0).any())
 
 
 
@@ -330,7 +334,7 @@ class NonFinite(Check):
         if isinstance(r, _Clean):
             return None
         if r.step > event_step:
-            w = ~np.isfinite(r.module[:, :, 1])
+            w = ~np.isfinite(r.module[:, :, _PARAM.weight_norm])
             if w.any():
                 first = int(np.flatnonzero(w.any(axis=0))[0])
                 return {
@@ -344,10 +348,10 @@ class NonFinite(Check):
         else:
             ks = list(range(len(r.ranks)))
         searches = (
-            ("activation", r.act[:, :, 5] > 0, r.layers, min),
-            ("output_gradient", r.act_grad[:, :, 1] > 0, r.layers, max),
-            ("parameter_gradient", r.module[:, :, 2] > 0, r.modules, max),
-            ("weight", ~np.isfinite(r.module[:, :, 1]), r.modules, min),
+            ("activation", r.act[:, :, _ACT.nonfinite] > 0, r.layers, min),
+            ("output_gradient", r.act_grad[:, :, _GRAD.nonfinite] > 0, r.layers, max),
+            ("parameter_gradient", r.module[:, :, _PARAM.grad_nonfinite] > 0, r.modules, max),
+            ("weight", ~np.isfinite(r.module[:, :, _PARAM.weight_norm]), r.modules, min),
         )
         for pass_, bad, names, pick in searches:
             hits = [(int(i), k) for k in ks for i in np.flatnonzero(bad[k])]
@@ -365,13 +369,15 @@ class NonFinite(Check):
     @staticmethod
     def _values(r, pass_: str, k: int, i: int) -> dict:
         if pass_ == "activation":
-            mean, std, lo, hi, zero, n = (float(x) for x in r.act[k, i])
-            return {"nonfinite_elements": n, "mean": mean, "std": std, "min": lo, "max": hi}
+            a = r.act[k, i].tolist()
+            return {"nonfinite_elements": a[_ACT.nonfinite], "mean": a[_ACT.mean], "std": a[_ACT.std],
+                    "min": a[_ACT.min], "max": a[_ACT.max]}
         if pass_ == "output_gradient":
-            norm, n = (float(x) for x in r.act_grad[k, i])
-            return {"nonfinite_elements": n, "norm": norm}
-        g, w, n = (float(x) for x in r.module[k, i])
-        return {"grad_norm": g, "weight_norm": w, "grad_nonfinite_elements": n}
+            g = r.act_grad[k, i].tolist()
+            return {"nonfinite_elements": g[_GRAD.nonfinite], "norm": g[_GRAD.norm]}
+        p = r.module[k, i].tolist()
+        return {"grad_norm": p[_PARAM.grad_norm], "weight_norm": p[_PARAM.weight_norm],
+                "grad_nonfinite_elements": p[_PARAM.grad_nonfinite]}
 
     # --- the finding ----------------------------------------------------------------------------
 

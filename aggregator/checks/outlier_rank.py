@@ -41,12 +41,14 @@ import warnings
 import numpy as np
 from pydantic import Field
 
-from gradwatch import statistics
+from gradwatch import columns
 
+from ..reductions import finite_median, nanmedian
 from . import Check, Evaluation, Finding, ranks_live, register
 
 _K = 0.6745  # Phi^-1(0.75): makes the MAD a consistent estimate of the standard deviation
 _TINY = 1e-12
+_ACT = columns.at("act")
 
 
 def robust_z(x: np.ndarray, min_mad: float, abs_floor: float = 0.0) -> tuple[np.ndarray, float]:
@@ -61,8 +63,8 @@ def robust_z(x: np.ndarray, min_mad: float, abs_floor: float = 0.0) -> tuple[np.
     if ok.sum() < 3:
         return z, math.nan
     v = x[ok]
-    med = statistics.finite_median(v)
-    mad = statistics.finite_median(np.abs(v - med))
+    med = finite_median(v)
+    mad = finite_median(np.abs(v - med))
     scale = max(mad, min_mad * abs(med), abs_floor, _TINY)
     z[ok] = _K * (v - med) / scale
     return z, med
@@ -77,7 +79,7 @@ def rank_features(r, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
     out = {}
     if r.local_grad_norm is not None:
         out["local_grad_norm"] = np.asarray(r.local_grad_norm, np.float64)[rows]
-    std = np.asarray(r.act, np.float64)[rows, :, 1] if r.act is not None and r.act.size else np.zeros((n, 0))
+    std = np.asarray(r.act, np.float64)[rows, :, _ACT.std] if r.act is not None and r.act.size else np.zeros((n, 0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN layers and ranks
         std = np.where(np.isfinite(std), std, np.nan)
@@ -92,11 +94,11 @@ def rank_features(r, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
 
 def _nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
     """``np.nanmedian(a, axis)`` bit for bit, without numpy's masked-array path for small arrays
-    (:func:`gradwatch.statistics.nanmedian`; its middle of an odd count is ``(x + x) / 2``, which
+    (:func:`..reductions.nanmedian`; its middle of an odd count is ``(x + x) / 2``, which
     overflows only beyond 1e307)."""
     if a.size and np.nanmax(np.abs(a), initial=0.0) > 1e307:
         return np.nanmedian(a, axis=axis)
-    return statistics.nanmedian(a, axis)
+    return nanmedian(a, axis)
 
 
 def peer_groups(r) -> list[np.ndarray]:

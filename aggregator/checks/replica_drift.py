@@ -41,13 +41,13 @@ import math
 import numpy as np
 from pydantic import Field
 
-from gradwatch import wire
+from gradwatch import columns
 
 from . import Check, Finding, register
 from ._fingerprints import minority
 from .grad_agreement import _Agreement
 
-_WEIGHT = wire.PARAM_FIELDS.index("weight_norm")
+_WEIGHT = columns.at("param").weight_norm
 _FLOOR = 1e-6  # of |w0|: ten times float32's relative resolution, below which norms do not differ
 
 
