@@ -316,10 +316,15 @@ def test_the_app_shows_the_job_its_ranks_and_a_finding_that_came_and_went(aggreg
             panel = await _until(pilot, lambda: app._panels.get(JOB), "the job's panel")
             await _until(pilot, lambda: [r[:2] for r in _rows(panel.ranks)] == [["0", "3"], ["1", "3"]], "steps 3")
             assert "world 2" in str(panel.title.content) and "running" in str(panel.title.content)
+            # a refresh updates the same ranks in place: the row the user moved to stays selected
+            panel.ranks.move_cursor(row=1)
+            toy.step(4)
+            await _until(pilot, lambda: [r[:2] for r in _rows(panel.ranks)] == [["0", "4"], ["1", "4"]], "steps 4")
+            assert panel.ranks.cursor_row == 1
             assert str(panel.border_title) == f"job {JOB}"
 
             # raised and resolved within milliseconds, between two refreshes; then the job ends
-            toy.explode_then_recover(4, 12, at=6)
+            toy.explode_then_recover(5, 12, at=6)
             toy.goodbye()
             findings = app.query_one("#findings", DataTable)
             rows = await _until(pilot, lambda: (rows := _rows(findings)) and rows, "a finding listed")

@@ -42,6 +42,21 @@ def seconds(v: float) -> str:
     return f"{v * 1000:.0f}ms" if v < 1 else f"{v:.2f}s"
 
 
+def fill(table: DataTable, rows: list[tuple[str, tuple]]) -> None:
+    """Show ``rows``, ``(key, cells)`` in the order of the table's columns, in ``table``: cell by
+    cell when it lists the same keys in the same order (its cursor and scroll stay where the user
+    put them), else anew."""
+    if [k.value for k in table.rows] == [k for k, _ in rows]:
+        columns = list(table.columns)
+        for key, cells in rows:
+            for column, cell in zip(columns, cells):
+                table.update_cell(key, column, cell, update_width=True)
+        return
+    table.clear()
+    for key, cells in rows:
+        table.add_row(*cells, key=key)
+
+
 def _status_style(word: str) -> str:
     head = word.split(" (was ", 1)[0]
     if head == "ok":
@@ -74,7 +89,7 @@ class JobPanel(Vertical):
         self.spark = Sparkline([], summary_function=max)
         self.spark_label = Static()
         self.ranks = DataTable(cursor_type="row", zebra_stripes=True)
-        self.ranks.add_columns(*RANK_COLUMNS)
+        self.ranks.add_columns(*((c, c) for c in RANK_COLUMNS))
         self.note = Static(classes="note")
 
     def compose(self) -> ComposeResult:
@@ -109,14 +124,10 @@ class JobPanel(Vertical):
         self.spark_label.update(label)
 
         rows, hidden = model.rank_rows(job, now, silent_after_s, recent_s, max_ranks)
-        self.ranks.clear()
-        for r, word in rows:
-            self.ranks.add_row(
-                str(r.rank), "-" if r.step is None else str(r.step), seconds(r.step_s), number(r.grad_norm),
-                number(r.local_grad_norm), number(r.loss),
-                model.age(now - r.last_seen) if math.isfinite(r.last_seen) else "-",
-                Text(word, style=_status_style(word)), key=str(r.rank),
-            )
+        fill(self.ranks, [(str(r.rank), (
+            str(r.rank), "-" if r.step is None else str(r.step), seconds(r.step_s), number(r.grad_norm),
+            number(r.local_grad_norm), number(r.loss), model.age(now - r.last_seen) if math.isfinite(r.last_seen) else "-",
+            Text(word, style=_status_style(word)))) for r, word in rows])
         notes = []
         if hidden:
             notes.append(f"{hidden} more ranks not shown (--max-ranks {max_ranks})")
@@ -171,7 +182,7 @@ class TopApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#findings", DataTable).add_columns(*FINDING_COLUMNS)
+        self.query_one("#findings", DataTable).add_columns(*((c, c) for c in FINDING_COLUMNS))
         self.action_poll()
         self.set_interval(self.refresh_s, self.action_poll)
 
@@ -244,12 +255,13 @@ class TopApp(App):
             panel.show(j, self.history, v.now, self.silent_after_s, self.recent_s, self.max_ranks)
 
     def _show_findings(self, v: model.View) -> None:
-        table = self.query_one("#findings", DataTable)
-        table.clear()
+        rows = []
         for f in v.findings[:MAX_FINDINGS]:
             state = Text("ACTIVE", style="bold red") if f.active else Text("resolved", style="green")
             raised = "?" if f.raised_at is None else model.age(v.now - f.raised_at) + " ago"
             resolved = "-" if f.active else ("?" if f.resolved_at is None else model.age(v.now - f.resolved_at) + " ago")
             summary = f.summary if len(f.summary) <= SUMMARY_CHARS else f.summary[: SUMMARY_CHARS - 3] + "..."
-            table.add_row(state, f.check, f.severity, f.job_id, "-" if f.rank is None else str(f.rank),
-                          f.layer or "-", str(f.step), raised, resolved, summary)
+            rows.append((repr((*f.key, f.raised_at)), (
+                state, f.check, f.severity, f.job_id, "-" if f.rank is None else str(f.rank), f.layer or "-", str(f.step),
+                raised, resolved, summary)))
+        fill(self.query_one("#findings", DataTable), rows)
