@@ -37,6 +37,36 @@ log = logging.getLogger("gradwatch.agent")
 _MAX_DEPTH = 6
 
 
+def inert(*args, **kwargs) -> None:
+    """What a copy of a module gets in place of each of the agent's hooks: nothing."""
+    return None
+
+
+def _inert():
+    return inert
+
+
+class Hook:
+    """One of the agent's module hooks as the module keeps it: calls ``fn``. A copy of the module
+    (``copy.deepcopy``, an EMA or evaluation copy) or a pickle of it (``torch.save(model)``) gets
+    :func:`inert` in its place, so copying or saving a watched model works, never copies the
+    agent's state (its locks would refuse), and the copy is not watched."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return inert
+
+    def __reduce__(self):
+        return _inert, ()
+
+
 def iter_tensors(obj: Any, path: str = "", depth: int = 0, *, every_dtype: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(path suffix, tensor)`` for every floating tensor inside a module output.
 
@@ -188,8 +218,8 @@ class ProbeRecorder:
         root = self._model()
         if root is not None and not self._handles:  # kept in place for a compiled model
             try:
-                self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-                self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
+                self._handles.append(root.register_forward_pre_hook(Hook(self._root_pre), with_kwargs=True))
+                self._handles.append(root.register_forward_hook(Hook(self._root_post), always_call=True))
             except Exception:
                 pass
 
@@ -216,7 +246,7 @@ class ProbeRecorder:
             if m is None:
                 continue
             try:
-                self._leaf_handles.append(m.register_forward_hook(self.forward_hook(path)))
+                self._leaf_handles.append(m.register_forward_hook(Hook(self.forward_hook(path))))
             except Exception:  # e.g. a TorchScript submodule (case C17)
                 if path not in self.not_instrumented:
                     self.not_instrumented.append(path)

@@ -22,6 +22,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .hooks import Hook
+
 #: attributes a wrapper keeps the optimizer it wraps in, tried in this order
 INNER_OPTIMIZER = ("optimizer", "_optimizer")
 #: wrappers followed at most (a reference cycle must not loop)
@@ -126,7 +128,7 @@ class FollowDDP:
         self._module = module
         self._found, self._missing, self._on_error = found, missing, on_error
         self._traced = False
-        self._handle = module.register_forward_pre_hook(self._pre)
+        self._handle = module.register_forward_pre_hook(Hook(self._pre))
 
     def _pre(self, module, args) -> None:
         if self._handle is None:  # done; left in place because torch.compile traced it
@@ -134,13 +136,14 @@ class FollowDDP:
         if torch.compiler.is_compiling():
             self._traced = True
             return None
+        found, missing = self._found, self._missing
         try:
             ddp = ddp_above(module, sys._getframe(1))
             self.remove(keep_traced=True)
             if ddp is not None:
-                self._found(ddp)
+                found(ddp)
             else:
-                self._missing()
+                missing()
         except Exception as e:
             self.remove(keep_traced=True)
             self._on_error("follow-ddp", e)

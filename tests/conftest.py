@@ -178,7 +178,7 @@ class Collector:
     (``msgs``, as received: a steps message stays one); :meth:`records` and :meth:`reports` see
     each step's record, coalesced or not."""
 
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, forward: str | None = None):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -188,11 +188,20 @@ class Collector:
             self.sock.bind(f"tcp://127.0.0.1:{port}")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.msgs: list = []
+        # a tee: every frame received is also passed on, unchanged, to the aggregator at ``forward``
+        self.out = None
+        if forward is not None:
+            self.out = self.ctx.socket(zmq.PUSH)
+            self.out.setsockopt(zmq.LINGER, 2000)
+            self.out.connect(forward)
 
     def pump(self, timeout_s: float = 0.1) -> None:
         if self.sock.poll(int(timeout_s * 1000)):
             while self.sock.poll(0):
-                self.msgs.append(wire.decode(self.sock.recv()))
+                frame = self.sock.recv()
+                self.msgs.append(wire.decode(frame))
+                if self.out is not None:
+                    self.out.send(frame)
 
     def records(self, job: str | None = None, rank: int | None = None) -> list[wire.Report]:
         """Every step's record received, in arrival order (reports, and steps expanded)."""
@@ -232,6 +241,8 @@ class Collector:
 
     def close(self) -> None:
         self.sock.close(0)
+        if self.out is not None:
+            self.out.close()
         self.ctx.term()
 
 

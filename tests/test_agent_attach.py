@@ -298,3 +298,115 @@ def test_an_optimizer_over_other_parameters_is_said(collector):
         ok = agent.attach(other, opt, endpoint=collector.endpoint)
     ok.close()
     assert ok is not monitor and not [w for w in caught if "updates none" in str(w.message)]
+
+
+# --- the module given before (or without) its DDP wrapper -------------------------------------------
+
+FOLLOW_STEPS = 4
+
+
+def _follow_worker(rank: int, world: int, port: int, endpoint: str, out_dir: str) -> None:
+    """Phase "follow": attach to the module, then wrap it in DDP (as a framework's callback, or a
+    script attaching before wrapping, does): the ranks' own norms are measured from the first
+    step, and equal a float64 replay of this rank's forward and backward on an unwrapped copy.
+    Phase "alone": a world of two training a module no DDP runs warns once."""
+    import copy
+    import gc
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor = agent.attach(model, opt, endpoint=endpoint, every=2, job="follow", nan_guard="off")
+        ddp = DDP(model)
+        gen = torch.Generator().manual_seed(10 + rank)
+        local = []
+        for _ in range(FOLLOW_STEPS):
+            x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 2, generator=gen)
+            replay = copy.deepcopy(model)
+            F.mse_loss(replay(x), y).backward()
+            local.append(_norm64(replay))
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        installed = monitor.local_norms
+        monitor.close()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            alone = nn.Linear(3, 1)
+            opt2 = torch.optim.SGD(alone.parameters(), lr=0.1)
+            m2 = agent.attach(alone, opt2, endpoint=endpoint, job="alone", nan_guard="off")
+            for _ in range(3):
+                alone(torch.randn(4, 3)).sum().backward()
+                opt2.step()
+            m2.close()
+        said = [str(w.message) for w in caught if "no DistributedDataParallel runs" in str(w.message)]
+        with open(os.path.join(out_dir, f"follow-{rank}.json"), "w") as f:
+            json.dump(dict(local=local, installed=installed, said=said), f)
+        del ddp, monitor
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ddp
+def test_a_module_given_before_its_ddp_wrapper_is_followed_to_it(collector, tmp_path):
+    import torch.multiprocessing as mp
+
+    procs = mp.start_processes(_follow_worker, args=(2, _free_port(), collector.endpoint, str(tmp_path)),
+                               nprocs=2, join=False, start_method="spawn")
+    while not procs.join(timeout=0.05):
+        collector.pump(0.05)
+    collector.pump(0.5)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"follow-{rank}.json").read_text())
+        assert got["installed"] and len(got["said"]) == 1, got
+        reports = collector.wait_steps(FOLLOW_STEPS, job="follow", rank=rank)
+        for step in range(FOLLOW_STEPS):
+            assert reports[step].local_grad_norm == pytest.approx(got["local"][step], rel=1e-6), (rank, step)
+        alone = collector.reports(job="alone", rank=rank)
+        assert alone and all(math.isnan(r.local_grad_norm) for r in alone.values())
+
+
+def _free_port() -> int:
+    from .conftest import free_port
+
+    return free_port()
+
+
+# --- a watched model can be copied and saved ---------------------------------------------------------
+
+
+def test_a_watched_model_deep_copies_and_pickles_and_its_copy_is_not_watched(collector, tmp_path):
+    """With the agent's hooks in place (a probed step, the NaN guard on), ``copy.deepcopy(model)``
+    (an EMA or evaluation copy) and ``torch.save(model)`` work; the copy carries inert hooks, so
+    running it, with gradients, adds nothing to the watched model's statistics."""
+    import copy
+
+    from gradwatch import columns
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = agent.attach(model, opt, endpoint=collector.endpoint, every=1, nan_guard="on")
+    try:
+        x = torch.randn(5, 4)
+        loss = model(x).pow(2).mean()
+        twin = copy.deepcopy(model)  # mid-step, hooks in place
+        twin(x).sum().backward()
+        torch.save(model, tmp_path / "model.pt")
+        again = torch.load(tmp_path / "model.pt", weights_only=False)
+        again(x).sum().backward()
+        assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+        loss.backward()
+        opt.step()
+        report = collector.wait_steps(1)[0]
+    finally:
+        monitor.close()
+    calls = report.act_count[:, columns.at("act_count").calls]
+    assert report.probe and len(calls) == 3 and set(calls.tolist()) == {1.0}, calls  # the copies never count

@@ -7,6 +7,7 @@ Rooms (top-level folders, each installed under ``gradwatch``) and what each may 
     foundation  gradwatch/   wire, columns, settings, errors, auth  -> nothing of the other rooms
     agent       agent/       in every rank                -> the foundation
     aggregator  aggregator/  the daemon                   -> the foundation
+    integrations integrations/ Trainer, Lightning, accelerate -> the foundation, the agent
     commands    commands/    gradwatch CLI, demo, stack   -> anything
     grafana     grafana/     dashboards as code, push     -> anything
 
@@ -28,15 +29,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 AGENT, AGGREGATOR, WIRE = ROOT / "agent", ROOT / "aggregator", ROOT / "gradwatch" / "wire.py"
 FOUNDATION, COMMANDS, GRAFANA = ROOT / "gradwatch", ROOT / "commands", ROOT / "grafana"
+INTEGRATIONS = ROOT / "integrations"
 # room -> (folder, the rooms it may import besides itself)
 ROOMS = {
     "foundation": (FOUNDATION, ()),
     "agent": (AGENT, ("foundation",)),
     "aggregator": (AGGREGATOR, ("foundation",)),
+    "integrations": (INTEGRATIONS, ("foundation", "agent")),
     "commands": (COMMANDS, ("foundation", "agent", "aggregator", "grafana")),
     "grafana": (GRAFANA, ("foundation", "agent", "aggregator", "commands")),
 }
-TOP_LEVEL_FOLDERS = ("agent", "aggregator", "commands", "grafana", "deploy")
+TOP_LEVEL_FOLDERS = ("agent", "aggregator", "commands", "grafana", "deploy", "integrations")
 
 
 def imports(source: str, package: str) -> set[str]:
