@@ -62,12 +62,13 @@ def run_part(name: str, device: str, seconds: float, fused: tuple, out: str, jso
     ctx = Context(device=device, deadline=time.monotonic() + seconds, fused=fused, out_dir=out)
     part = Part(name, TITLES[name], json_path)
     say(f"== part {name}: {TITLES[name]} ({seconds:.0f} s at most)")
-    if device == "cuda":
-        import torch
+    import torch
 
-        if not torch.cuda.is_available():
-            part.error = "--device cuda but torch.cuda.is_available() is false"
-            return part
+    if device == "cuda" and not torch.cuda.is_available():
+        part.error = "--device cuda but torch.cuda.is_available() is false"
+        return part
+    if device == "cpu":
+        torch.set_num_threads(1)  # as bench/overhead.py: steadier on a shared machine
     mod = importlib.import_module(f".{name}", __package__)
     return guarded(part, lambda p: mod.run(ctx, p))
 
