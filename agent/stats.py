@@ -16,10 +16,11 @@ tensor's first element, which keeps the variance accurate when ``|mean| >> std``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -300,13 +301,24 @@ def _fused_moments(x: torch.Tensor) -> torch.Tensor:
     )
 
 
+@contextlib.contextmanager
+def _compiled_state(device: torch.device, state: tuple) -> Iterator[None]:
+    """No grad, and ``device``'s autocast off with ``state`` = (dtype, cache enabled): the global
+    state the fused kernel is compiled and called in."""
+    with torch.no_grad(), torch.autocast(device.type, dtype=state[0], enabled=False, cache_enabled=state[1]):
+        yield
+
+
 class Reducer:
     """Computes moments records, eagerly or with a fused kernel compiled off the training thread.
 
     The fused kernel is compiled and checked against the eager record on each device it is to
     run on, in a background thread; until it is ready for a tensor's device, that tensor is
-    reduced eagerly. So the caller's thread never compiles: a kernel compiled for one device
-    would recompile on the caller's thread the first time it met a tensor of another.
+    reduced eagerly. It is always called in the grad mode and autocast state it was compiled in
+    (no grad, autocast off with that thread's dtype): dynamo guards on both, and a forward pass
+    sets them otherwise. So the caller's thread never compiles: a kernel compiled for one device,
+    or called inside the training forward's ``torch.autocast``, would recompile on the caller's
+    thread, for each new device and autocast state.
 
     Args:
         mode: "on" compile now for the CPU in a background thread, and for any other device the
@@ -319,6 +331,7 @@ class Reducer:
         self._fused = None  # the compiled function (one for every device: dynamo keeps a graph per device)
         self._ready: frozenset = frozenset()  # devices the fused kernel was compiled and checked on
         self._started: set = set()  # devices a compile was started for (done, failed or running)
+        self._autocast: dict = {}  # device -> (dtype, cache_enabled) of the autocast state it was compiled in
         self._lock = threading.Lock()
         if mode == "on":
             self._start_compile(torch.device("cpu"))
@@ -346,12 +359,16 @@ class Reducer:
                     if self._fused is None:
                         self._fused = torch.compile(_fused_moments, dynamic=True)
                     fn = self._fused
+                state = (torch.autocast(device.type, enabled=False).fast_dtype, torch.is_autocast_cache_enabled())
                 for n in (4099, 17):  # two sizes so the graph is shape-generic from the start
                     probe = torch.linspace(-1, 1, n, device=device)
-                    got, want = fn(probe), _eager_moments(probe)
+                    with _compiled_state(device, state):
+                        got = fn(probe)
+                    want = _eager_moments(probe)
                     if not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
                         raise RuntimeError(f"fused kernel disagrees with eager: {got} vs {want}")
                 with self._lock:
+                    self._autocast[device] = state
                     self._ready = self._ready | {device}
                 log.info("gradwatch: fused statistics kernel ready on %s", device)
             except Exception as e:  # compile is an optimisation; eager stays correct
@@ -376,7 +393,8 @@ class Reducer:
             return out
         device = x.device
         if device in self._ready:
-            return self._fused(x)
+            with _compiled_state(device, self._autocast[device]):
+                return self._fused(x)
         if self.mode == "on" or (self.mode == "auto" and x.is_cuda):
             if device not in self._started:
                 self._start_compile(device)

@@ -1,10 +1,12 @@
-"""The fused statistics kernel (``Reducer``, ``fused="on"``) runs only on devices it was compiled
-and checked on: a tensor of another device is reduced eagerly on the caller's thread while that
-device's kernel compiles in the background, never compiled on the caller's (the training) thread.
+"""The fused statistics kernel (``Reducer``, ``fused="on"``) never compiles on the caller's (the
+training) thread: it runs only on devices it was compiled and checked on (a tensor of another
+device is reduced eagerly while that device's kernel compiles in the background), and always in
+the grad mode and autocast state it was compiled in.
 
 A CUDA model under ``fused="on"`` had its kernel compiled for the CPU at attach, and its first
-probed step then recompiled it for CUDA inside the training step. Without a GPU here, the other
-device is ``meta``: the caller's thread must not compile a graph for it either.
+probed step then recompiled it for CUDA inside the training step; and a kernel called inside the
+forward's ``torch.autocast`` recompiled there for each autocast state (bench/gpu's truth part found
+it on the CPU). Without a GPU here, the other device is ``meta``, the autocast the CPU's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ def test_fused_kernel_is_used_only_on_devices_it_was_compiled_for_and_never_comp
     assert torch.allclose(red.moments(x), _eager_moments(x), rtol=1e-5, atol=1e-4)
 
     graphs = counters["stats"]["unique_graphs"]
+    # inside a training forward's autocast (bf16 here; fp16 on CUDA), under no_grad (a checkpointed
+    # forward), with autocast's cache off: the kernel's guards hold, nothing compiles here
+    for ctx in (torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast("cpu", dtype=torch.float16),
+                torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), torch.no_grad()):
+        with ctx:
+            got = red.moments(x)
+        assert torch.allclose(got, _eager_moments(x), rtol=1e-5, atol=1e-4), ctx
+    assert counters["stats"]["unique_graphs"] == graphs, "a graph was compiled on the caller's thread"
     m = torch.linspace(-1, 1, 1000, device="meta")
     out = red.moments(m)  # another device: eager here, its compile (if any) in the background
     assert out.device.type == "meta" and out.shape == (6,)
