@@ -39,10 +39,31 @@ Parts (``--parts``, in this order):
 ``guard``
     The NaN guard's ``auto`` decision on the device, and its cost measured (:mod:`.guard`).
 
+Run it from the repository root; gradwatch's dependencies must be importable (on the device:
+bench/gpu_wheels.sh), gradwatch itself need not be installed (:func:`_rooms_importable`).
+
 JSON layout: ``{"env": {...}, "config": {...}, "status": "running" | "done", "ok": bool,
 "parts": {name: {"status": "pass" | "fail" | "skipped" | "error", "wall_s", "checks": [{"name",
 "status", "value", "target", "detail"}], "numbers": {...}, "notes": [...], "error": traceback}}}``.
 A check skipped on the CPU says why ("skipped: needs CUDA").
 """
 
+import importlib.util
+import os
+
 PARTS = ("truth", "nosync", "compiled", "distributed", "cost", "guard")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _rooms_importable() -> None:
+    """Run from a checkout where gradwatch is not installed (the lent GPU machine), ``gradwatch``
+    is the tree's foundation folder alone: extend its package path to the tree's root, so
+    ``gradwatch.agent``, ``gradwatch.aggregator`` and ``gradwatch.commands`` are the tree's rooms
+    (what the editable install's finder does). Installed, nothing changes."""
+    import gradwatch
+
+    if importlib.util.find_spec("gradwatch.agent") is None and ROOT not in gradwatch.__path__:
+        gradwatch.__path__.append(ROOT)
+
+
+_rooms_importable()

@@ -1,7 +1,7 @@
 """Part 4, distributed on one GPU: DDP over NCCL with one rank, and two ranks on the one device over
 gloo with CUDA tensors (NCCL refuses two ranks on one device), reporting to a real aggregator.
 
-The aggregator is ``python -m gradwatch.aggregator`` in its own process on loopback at default
+The aggregator is ``python -m gradwatch.aggregator`` (run through bench.gpu) in its own process on loopback at default
 thresholds, writing its findings to a JSON-lines event log. Each job's ranks are processes
 (``spawn``: CUDA forbids fork after it started) training the demo's GPT in DDP with the agent
 attached (``every=5``, NaN guard on), with faults injected by the demo's injector
@@ -141,8 +141,11 @@ class Aggregator:
         self.events = os.path.join(work, "events.jsonl")
         self.log_path = os.path.join(work, "aggregator.log")
         self.log = open(self.log_path, "w")
+        # python -m gradwatch.aggregator, through bench.gpu (which makes the tree's rooms importable
+        # where gradwatch is not installed)
+        start = "import runpy, bench.gpu; runpy.run_module('gradwatch.aggregator', run_name='__main__', alter_sys=True)"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gradwatch.aggregator", "--listen", self.endpoint, "--metrics-host", "127.0.0.1",
+            [sys.executable, "-c", start, "--listen", self.endpoint, "--metrics-host", "127.0.0.1",
              "--metrics-port", str(self.mport), "--events-path", self.events, "--publish-interval-s", "0.05",
              "--round-grace-s", "3"], stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 60
