@@ -26,7 +26,8 @@ from prometheus_client.registry import Collector
 from gradwatch import columns
 
 from .checks import CHECKS, Runner
-from .reconcile import Snapshot, group_layers
+from .reconcile import group_layers
+from .snapshot import Snapshot
 from .state import REJECT_REASONS
 
 PREFIX = "gradwatch_"

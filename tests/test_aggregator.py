@@ -533,7 +533,7 @@ def test_a_round_only_some_ranks_probe_by_their_interval_is_partial_not_incomple
     out.feed(st)
     assert (job.rounds_complete, job.rounds_partial, job.rounds_incomplete) == (2, 1, 0)  # 64 partial; 128 complete
     from gradwatch.aggregator.exporter import SnapshotCollector
-    from gradwatch.aggregator.reconcile import snapshot
+    from gradwatch.aggregator.snapshot import snapshot
 
     snap = snapshot(st, 1000.0)
     (fam,) = [f for f in SnapshotCollector(lambda: snap).collect() if f.name == "gradwatch_rounds"]
@@ -998,7 +998,7 @@ def test_the_findings_api_says_when_it_cannot_answer_a_query():
 
     from gradwatch.aggregator import Aggregator, load
     from gradwatch.aggregator.checks import Event, Finding, RunnerView
-    from gradwatch.aggregator.reconcile import Snapshot
+    from gradwatch.aggregator.snapshot import Snapshot
 
     agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0))
     f = Finding("straggler", "j", 5, "slow", rank=1)
@@ -1006,7 +1006,7 @@ def test_the_findings_api_says_when_it_cannot_answer_a_query():
     agg._snapshot = Snapshot(checks=RunnerView(active=(f,), events=events))
 
     def ask(q):
-        return [i.get("event", "active") for i in agg._findings({"QUERY_STRING": q})["findings"]]
+        return [i.get("event", "active") for i in agg.api.findings({"QUERY_STRING": q})["findings"]]
 
     for q in ("active=yes", "active=1", "active=TRUE", "active=1&job_id=j&check=straggler"):
         assert ask(q) == ["active"], q
@@ -1014,9 +1014,9 @@ def test_the_findings_api_says_when_it_cannot_answer_a_query():
         assert ask(q) == ["resolved", "raised"], q
     assert ask("active=1&job_id=other") == [] and ask("check=rank_silent") == []
     # an active finding says since when (its raised event's time), and every item its job_id
-    (a,) = agg._findings({"QUERY_STRING": "active=1"})["findings"]
+    (a,) = agg.api.findings({"QUERY_STRING": "active=1"})["findings"]
     assert a["since"] == 1.0 and a["job_id"] == "j"
-    assert [i["job_id"] for i in agg._findings({"QUERY_STRING": ""})["findings"]] == ["j", "j"]
+    assert [i["job_id"] for i in agg.api.findings({"QUERY_STRING": ""})["findings"]] == ["j", "j"]
     agg.start()  # over HTTP: a query it cannot answer is a 400 saying why
     try:
         base = agg.metrics_url.rsplit("/", 1)[0] + "/api/findings"

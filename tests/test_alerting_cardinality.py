@@ -20,7 +20,8 @@ from gradwatch import wire
 from gradwatch.aggregator import Aggregator, load
 from gradwatch.aggregator.checks import Finding, RunnerView
 from gradwatch.aggregator.exporter import ESSENTIAL_RANK_METRICS, SnapshotCollector
-from gradwatch.aggregator.reconcile import JobView, Snapshot, group_layers, layer_group, reconcile
+from gradwatch.aggregator.reconcile import group_layers, layer_group, reconcile
+from gradwatch.aggregator.snapshot import JobView, Snapshot
 
 from .conftest import ROOT
 
@@ -202,7 +203,7 @@ def test_grouping_propagates_nan_and_skips_unobserved_members():
 
 
 def _snap(world: int, active=()):
-    from gradwatch.aggregator.reconcile import RankView
+    from gradwatch.aggregator.snapshot import RankView
 
     ranks = tuple(RankView(r, "h", 0, 5, 0.1, 1.0, 0, 6, 1, 0, 7, 0, 0, 0.0, 0, 0) for r in range(world))
     return Snapshot(jobs=(JobView("j", world, ranks, None, 0, 0),), checks=RunnerView(active=tuple(active)))
@@ -296,8 +297,9 @@ def test_a_huge_jobs_round_series_are_those_of_the_ranks_a_finding_names():
 
 @pytest.mark.parametrize("rank_view_max", [None, 1])  # every rank's view, or a huge job's columns
 def test_job_totals_count_forgotten_ranks_so_they_never_decrease(rank_view_max):
-    from gradwatch.aggregator.reconcile import snapshot
-    from gradwatch.aggregator.state import JobState, RankState, State
+    from gradwatch.aggregator.snapshot import snapshot
+    from gradwatch.aggregator.jobs import JobState, RankState
+    from gradwatch.aggregator.state import State
 
     now = [0.0]
     st = State(rank_ttl_s=10, clock=lambda: now[0], rank_view_max=rank_view_max)
@@ -315,8 +317,9 @@ def test_a_huge_jobs_snapshot_has_the_columns_totals_and_views_of_a_full_one():
     gone from the job, or another job's rank, adds none) and columns over every rank: equal to what
     the views of every rank give, with distinct values in every field and forgotten ranks' counters."""
     from gradwatch.aggregator.checks import Runner, Thresholds
-    from gradwatch.aggregator.reconcile import snapshot
-    from gradwatch.aggregator.state import JobState, RankState, State
+    from gradwatch.aggregator.snapshot import snapshot
+    from gradwatch.aggregator.jobs import JobState, RankState
+    from gradwatch.aggregator.state import State
 
     rng = np.random.default_rng(1)
     findings = [Finding("straggler", "j", 5, "slow", rank=3), Finding("rank_silent", "j", 5, "gone", rank=99),
@@ -337,7 +340,7 @@ def test_a_huge_jobs_snapshot_has_the_columns_totals_and_views_of_a_full_one():
                                               k={"rank_straggler_relative_score": scores})
     whole = snapshot(st, 5000.0)
     full = whole.jobs[0]
-    st.rank_view_max = 4
+    st.limits.rank_view_max = 4
     few = snapshot(st, 5000.0)
     cut = few.jobs[0]
     want = {("k", *lv): v for lv, v in scores.items()}
@@ -356,7 +359,7 @@ def test_the_agents_cost_gauges_follow_its_latest_message_not_only_probed_steps(
     8 while every rank warned. Every message carries them: the gauges show the latest."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from gradwatch.aggregator.reconcile import snapshot
+    from gradwatch.aggregator.snapshot import snapshot
     from gradwatch.aggregator.state import State
 
     st = State(clock=lambda: 100.0)

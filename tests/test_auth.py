@@ -223,7 +223,7 @@ def test_only_the_jobs_own_key_marks_it_overloaded():
     checks (rank_silent still names its silent rank); drops of frames of the job's own key do.
     Without CURVE (no user id) a drop marks the job it claims, as before."""
     from gradwatch.aggregator.checks import Runner, Thresholds
-    from gradwatch.aggregator.daemon import Intake
+    from gradwatch.aggregator.intake import Intake
     from gradwatch.aggregator.state import State
 
     now = [1000.0]

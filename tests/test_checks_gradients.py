@@ -24,10 +24,10 @@ import pytest
 import requests
 
 from gradwatch import wire
-from gradwatch.aggregator.checks import Event, Runner, Thresholds, _clean
+from gradwatch.aggregator.checks import Event, Runner, Thresholds, json_safe
 from gradwatch.aggregator.checks.nonfinite import HOLD_S
 from gradwatch.aggregator.exporter import SnapshotCollector
-from gradwatch.aggregator.reconcile import snapshot
+from gradwatch.aggregator.snapshot import snapshot
 from gradwatch.aggregator.state import State
 
 from .conftest import free_port, run_demo, samples, start_aggregator, wait_for
@@ -327,7 +327,7 @@ def test_nonfinite_provenance_pass_order_on_the_origin_rank_from_local_norms(cas
         job.tick(3.0)
     assert job.events("nonfinite") == [("raised", 5, 1, module)]
     assert job.status("nonfinite") == "finding"
-    json.loads(Event("raised", 0, "nonfinite", "critical", JOB, 5, 1, module, f.summary, _clean(f.details)).to_json())
+    json.loads(Event("raised", 0, "nonfinite", "critical", JOB, 5, 1, module, f.summary, json_safe(f.details)).to_json())
 
 
 def test_nonfinite_unprobed_event_then_probe_with_nonfinite_weights_cannot_be_located():

@@ -279,7 +279,7 @@ def test_a_job_every_rank_of_which_said_goodbye_is_marked_ended(reason, ends):
     may go on) ends nothing; a rank heard again makes the job live again."""
     from gradwatch.aggregator.checks import CHECKS
     from gradwatch.aggregator.exporter import SnapshotCollector
-    from gradwatch.aggregator.reconcile import snapshot
+    from gradwatch.aggregator.snapshot import snapshot
 
     def ended_metric():
         (fam,) = [m for m in SnapshotCollector(lambda: snapshot(j.state, 0.0)).collect()
@@ -551,7 +551,7 @@ def test_a_forgotten_or_restarted_jobs_active_findings_are_resolved_saying_why()
     event: the event log and /api/findings showed them raised forever. They are resolved, each
     saying why; a restarted job's likewise."""
     j = Job(["rank_silent"], silent_after_s=5)
-    j.state.rank_ttl_s = 20
+    j.state.limits.rank_ttl_s = 20
     for r in range(3):
         j.heartbeat(r)
     for _ in range(6):

@@ -138,7 +138,8 @@ def test_runner_skips_on_tick_of_a_check_judging_silence_while_its_job_is_overlo
     event still gives every check a status (no data), muted or not."""
     from gradwatch import wire
     from gradwatch.aggregator.checks import Evaluation, Finding, Outcome, Runner
-    from gradwatch.aggregator.state import JobState, State
+    from gradwatch.aggregator.jobs import JobState
+    from gradwatch.aggregator.state import State
 
     calls = []
 

@@ -18,7 +18,7 @@ import pytest
 
 from gradwatch import wire
 from gradwatch.aggregator.checks import Runner, Thresholds
-from gradwatch.aggregator.reconcile import snapshot
+from gradwatch.aggregator.snapshot import snapshot
 from gradwatch.aggregator.state import State
 
 PARAMS = tuple((f"l{i}.weight", (8, 8), "float32") for i in range(4))
@@ -233,7 +233,7 @@ def test_a_round_in_slices_of_a_job_dropped_meanwhile_is_dropped_and_a_failing_o
     _one_round_in_slices(f, traffic)
     job = f.state.jobs["j"]
     assert job.pending_bytes > 0
-    f.state._drop(job)
+    f.state.registry.drop(job)
     assert f.state.advance() is False and not f.state.closing and job.deferred is None
 
     import gradwatch.aggregator.reconcile as rec

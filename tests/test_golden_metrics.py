@@ -139,7 +139,7 @@ def render(layer_depth: int, every_view: bool = False, **settings) -> str:
         clock=lambda: now[0],
     )
     if every_view:
-        agg.state.rank_view_max = None
+        agg.state.limits.rank_view_max = None
     try:
         for t, frame in recorded_input():
             now[0] = t

@@ -23,8 +23,10 @@ from gradwatch import wire
 from gradwatch.agent.config import AgentConfig, job_key
 from gradwatch.aggregator.checks import Thresholds
 from gradwatch.aggregator.config import load
-from gradwatch.aggregator.daemon import BULK_SHARE, MAX_DROPPED_JOBS, PENDING, Aggregator, Intake
-from gradwatch.aggregator.state import SERIES_PER_LAYER, SERIES_PER_MODULE, State
+from gradwatch.aggregator.daemon import Aggregator
+from gradwatch.aggregator.intake import BULK_SHARE, MAX_DROPPED_JOBS, PENDING, Intake
+from gradwatch.aggregator.series import SERIES_PER_LAYER, SERIES_PER_MODULE
+from gradwatch.aggregator.state import State
 
 from .conftest import samples, wait_for
 
@@ -468,13 +470,13 @@ def test_restart_needs_half_the_world_or_the_old_ranks_silent():
     for s in range(20):
         for r in range(4):
             st.apply(_rep(r, s, f"old{r}", world=4, seq=s))
-    clock.t += st.boot_takeover_s  # the old processes died
+    clock.t += st.limits.boot_takeover_s  # the old processes died
     st.apply(_rep(0, 3, "new0", world=4))
     assert st.jobs["j"].restarts == 0 and st.rejected["restart_unconfirmed"] == 1
     st.apply(_rep(1, 3, "new1", world=4))  # half of 4: believed
     assert st.jobs["j"].restarts == 1 and st.jobs["j"].retired == {"old0", "old1", "old2", "old3"}
     # one rank alone resumes earlier, the others silent past the grace: believed too
-    clock.t += st.boot_takeover_s
+    clock.t += st.limits.boot_takeover_s
     for r in range(4):
         st.apply(_rep(r, 10, f"mid{r}", world=4, seq=1))
     clock.t += 6
@@ -485,7 +487,7 @@ def test_restart_needs_half_the_world_or_the_old_ranks_silent():
     st.apply(_rep(0, 10, "real0", world=4))
     st.apply(_rep(0, 0, "forged", world=4))
     assert st.jobs["j"].restarts == 0 and st.rejected["boot_conflict"] == 1  # real0 is alive
-    clock.t += st.boot_takeover_s  # silent, but not yet for restart_grace_s
+    clock.t += st.limits.boot_takeover_s  # silent, but not yet for restart_grace_s
     st.apply(_rep(0, 0, "forged", world=4))
     assert st.jobs["j"].restarts == 0 and st.rejected["restart_unconfirmed"] == 1
 
@@ -558,7 +560,7 @@ def test_frames_under_a_jobs_identity_cannot_make_it_hold_schemas_without_bound_
         assert len(job.schemas) <= cap
     assert st.rejected["schema_limit"] > 0 and len(job.rounds) > cap - 3
     assert real.hash in job.schemas and job.ranks[0].schema == real.hash  # the other ranks' is kept
-    clock.t += st.grace_s  # the rounds close incomplete, and the scan drops the schemas they held
+    clock.t += st.limits.grace_s  # the rounds close incomplete, and the scan drops the schemas they held
     st.tick()
     assert not job.rounds and len(job.schemas) <= 3
     changed = schema(1, 2, 1000)  # rank 1 changes its model
@@ -1239,7 +1241,7 @@ def test_schemas_of_all_jobs_stay_within_max_schema_bytes_and_pending_ones_withi
     quarter of max_schema_bytes, evicting each other least recently heard first; a running job
     keeps its schema, a new real job still gets its own kept and admitted, and an admitted job's
     changes of model drop its unused schemas to stay within the total."""
-    from gradwatch.aggregator.state import schema_cost
+    from gradwatch.aggregator.schemas import schema_cost
 
     clock = Clock()
     limit = 1 << 20
@@ -1286,7 +1288,7 @@ def test_every_rejection_reason_is_declared_and_shown_from_the_start():
     from prometheus_client import CollectorRegistry, generate_latest
 
     from gradwatch.aggregator.exporter import SnapshotCollector
-    from gradwatch.aggregator.reconcile import snapshot
+    from gradwatch.aggregator.snapshot import snapshot
     from gradwatch.aggregator.state import REJECT_REASONS
 
     from .conftest import ROOT

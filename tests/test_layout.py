@@ -307,3 +307,110 @@ def test_every_package_folder_is_listed_in_pyproject():
             rel = init.parent.relative_to(ROOT / folder)
             found.add(".".join([name, *rel.parts]) if rel.parts else name)
     assert found <= listed, f"not in pyproject packages: {sorted(found - listed)}"
+
+
+# --- no import circle inside the aggregator --------------------------------------------------------
+
+
+def module_edges(source: str, package: str, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``source`` (a module of ``package``) imports, anywhere in it
+    (imports inside functions, the lazy ones, included): ``from X import y`` imports ``X.y`` when
+    that is a module of ``known``, else ``X``; ``import X.y`` imports ``X.y``; a literal
+    ``importlib.import_module`` too."""
+    out: set[str] = set()
+
+    def add(name: str) -> None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name:
+            out.add(name)
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                add(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                mod = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                add(node.args[0].value)
+    return out
+
+
+def import_graph(folder: Path, package: str) -> dict[str, set[str]]:
+    """``{module: the modules of the same package it imports}`` for every source file under ``folder``
+    (subpackages included; a package is its ``__init__``), ``package`` its dotted name."""
+    files = {}
+    for f in sorted(folder.rglob("*.py")):
+        rel = f.relative_to(folder).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        files[".".join([package, *parts])] = (f, ".".join([package, *rel.parts[:-1]]))
+    known = set(files)
+    return {m: module_edges(f.read_text(), pkg, known) - {m} for m, (f, pkg) in files.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import each other, directly or through others (the strongly
+    connected components of more than one module, Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_the_circle_finder_sees_a_lazy_circle_and_resolves_submodules(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import A\n")
+    (pkg / "a.py").write_text("from . import b\nA = 1\n")
+    (pkg / "b.py").write_text("def later():\n    from .c import C\n")
+    (pkg / "c.py").write_text("import pkg.a\nfrom .sub import x\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "x.py").write_text("from .. import b\n")
+    graph = import_graph(pkg, "pkg")
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.a", "pkg.sub.x"},
+                     "pkg.sub": set(), "pkg.sub.x": {"pkg.b"}}
+    assert circles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.sub.x"]]
+    assert circles({"x": {"y"}, "y": set()}) == []
+
+
+def test_no_import_circle_inside_the_aggregator():
+    """Every module of the aggregator (its checks included) imports only modules that do not
+    import it back, directly or through others, lazily or not: each room can be read, tested and
+    changed without the rest of the circle."""
+    assert circles(import_graph(AGGREGATOR, "gradwatch.aggregator")) == []

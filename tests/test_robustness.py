@@ -16,7 +16,7 @@ import zmq
 import gradwatch.agent as gw
 from gradwatch import wire
 from gradwatch.aggregator.checks import Runner, Thresholds
-from gradwatch.aggregator.reconcile import snapshot
+from gradwatch.aggregator.snapshot import snapshot
 from gradwatch.aggregator.state import State
 
 from .conftest import records, start_aggregator, wait_for
@@ -50,7 +50,7 @@ def test_agent_counters_stay_monotonic_across_agent_restarts():
     clock = Clock()
     st = State(clock=clock)
     st.apply(wire.Heartbeat(_hdr(seq=0, boot="a"), step=3, sent=10, drops=7, errors=2))
-    clock.t += st.boot_takeover_s  # the old process died: silent since
+    clock.t += st.limits.boot_takeover_s  # the old process died: silent since
     st.apply(wire.Heartbeat(_hdr(seq=0, boot="b"), step=0, sent=1, drops=1, errors=0))
     (view,) = snapshot(st, time.time()).jobs[0].ranks
     assert (view.agent_drops, view.agent_errors, view.restarts) == (8, 2, 1)
@@ -219,7 +219,7 @@ def test_a_job_resuming_from_an_earlier_checkpoint_starts_over_and_old_messages_
         for rank in (0, 1):
             st.apply(_report(step, header=_hdr(rank=rank, world=2, seq=step, boot=f"old{rank}")))
     assert st.jobs["j"].ranks[0].step == 49
-    clock.t += st.boot_takeover_s  # the old incarnation died
+    clock.t += st.limits.boot_takeover_s  # the old incarnation died
     # rank 0 comes back first (a heartbeat, then step 40 from its checkpoint); rank 1 follows
     st.apply(wire.Heartbeat(_hdr(rank=0, world=2, seq=0, boot="new0"), step=-1, sent=0, drops=0, errors=0))
     st.apply(_report(40, header=_hdr(rank=0, world=2, seq=1, boot="new0")))

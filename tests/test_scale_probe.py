@@ -608,7 +608,7 @@ def test_outlier_rank_streaks_as_arrays_equal_the_rank_by_rank_loop(seed):
 def test_a_capped_round_exports_the_merge_of_what_is_left():
     """cap_series cuts a round over the job's series budget; the layers merged for export with
     the round (RoundResult.grouped) must be those of the cut round, or the cap would not hold."""
-    from gradwatch.aggregator.state import SERIES_PER_LAYER, SERIES_PER_MODULE, cap_series
+    from gradwatch.aggregator.series import SERIES_PER_LAYER, SERIES_PER_MODULE, cap_series
 
     rng = np.random.default_rng(9)
     s = _schema(0, 3, MODULES)

@@ -405,3 +405,14 @@ def test_columns_are_read_by_name_through_the_table():
     groups = columns.observing()
     assert sorted(s.name for g in groups for s in g) == sorted(s.name for s in STATISTICS)
     assert all(len({(s.array, s.observed_by) for s in g}) == 1 for g in groups)
+
+
+def test_a_probe_reports_held_bytes_count_every_declared_array():
+    """A round holds its reports within max_pending_bytes counting every array the wire declares
+    for a probe report (the table's arrays, act_count among them, and the fingerprints)."""
+    from gradwatch.aggregator.rounds import nbytes
+
+    rep = wire.decode(frames("bytes")[1], schema_sizes=lambda h, d: (len(PARAMS), len(SLOTS)))
+    assert rep.act_count is not None and rep.act_count.nbytes > 0
+    assert nbytes(rep) == sum(getattr(rep, k).nbytes for k in wire.PROBE_ARRAYS) == sum(
+        getattr(rep, k).nbytes for k in (*columns.ARRAYS, "fp_grad", "fp_weight"))

@@ -363,19 +363,20 @@ def _json_default(o: Any):
     return str(o)
 
 
-def _clean(x):
-    """JSON has no NaN: non-finite floats become strings ("nan", "inf")."""
+def json_safe(x):
+    """``x`` as JSON can carry it: JSON has no NaN, so non-finite floats become strings ("nan",
+    "inf"); dict keys become strings, tuples lists, numpy scalars Python numbers."""
     if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
         return str(x)
     if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
+        return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
+        return [json_safe(v) for v in x]
     try:
         import numpy as np
 
         if isinstance(x, np.generic):
-            return _clean(x.item())
+            return json_safe(x.item())
     except ImportError:
         pass
     return x
@@ -623,7 +624,7 @@ class Runner:
             recent.append((self._wall(), f))
 
     def _emit(self, kind: str, check: Check, f: Finding) -> None:
-        e = Event(kind, self._wall(), f.check, check.severity, f.job, f.step, f.rank, f.layer, f.summary, _clean(f.details))
+        e = Event(kind, self._wall(), f.check, check.severity, f.job, f.step, f.rank, f.layer, f.summary, json_safe(f.details))
         self.events.append(e)
         (log.warning if kind == "raised" else log.info)("gradwatch %s %s in job %r: %s", kind, f.check, f.job, f.summary)
         if self._log is not None:
