@@ -262,7 +262,7 @@ def run_case(ctx: Context, cap: Capture, part: Part, precision: str, fused: str)
                 opt.step()
             if ref.stepped:
                 truths[step] = ref.summary(scale)
-                scales[step], losses[step] = scale, float(loss)
+                scales[step], losses[step] = scale, float(loss.detach())
                 skipped_after[step] = pending_skips
                 pending_skips = 0
                 step += 1
