@@ -74,8 +74,12 @@ def test_device_check_on_the_cpu_passes_its_truth_checks_and_says_what_needs_cud
     guard = checks["fp32/fused=off: the NaN guard's verdict on unprobed steps"]
     assert guard["status"] == "pass" and guard["value"]["7"] == 0  # the first module after the NaN step: tok
 
-    nosync = result["parts"]["nosync"]
+    nosync = result["parts"]["nosync"]  # its code ran (the agent with and without probes); its checks need CUDA
     assert nosync["status"] == "skipped" and all(c["detail"] == NEEDS_CUDA for c in nosync["checks"])
+    for precision in ("bf16", "fp16"):
+        ran = nosync["numbers"][precision]
+        assert ran["unprobed"]["agent_errors"] == 0 and ran["unprobed"]["probes"] == 1, ran["unprobed"]
+        assert ran["probed"]["agent_errors"] == 0 and ran["probed"]["probes"] > ran["probed"]["steps"]
     assert result["parts"]["compiled"]["status"] == "pass"
     cost = _checks(result["parts"]["cost"])
     assert cost["gpt-tiny: peak GPU memory with and without the agent"]["detail"] == NEEDS_CUDA

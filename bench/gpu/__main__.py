@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -104,10 +105,8 @@ class Tee:
             self.tail.append(text)
 
 
-def _isolated(name: str, a, seconds: float, tee: Tee) -> dict:
-    path = os.path.join(a.out, f".part-{name}.json")
-    if os.path.exists(path):
-        os.remove(path)
+def _isolated(name: str, a, seconds: float, tee: Tee, work: str) -> dict:
+    path = os.path.join(work, f"part-{name}.json")  # not under --out: the device returns 8 files at most
     cmd = [sys.executable, "-u", "-m", "bench.gpu", "--out", a.out, "--device", a.device, "--fused", ",".join(a.fused),
            "--part", name, "--part-json", path, "--part-s", f"{seconds:.1f}"]
     t0 = time.monotonic()
@@ -188,6 +187,7 @@ def main(argv=None) -> int:
         if os.path.exists(os.path.join(a.out, f)):
             os.remove(os.path.join(a.out, f))
     tee = Tee(os.path.join(a.out, "gpu.log"))
+    work = tempfile.mkdtemp(prefix="gradwatch-gpu-")
     t0 = time.monotonic()
     end = t0 + a.budget_s
     env = env_info()
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
             p.wall_s = 0.0
             rec = p.to_json()
         elif a.isolate:
-            rec = _isolated(name, a, seconds, tee)
+            rec = _isolated(name, a, seconds, tee, work)
         else:
             real = sys.stdout
             sys.stdout = _TeeStream(tee, real)

@@ -376,12 +376,13 @@ def compile_threads_done(timeout_s: float) -> bool:
 
 
 def settle(monitor, timeout_s: float = 5.0) -> None:
-    """Wait until ``monitor``'s sender has handed every report to ZeroMQ (outside any timing)."""
-    sender = getattr(monitor, "sender", None)
-    if sender is None:
+    """Wait until ``monitor``'s sender has built every queued report (outside any timing), as
+    bench/overhead.py's ``Runner.settle`` does: records waiting to be coalesced cost nothing."""
+    q = getattr(getattr(monitor, "sender", None), "_queue", None)
+    if q is None:
         return
     deadline = time.monotonic() + timeout_s
-    while sender.pending and time.monotonic() < deadline:
+    while q and time.monotonic() < deadline:
         time.sleep(0.001)
 
 

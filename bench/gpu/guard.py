@@ -35,7 +35,7 @@ def run(ctx: Context, part: Part) -> None:
 
     if ctx.cuda:
         torch.cuda.set_device(0)
-    name = "small" if ctx.cuda else "small-tiny"
+    name = "small" if ctx.cuda else "gpt-tiny"
     spec = MODELS["cuda" if ctx.cuda else "cpu"][name]
     dev = ctx.torch_device()
     sink = Sink()
@@ -52,7 +52,7 @@ def run(ctx: Context, part: Part) -> None:
             time_block(r, steps, ctx.cuda)
         last = warm(runners, steps, ctx.cuda, t_end)
         per_round = sum(last) * steps
-        rounds = int(max(3, min(20 if ctx.cuda else 3, (t_end - time.monotonic() - 2) / max(per_round * 1.15, 1e-3))))
+        rounds = int(max(2, min(20 if ctx.cuda else 2, (t_end - time.monotonic() - 2) / max(per_round * 1.15, 1e-3))))
         say(f"  [guard] {name}, batch {batch}: {rounds} rounds x {len(runners)} variants x {steps} steps")
         for k in range(rounds):
             for r in runners[k % len(runners):] + runners[:k % len(runners)]:

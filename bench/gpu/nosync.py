@@ -11,7 +11,8 @@ twice: under ``torch.cuda.set_sync_debug_mode("warn")``, its warnings counted, a
 ``torch.profiler``, the synchronising CUDA runtime calls counted (:data:`SYNC_CALLS`; the block's
 one closing ``cudaDeviceSynchronize`` included alike in every variant), with kernel launches and
 pinned host allocations beside them. Asserted: the unprobed agent's counts equal the no-agent
-step's; the probed steps' counts are stated.
+step's; the probed steps' counts are stated. On the CPU the same code runs at reduced size (the
+profiler's CPU operators only) and every check is skipped: there is no device to wait for.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ TITLE = "no hidden synchronisation: unprobed steps add no device-to-host sync"
 MEASURED, WARM = 10, 6
 SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpy2D",
               "cudaFree", "cudaFreeHost")
-SIZE = dict(width=384, layers=2, heads=6, context=128, batch=16)
+SIZES = {"cuda": dict(width=384, layers=2, heads=6, context=128, batch=16),
+         "cpu": dict(width=64, layers=1, heads=2, context=32, batch=4)}
 
 
 def _count(prof) -> dict:
@@ -38,30 +40,36 @@ def _count(prof) -> dict:
 
 
 def _variant(ctx: Context, cap: Capture, precision: str, variant: str, ddp_ok: bool) -> dict:
+    """One variant's counts over ``MEASURED`` steps after the warm-up. On the CPU (the code path
+    kept alive between lent GPUs) the profiler counts CPU operators only and the sync debug mode,
+    which is CUDA's, is not run."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.profiler import ProfilerActivity, profile
 
     from gradwatch import agent as gw
 
+    cuda = ctx.cuda
     dev = ctx.torch_device()
+    size = SIZES["cuda" if cuda else "cpu"]
+    measured, warm = (MEASURED, WARM) if cuda else (2, 2)
     torch.manual_seed(0)
-    model = gpt(SIZE["width"], SIZE["layers"], SIZE["heads"], SIZE["context"]).to(dev)
+    model = gpt(size["width"], size["layers"], size["heads"], size["context"]).to(dev)
     net = DDP(model, device_ids=[dev.index]) if ddp_ok else model
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    scaler = torch.amp.GradScaler(dev.type) if precision == "fp16" else None
     mon = None
     if variant != "none":
         mon = gw.attach(net, opt, scaler=scaler, endpoint=cap.endpoint, job=f"nosync-{precision}-{variant}",
                         every=1 if variant == "probed" else 1 << 30, burst=0, nan_guard="on")
-    batches = [token_batch(256, SIZE["batch"], SIZE["context"], dev, seed=s) for s in range(4)]
+    batches = [token_batch(256, size["batch"], size["context"], dev, seed=s) for s in range(4)]
     i = 0
 
     def step():
         nonlocal i
         x, y = batches[i % len(batches)]
         i += 1
-        with autocast(precision, "cuda"):
+        with autocast(precision, dev.type):
             loss = lm_loss(net(x), y)
         if mon is not None:
             mon.observe_loss(loss)
@@ -74,74 +82,81 @@ def _variant(ctx: Context, cap: Capture, precision: str, variant: str, ddp_ok: b
             opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    syncs: list[str] = []
     try:
-        for _ in range(WARM):
+        for _ in range(warm):
             step()
-        torch.cuda.synchronize()
+        sync()
         compile_threads_done(max(5.0, min(90.0, ctx.left() - 20)))  # the fused kernel's check syncs its own thread
         for _ in range(2):
             step()
-        torch.cuda.synchronize()
-        # 1: the sync debug mode, every synchronising call a warning
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for _ in range(MEASURED):
+        sync()
+        if cuda:  # 1: the sync debug mode, every synchronising call a warning
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    for _ in range(measured):
+                        step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            sync()
+            syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        # 2: the profiler's count of CUDA runtime calls (on the CPU once, its parse takes ~0.5 s)
+        counts = {"sync": {}, "sync_total": 0, "launches": 0, "memcpy_async": 0, "pinned_allocs": 0}
+        if cuda or (precision, variant) == ("bf16", "probed"):
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                for _ in range(measured):
                     step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
-        # 2: the profiler's count of CUDA runtime calls
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(MEASURED):
-                step()
-            torch.cuda.synchronize()
-        counts = _count(prof)
+                sync()
+            counts = _count(prof)
     finally:
         if mon is not None:
             mon.close()
     out = {"debug_mode_syncs": len(syncs), "debug_mode_first": syncs[:3], **counts,
-           "launches_per_step": counts["launches"] / MEASURED}
+           "launches_per_step": counts["launches"] / measured, "steps": measured}
     if mon is not None:
         out.update(agent_errors=mon.errors, disabled=sorted(mon.disabled), probes=mon.probes,
                    fused_kernel=mon.reducer.ready_for(dev))
     del net, model, opt
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return out
 
 
 def run(ctx: Context, part: Part) -> None:
-    if not ctx.cuda:
-        part.skipped = NEEDS_CUDA
-        part.skip("unprobed steps add no synchronising call (sync debug mode, profiler)", NEEDS_CUDA)
-        part.skip("probed steps' synchronising calls stated", NEEDS_CUDA)
-        return
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(0)
-    ddp_ok = True
-    try:
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
-    except Exception as e:
-        ddp_ok = False
-        part.note(f"NCCL did not start in-process ({e!r}); the model runs without DDP (no communication hook)")
+    ddp_ok = False
+    if ctx.cuda:
+        torch.cuda.set_device(0)
+        try:
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                    device_id=torch.device("cuda", 0))
+            ddp_ok = True
+        except Exception as e:
+            part.note(f"NCCL did not start in-process ({e!r}); the model runs without DDP (no communication hook)")
     cap = Capture()
     try:
         for precision in ("bf16", "fp16"):
+            what = (f"{precision}{'+GradScaler' if precision == 'fp16' else ''}: {MEASURED} unprobed guarded steps with "
+                    f"the agent{' (DDP, NCCL)' if ddp_ok else ''} make no more synchronising calls than without it")
             if ctx.left() < 8:
-                part.skip(f"{precision}: unprobed steps add no synchronising call", f"out of time ({ctx.left():.0f} s left)")
+                part.skip(what, f"out of time ({ctx.left():.0f} s left)")
                 continue
             t0 = time.perf_counter()
             res = {v: _variant(ctx, cap, precision, v, ddp_ok) for v in ("none", "unprobed", "probed")}
             part.numbers[precision] = res
             none, unp, prb = res["none"], res["unprobed"], res["probed"]
-            part.check(f"{precision}{'+GradScaler' if precision == 'fp16' else ''}: {MEASURED} unprobed guarded steps "
-                       f"with the agent{' (DDP, NCCL)' if ddp_ok else ''} make no more synchronising calls than without it",
-                       unp["debug_mode_syncs"] == none["debug_mode_syncs"] and unp["sync_total"] == none["sync_total"]
+            if not ctx.cuda:
+                part.skip(what, NEEDS_CUDA)
+                continue
+            part.check(what, unp["debug_mode_syncs"] == none["debug_mode_syncs"] and unp["sync_total"] == none["sync_total"]
                        and unp["agent_errors"] == 0,
                        value={"debug_mode": [none["debug_mode_syncs"], unp["debug_mode_syncs"]],
                               "profiler": [none["sync"], unp["sync"]], "agent_errors": unp["agent_errors"]},
