@@ -23,7 +23,7 @@ import threading
 import urllib.request
 from typing import Callable, Optional
 
-from .checks import Event
+from .runner import Event
 
 log = logging.getLogger("gradwatch.aggregator")
 

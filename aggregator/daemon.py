@@ -24,12 +24,12 @@ from prometheus_client import CollectorRegistry
 
 from gradwatch import wire
 
-from .checks import Runner
 from .config import AggregatorConfig, ConfigError
 from .discovery import TargetFile, target_host
 from .exporter import SnapshotCollector
 from .intake import Intake, Receiver
 from .limits import Limits
+from .runner import Runner
 from .snapshot import Snapshot, snapshot
 from .state import State
 from .web import Api, HTTPServer, serve

@@ -25,8 +25,9 @@ from prometheus_client.registry import Collector
 
 from gradwatch import columns
 
-from .checks import CHECKS, Runner
+from .checks import CHECKS
 from .reconcile import group_layers
+from .runner import Runner
 from .snapshot import Snapshot
 from .state import REJECT_REASONS
 

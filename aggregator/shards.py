@@ -431,18 +431,3 @@ def combine(g: "_Groups", param: np.ndarray) -> np.ndarray:
     out = param.copy()
     out.reshape(-1, param.shape[2])[at] = total[group]
     return out
-
-
-def mesh_of(job, rank: int) -> Optional[wire.Mesh]:
-    """The mesh of ``rank``'s current schema in ``job`` (a ``state.JobState``), or None."""
-    r = job.ranks.get(rank)
-    s = job.schemas.get(r.schema) if r is not None else None
-    return s.mesh if s is not None else None
-
-
-
-def part_of(job, rank: int) -> Optional[tuple]:
-    """:func:`part` of ``rank``'s current schema in ``job`` (a ``state.JobState``), or None."""
-    r = job.ranks.get(rank)
-    s = job.schemas.get(r.schema) if r is not None else None
-    return part(s) if s is not None else None

@@ -20,7 +20,8 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from gradwatch.errors import ConfigError
 
-from .checks import CHECKS, json_safe
+from .checks import CHECKS
+from .runner import json_safe
 from .snapshot import Snapshot
 
 log = logging.getLogger("gradwatch.aggregator")

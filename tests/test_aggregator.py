@@ -997,7 +997,8 @@ def test_the_findings_api_says_when_it_cannot_answer_a_query():
     import requests
 
     from gradwatch.aggregator import Aggregator, load
-    from gradwatch.aggregator.checks import Event, Finding, RunnerView
+    from gradwatch.aggregator.checks import Finding
+    from gradwatch.aggregator.runner import Event, RunnerView
     from gradwatch.aggregator.snapshot import Snapshot
 
     agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0))

@@ -18,7 +18,8 @@ import yaml
 
 from gradwatch import wire
 from gradwatch.aggregator import Aggregator, load
-from gradwatch.aggregator.checks import Finding, RunnerView
+from gradwatch.aggregator.checks import Finding
+from gradwatch.aggregator.runner import RunnerView
 from gradwatch.aggregator.exporter import ESSENTIAL_RANK_METRICS, SnapshotCollector
 from gradwatch.aggregator.reconcile import group_layers, layer_group, reconcile
 from gradwatch.aggregator.snapshot import JobView, Snapshot
@@ -316,7 +317,8 @@ def test_a_huge_jobs_snapshot_has_the_columns_totals_and_views_of_a_full_one():
     """Above rank_view_max a snapshot keeps views of the named ranks only (a finding naming a rank
     gone from the job, or another job's rank, adds none) and columns over every rank: equal to what
     the views of every rank give, with distinct values in every field and forgotten ranks' counters."""
-    from gradwatch.aggregator.checks import Runner, Thresholds
+    from gradwatch.aggregator.checks import Thresholds
+    from gradwatch.aggregator.runner import Runner
     from gradwatch.aggregator.snapshot import snapshot
     from gradwatch.aggregator.jobs import JobState, RankState
     from gradwatch.aggregator.state import State
@@ -336,8 +338,8 @@ def test_a_huge_jobs_snapshot_has_the_columns_totals_and_views_of_a_full_one():
     job.forgotten = collections.Counter(steps=11, lost=2, agent_drops=4)
     # the checks' per-rank values: a huge job's are copied for the named ranks only, others' whole
     scores = {(str(r),): r / 8 for r in range(8)}
-    runner.checks["straggler"]._values.update(j={"rank_straggler_relative_score": scores},
-                                              k={"rank_straggler_relative_score": scores})
+    for job_id in ("j", "k"):
+        runner.checks["straggler"].state(job_id).values = {"rank_straggler_relative_score": scores}
     whole = snapshot(st, 5000.0)
     full = whole.jobs[0]
     st.limits.rank_view_max = 4
@@ -382,7 +384,8 @@ def test_when_a_finding_last_named_each_rank_is_kept_for_a_bounded_number_of_ran
     flagged (the alerts' rank branch). Its series stay bounded whatever a job does: a job's first
     RANKS_TIMED_MAX ranks named per check, each one's latest raised finding; the others still in
     findings_total. A huge job's per-rank filter leaves it whole, and forgetting the job drops it."""
-    from gradwatch.aggregator.checks import Evaluation, Outcome, Runner, Thresholds
+    from gradwatch.aggregator.checks import Evaluation, Outcome, Thresholds
+    from gradwatch.aggregator.runner import Runner
 
     clock = [1000.0]
     runner = Runner([check], Thresholds(), wall=lambda: clock[0])

@@ -222,7 +222,8 @@ def test_only_the_jobs_own_key_marks_it_overloaded():
     of another client claiming the job's id, dropped by the intake, do not mute the job's silence
     checks (rank_silent still names its silent rank); drops of frames of the job's own key do.
     Without CURVE (no user id) a drop marks the job it claims, as before."""
-    from gradwatch.aggregator.checks import Runner, Thresholds
+    from gradwatch.aggregator.checks import Thresholds
+    from gradwatch.aggregator.runner import Runner
     from gradwatch.aggregator.intake import Intake
     from gradwatch.aggregator.state import State
 

@@ -24,7 +24,8 @@ import pytest
 import requests
 
 from gradwatch import wire
-from gradwatch.aggregator.checks import Event, Runner, Thresholds, json_safe
+from gradwatch.aggregator.checks import Thresholds
+from gradwatch.aggregator.runner import Event, Runner, json_safe
 from gradwatch.aggregator.checks.nonfinite import HOLD_S
 from gradwatch.aggregator.exporter import SnapshotCollector
 from gradwatch.aggregator.snapshot import snapshot

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from gradwatch import wire
-from gradwatch.aggregator.checks import Outcome, Runner, Thresholds
+from gradwatch.aggregator.checks import Outcome, Thresholds
+from gradwatch.aggregator.runner import Runner
 from gradwatch.aggregator.checks.outlier_rank import robust_z
 from gradwatch.aggregator.state import State
 

@@ -137,7 +137,8 @@ def test_runner_skips_on_tick_of_a_check_judging_silence_while_its_job_is_overlo
     declaring it is called as always, and so is the judging check for another job. A job's first
     event still gives every check a status (no data), muted or not."""
     from gradwatch import wire
-    from gradwatch.aggregator.checks import Evaluation, Finding, Outcome, Runner
+    from gradwatch.aggregator.checks import Evaluation, Finding, Outcome
+    from gradwatch.aggregator.runner import Runner
     from gradwatch.aggregator.jobs import JobState
     from gradwatch.aggregator.state import State
 
@@ -202,7 +203,7 @@ def test_knock_on_of_names_only_registered_checks_one_level_deep():
 
 
 def test_a_knock_on_of_an_unknown_or_knock_on_check_is_refused_naming_the_check(monkeypatch):
-    from gradwatch.aggregator.checks import Runner
+    from gradwatch.aggregator.runner import Runner
 
     class Typo(Check):
         name = "t_typo"
@@ -218,3 +219,57 @@ def test_a_knock_on_of_an_unknown_or_knock_on_check_is_refused_naming_the_check(
     Typo.knock_on_of = ("t_typo",)
     with pytest.raises(ValueError, match="t_typo: knock_on_of names the check itself"):
         check_knock_ons({Typo.name: Typo})
+
+
+def test_every_check_reads_a_job_through_its_view_and_keeps_its_per_job_state_in_one_place():
+    """A real State and Runner with every check: each check event gets the job's read-only view
+    (never the aggregator's job state); each check keeps what it keeps per job through
+    ``Check.state`` (none has a store of its own to forget), and the runner forgetting the job
+    leaves nothing of it in any check."""
+    from gradwatch.aggregator.checks.view import JobView
+
+    from .test_checks_gradients import JOB, Job, probe
+
+    job = Job(list(CHECKS), world=3)
+    got: dict[str, set] = {}
+    for name, c in job.runner.checks.items():
+        for method in ("on_steps", "on_heartbeat", "on_round", "on_tick"):
+            if getattr(type(c), method) is not getattr(Check, method):
+                def spy(j, *args, _f=getattr(c, method), _n=name):
+                    got.setdefault(_n, set()).add(type(j))
+                    return _f(j, *args)
+                setattr(c, method, spy)
+    for s in range(40):
+        job.step(s, 1.0, locals=[1.0, 1.1, 0.9], arrays=probe() if s % 10 == 0 else None)
+        job.tick(0.05)
+    assert not job.runner.errors
+    assert set(got) == set(CHECKS)  # every check handled some event of the job
+    assert all(types == {JobView} for types in got.values()), got
+    keeping = {n for n, c in job.runner.checks.items() if c.kept(JOB) is not None}
+    assert keeping == {n for n, c in CHECKS.items() if c.per_job is not None or c.new_state is not Check.new_state}
+    for cls in CHECKS.values():
+        assert (cls.forget, cls.state, cls.kept) == (Check.forget, Check.state, Check.kept), cls.name
+    job.state.registry.drop(job.state.jobs[JOB])
+    assert [n for n, c in job.runner.checks.items() if c.kept(JOB) is not None] == []
+
+
+def test_check_modules_import_of_the_aggregator_only_the_checks_package_and_the_reductions():
+    """What a check reads of a job is the view's interface (checks/view.py, which alone reaches the
+    reconciliation and the shards); the numeric reductions are the one other aggregator module a
+    check may use."""
+    import ast
+
+    from gradwatch.aggregator import checks as pkg
+
+    allowed = ("gradwatch.aggregator.checks", "gradwatch.aggregator.reductions")
+    for path in sorted(Path(pkg.__file__).parent.glob("*.py")):
+        if path.name == "view.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = ["gradwatch", "aggregator", "checks"][: 4 - node.level]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                assert mod.startswith(allowed), (path.name, mod)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not [n for n in names if n.startswith("gradwatch.aggregator") and not n.startswith(allowed)], path.name

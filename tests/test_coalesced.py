@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from gradwatch import wire
-from gradwatch.aggregator.checks import Runner, Thresholds
+from gradwatch.aggregator.checks import Thresholds
+from gradwatch.aggregator.runner import Runner
 from gradwatch.aggregator.snapshot import snapshot
 from gradwatch.aggregator.state import State
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from gradwatch.aggregator.checks import Event
+from gradwatch.aggregator.runner import Event
 from gradwatch.commands.cli import main as cli
 from gradwatch.grafana import generate
 

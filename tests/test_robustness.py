@@ -15,7 +15,8 @@ import zmq
 
 import gradwatch.agent as gw
 from gradwatch import wire
-from gradwatch.aggregator.checks import Runner, Thresholds
+from gradwatch.aggregator.checks import Thresholds
+from gradwatch.aggregator.runner import Runner
 from gradwatch.aggregator.snapshot import snapshot
 from gradwatch.aggregator.state import State
 

@@ -8,7 +8,8 @@ import numpy as np
 
 from gradwatch import wire
 from gradwatch.aggregator import Aggregator, load
-from gradwatch.aggregator.checks import Check, Runner, Thresholds
+from gradwatch.aggregator.checks import Check, Thresholds
+from gradwatch.aggregator.runner import Runner
 from gradwatch.aggregator.checks.straggler import _peer_medians
 from gradwatch.aggregator.reconcile import reconcile
 

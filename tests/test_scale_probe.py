@@ -512,16 +512,17 @@ class _ReferenceOutlierRank(OutlierRank):
         from gradwatch.aggregator.checks import Evaluation
 
         jid = job.job
+        st = self.state(jid)
         groups = [g for g in mod.peer_groups(r) if len(g) >= 3]
         if not groups:  # (as the check: once rounds were judged, a round too small changes nothing
-            named = [k for k, n in self._streak.get(jid, {}).items() if n >= self.t.outlier_probes]
-            if jid in self._last_step and all(k in job.ranks and not job.ranks[k].closing for k in named):
+            named = [k for k, n in st.streak.items() if n >= self.t.outlier_probes]
+            if st.last_step is not None and all(k in job.ranks and not job.ranks[k].closing for k in named):
                 return None  # while the ranks named are live)
-            self._streak.pop(jid, None)
+            st.streak = {}
             return Evaluation.no_data()
-        if r.step <= self._last_step.get(jid, -1):
+        if r.step <= (st.last_step if st.last_step is not None else -1):
             return None
-        self._last_step[jid] = r.step
+        st.last_step = r.step
         R = len(r.ranks)
         scores, worst_feat = np.zeros(R), np.full(R, -1, np.int64)
         worst_val, worst_med, worst_z, group_of = np.zeros(R), np.zeros(R), np.zeros(R), np.full(R, -1, np.int64)
@@ -542,7 +543,7 @@ class _ReferenceOutlierRank(OutlierRank):
                 worst_val[ks], worst_med[ks], worst_z[ks] = x[better], med, z[better]
         if not scored:
             return Evaluation.no_data()
-        streak, zs, why = (d.setdefault(jid, {}) for d in (self._streak, self._z, self._why))
+        streak, zs, why = st.streak, st.z, st.why
         for k, rank in enumerate(r.ranks):
             if group_of[k] < 0:
                 streak.pop(rank, None)
@@ -555,7 +556,7 @@ class _ReferenceOutlierRank(OutlierRank):
                 worst = {"statistic": feats[worst_feat[k]], "value": float(worst_val[k]),
                          "median": float(worst_med[k]), "z": float(worst_z[k])} if worst_feat[k] >= 0 else {}
                 why[rank] = dict(worst, step=r.step, probes=streak[rank], peers=[r.ranks[q] for q in groups[group_of[k]]])
-        self._values.pop(jid, None)
+        st.values = None
         for rank in [k for k in streak if k not in job.ranks]:
             streak.pop(rank, None)
             zs.pop(rank, None)

@@ -65,7 +65,8 @@ class PipelineFrames:
     through ``wire.encode`` and ``wire.decode`` into a real State and Runner (no sockets)."""
 
     def __init__(self, checks: list[str], job: str = "pp"):
-        from gradwatch.aggregator.checks import Runner, Thresholds
+        from gradwatch.aggregator.checks import Thresholds
+        from gradwatch.aggregator.runner import Runner
         from gradwatch.aggregator.state import State
 
         self.now = [1000.0]

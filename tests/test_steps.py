@@ -189,7 +189,8 @@ def test_the_cpu_wait_column_reaches_the_step_view_from_the_wire():
     ``compute_wait`` beside its ``compute_time`` in the released step's view, NaN from an agent
     without it."""
     from gradwatch import wire
-    from gradwatch.aggregator.checks import Check, Runner, Thresholds
+    from gradwatch.aggregator.checks import Check, Thresholds
+    from gradwatch.aggregator.runner import Runner
     from gradwatch.aggregator.state import State
 
     seen = []
@@ -226,7 +227,8 @@ def test_the_nan_guards_slots_reach_the_step_view_from_the_wire_and_only_where_i
     non-finite output there, nothing for -1 or an agent without the guard; the table keeps
     nothing once the step is released, and a restarted rank's waiting slots go with its records."""
     from gradwatch import wire
-    from gradwatch.aggregator.checks import Check, Runner, Thresholds
+    from gradwatch.aggregator.checks import Check, Thresholds
+    from gradwatch.aggregator.runner import Runner
     from gradwatch.aggregator.state import State
 
     seen = []

@@ -78,12 +78,10 @@ class DeadUnits(Check):
         dead_ratio: float = Field(0.99, gt=0, le=1, description="Zero ratio of an activation layer's output (of the types judged) above which its units are dead.")
         dead_probes: int = Field(3, ge=1, description="Consecutive probed steps a layer must look dead before it is named.")
 
-    def __init__(self, t):
-        super().__init__(t)
-        self._jobs: dict[str, _Dead] = {}
+    per_job = _Dead
 
     def on_round(self, job, r):
-        st = self._jobs.setdefault(job.job, _Dead())
+        st = self.state(job.job)
         if r.step <= st.last_step:
             return None
         st.last_step = r.step
@@ -119,6 +117,3 @@ class DeadUnits(Check):
                          "probed_step": r.step, "layers_dead": len(dead)},
             ))
         return Evaluation.found(*findings)
-
-    def forget(self, job_id):
-        self._jobs.pop(job_id, None)

@@ -57,7 +57,7 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 from pydantic import Field
@@ -148,107 +148,40 @@ def _fmt(x) -> str:
     return f"{x:.3g}"
 
 
-@register
-class Explosion(Check):
-    name = "explosion"
-    severity = "critical"
-    description = (
-        "Global gradient norm every step, and each layer's at probed steps, against explode_above "
-        "and against spike_factor times its rolling median over spike_window steps; the ranks' local "
-        "(pre-all-reduce, so pre-clipping) norms' mean every step against spike_factor times its rolling "
-        "median, which finds a blow-up that gradient clipping hides from the global norm. Names "
-        "the rank with the largest local (pre-all-reduce) gradient norm at the first bad step as the likely source. One "
-        "finding per fault: later bad steps and layers (at most max_layers) within spike_window steps of the last "
-        "bad one are folded into it as evidence. Non-finite norms "
-        "are left to the nonfinite check; steps AMP's loss scaler skipped are not reported by the agent "
-        "(case C10)."
-    )
+class NormThresholds(Check.Thresholds):
+    """The thresholds every gradient-norm check reads (:class:`GradientNorms`), declared here for
+    the explosion check, which owns them."""
+
+    explode_above: float = Field(1e3, gt=0, description="Gradient norm (global, or a layer's) above which gradients are exploding.")
+    spike_factor: float = Field(10.0, gt=1, description="A gradient norm above this multiple of its rolling median is a spike.")
+    spike_window: int = Field(20, ge=3, description="Steps in the rolling median the spike check compares against.")
+    spike_min_history: int = Field(5, ge=1, description="Values the rolling median needs (steps for the global gradient norm, probed steps for a layer's) before a spike can be judged.")
+
+
+class GradientNorms(Check):
+    """What the gradient-norm checks share (module docstring): every released step's global norm,
+    and its ranks' local norms, judged against :class:`NormThresholds` and their rolling medians;
+    one episode per fault, lasting ``spike_window`` steps past its last bad step, one finding per
+    episode. A check built on it says which :attr:`kinds` of trouble it judges (and is registered;
+    this base is not)."""
+
     dashboard = "gradient_flow"
+    Thresholds = NormThresholds
+    #: kinds of trouble the check judges: ``explode``, ``spike``, ``vanish``
+    kinds: ClassVar[frozenset] = frozenset()
 
-    class Thresholds(Check.Thresholds):
-        explode_above: float = Field(1e3, gt=0, description="Gradient norm (global, or a layer's) above which gradients are exploding.")
-        spike_factor: float = Field(10.0, gt=1, description="A gradient norm above this multiple of its rolling median is a spike.")
-        spike_window: int = Field(20, ge=3, description="Steps in the rolling median the spike check compares against.")
-        spike_min_history: int = Field(5, ge=1, description="Values the rolling median needs (steps for the global gradient norm, probed steps for a layer's) before a spike can be judged.")
-
-    metrics = {
-        "job_grad_norm_median": (
-            "Rolling median of the global gradient norm (after all-reduce) over the last spike_window steps, "
-            "finite values only; the spike reference.", (), "",
-        ),
-    }
-
-    #: kinds of trouble this check judges; the vanishing check is this one judging "vanish" alone
-    kinds = frozenset({"explode", "spike"})
-
-    def __init__(self, t):
-        super().__init__(t)
-        self._jobs: dict[str, _Job] = {}
-
-    def _job(self, job) -> _Job:
-        st = self._jobs.get(job.job)
-        if st is None:
-            st = self._jobs[job.job] = _Job(collections.deque(maxlen=self.t.spike_window),
-                                            collections.deque(maxlen=self.t.spike_window))
-        return st
+    def new_state(self) -> _Job:
+        return _Job(collections.deque(maxlen=self.t.spike_window), collections.deque(maxlen=self.t.spike_window))
 
     @property
     def _min_history(self) -> int:
         return min(self.t.spike_min_history, self.t.spike_window)
 
-    # --- events ---------------------------------------------------------------------------------
-
     def on_steps(self, job, views):
-        st = self._job(job)
+        st = self.state(job.job)
         evs = self._globals(job.job, st, views, job.world)
         ev = self._evaluation(job.job, st)
         return evs + [ev] if evs and ev is not None else evs or ev
-
-    def on_round(self, job, r):
-        st = self._job(job)
-        if r.step <= st.last_round:
-            return None  # a straggling older round: its layers' history has moved on
-        st.last_round = r.step
-        values, observed = r.agg["grad_norm"]
-        if st.layer_norms is None:
-            st.layer_norms = _LayerNorms(self.t.spike_window)
-        hist = st.layer_norms
-        v = values[_MEDIAN]  # the median over ranks
-        judged = np.flatnonzero(observed & np.isfinite(v))
-        rows, v = hist.at(r.modules)[judged], v[judged]
-        medians = hist.medians(rows, self._min_history)
-        t = self.t
-        with np.errstate(invalid="ignore"):
-            suspect = (v > t.explode_above) | ((medians > 0) & (v > t.spike_factor * medians))
-        bad = []
-        for j in np.flatnonzero(suspect).tolist():  # _judge() has the last word on the few
-            kinds, score = self._judge(float(v[j]), float(medians[j]), global_=False)
-            if kinds:
-                i = int(judged[j])
-                bad.append((score, i, r.modules[i], float(v[j]), kinds))
-        hist.append(rows, v)
-        bad.sort(key=lambda x: (-x[0], x[1]))
-        if bad:
-            e = self._open(st, r.step, None, bad[0][2])
-            for score, _, module, v, kinds in bad:
-                ev = e.layers.setdefault(module, {"step": r.step, "grad_norm": v, "score": score, "kinds": []})
-                ev.update(last_step=r.step, grad_norm=max(ev["grad_norm"], v), score=max(ev["score"], score),
-                          kinds=sorted(set(ev["kinds"]) | set(kinds)))
-            # the worst max_layers layers of the episode, this round's and earlier ones
-            worst = sorted(e.layers.items(), key=lambda kv: -kv[1]["score"])[: self.t.max_layers]
-            e.layers = dict(worst)
-        st.last_step = max(st.last_step, r.step)
-        st.evaluated = True
-        return self._evaluation(job.job, st)
-
-    def values(self, job_id):
-        st = self._jobs.get(job_id)
-        if st is None or not st.norms:
-            return {}
-        return {"job_grad_norm_median": {(): float(np.median(st.norms))}}
-
-    def forget(self, job_id):
-        self._jobs.pop(job_id, None)
 
     # --- judging --------------------------------------------------------------------------------
 
@@ -410,6 +343,72 @@ class Explosion(Check):
         )
         return Finding(self.name, job_id, e.step, summary, rank=e.rank, layer=e.layer, details=details)
 
+
+@register
+class Explosion(GradientNorms):
+    name = "explosion"
+    severity = "critical"
+    description = (
+        "Global gradient norm every step, and each layer's at probed steps, against explode_above "
+        "and against spike_factor times its rolling median over spike_window steps; the ranks' local "
+        "(pre-all-reduce, so pre-clipping) norms' mean every step against spike_factor times its rolling "
+        "median, which finds a blow-up that gradient clipping hides from the global norm. Names "
+        "the rank with the largest local (pre-all-reduce) gradient norm at the first bad step as the likely source. One "
+        "finding per fault: later bad steps and layers (at most max_layers) within spike_window steps of the last "
+        "bad one are folded into it as evidence. Non-finite norms "
+        "are left to the nonfinite check; steps AMP's loss scaler skipped are not reported by the agent "
+        "(case C10)."
+    )
+    metrics = {
+        "job_grad_norm_median": (
+            "Rolling median of the global gradient norm (after all-reduce) over the last spike_window steps, "
+            "finite values only; the spike reference.", (), "",
+        ),
+    }
+    kinds = frozenset({"explode", "spike"})
+
+    def on_round(self, job, r):
+        st = self.state(job.job)
+        if r.step <= st.last_round:
+            return None  # a straggling older round: its layers' history has moved on
+        st.last_round = r.step
+        values, observed = r.agg["grad_norm"]
+        if st.layer_norms is None:
+            st.layer_norms = _LayerNorms(self.t.spike_window)
+        hist = st.layer_norms
+        v = values[_MEDIAN]  # the median over ranks
+        judged = np.flatnonzero(observed & np.isfinite(v))
+        rows, v = hist.at(r.modules)[judged], v[judged]
+        medians = hist.medians(rows, self._min_history)
+        t = self.t
+        with np.errstate(invalid="ignore"):
+            suspect = (v > t.explode_above) | ((medians > 0) & (v > t.spike_factor * medians))
+        bad = []
+        for j in np.flatnonzero(suspect).tolist():  # _judge() has the last word on the few
+            kinds, score = self._judge(float(v[j]), float(medians[j]), global_=False)
+            if kinds:
+                i = int(judged[j])
+                bad.append((score, i, r.modules[i], float(v[j]), kinds))
+        hist.append(rows, v)
+        bad.sort(key=lambda x: (-x[0], x[1]))
+        if bad:
+            e = self._open(st, r.step, None, bad[0][2])
+            for score, _, module, v, kinds in bad:
+                ev = e.layers.setdefault(module, {"step": r.step, "grad_norm": v, "score": score, "kinds": []})
+                ev.update(last_step=r.step, grad_norm=max(ev["grad_norm"], v), score=max(ev["score"], score),
+                          kinds=sorted(set(ev["kinds"]) | set(kinds)))
+            # the worst max_layers layers of the episode, this round's and earlier ones
+            worst = sorted(e.layers.items(), key=lambda kv: -kv[1]["score"])[: self.t.max_layers]
+            e.layers = dict(worst)
+        st.last_step = max(st.last_step, r.step)
+        st.evaluated = True
+        return self._evaluation(job.job, st)
+
+    def values(self, job_id):
+        st = self.kept(job_id)
+        if st is None or not st.norms:
+            return {}
+        return {"job_grad_norm_median": {(): float(np.median(st.norms))}}
 
 def _medians(rows: list) -> np.ndarray:
     """float64 [len(rows)]: the median of each row's finite values (NaN for a row without any),

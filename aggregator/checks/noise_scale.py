@@ -75,12 +75,10 @@ class NoiseScale(Check):
         "job_gradient_noise_trace": ("EMA of the unbiased estimate of the trace of the per-sample gradient covariance, tr(Sigma).", (), ""),
     }
 
-    def __init__(self, t):
-        super().__init__(t)
-        self._jobs: dict[str, _Noise] = {}
+    per_job = _Noise
 
     def on_round(self, job, r):
-        st = self._jobs.setdefault(job.job, _Noise())
+        st = self.state(job.job)
         if r.step <= st.last_step:
             return None
         st.last_step = r.step
@@ -107,7 +105,7 @@ class NoiseScale(Check):
         return st.trace / st.g2
 
     def values(self, job_id):
-        st = self._jobs.get(job_id)
+        st = self.kept(job_id)
         if st is None or st.rounds < self.t.noise_min_rounds:
             return {}
         out = {"job_gradient_noise_g2": {(): st.g2}, "job_gradient_noise_trace": {(): st.trace}}
@@ -115,6 +113,3 @@ class NoiseScale(Check):
         if s is not None:
             out["job_gradient_noise_scale"] = {(): s}
         return out
-
-    def forget(self, job_id):
-        self._jobs.pop(job_id, None)

@@ -66,8 +66,8 @@ import numpy as np
 
 from gradwatch import columns
 
-from ..reconcile import owner
 from . import Check, Evaluation, Finding, register
+from .view import owner
 
 PASSES = ("activation", "output_gradient", "parameter_gradient", "weight")
 #: steps past the event the finding waits for a probed step to locate the module
@@ -200,29 +200,18 @@ class NonFinite(Check):
     )
     dashboard = "gradient_flow"
 
-    def __init__(self, t):
-        super().__init__(t)
-        self._jobs: dict[str, _Job] = {}
-
-    def _job(self, job) -> _Job:
-        st = self._jobs.get(job.job)
-        if st is None:
-            st = self._jobs[job.job] = _Job()
-        return st
-
-    def forget(self, job_id):
-        self._jobs.pop(job_id, None)
+    per_job = _Job
 
     # --- events ---------------------------------------------------------------------------------
 
     def on_steps(self, job, views):
-        st = self._job(job)
+        st = self.state(job.job)
         self._released(st, views, job.world, job.schemas)
         self._maybe_raise(job.job, st, None)
         return self._evaluation(st)
 
     def on_round(self, job, r):
-        st = self._job(job)
+        st = self.state(job.job)
         # a round in which _locate can find nothing is kept as its step alone: 8 whole rounds of a
         # 16,384-rank job held 2 GB
         st.rounds.append(r if _may_locate(r) else _Clean(r.step))
@@ -231,7 +220,7 @@ class NonFinite(Check):
         return self._evaluation(st) if self._maybe_raise(job.job, st, None) else None
 
     def on_tick(self, job, now):
-        st = self._jobs.get(job.job)
+        st = self.kept(job.job)
         if st is None:
             return None
         if st.event is not None and st.event_seen is None:

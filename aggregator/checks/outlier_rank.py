@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 from pydantic import Field
@@ -109,6 +111,15 @@ def peer_groups(r) -> list[np.ndarray]:
     return [np.flatnonzero(r.part == p) for p in dict.fromkeys(r.part.tolist())]
 
 
+@dataclass
+class _Outliers:
+    last_step: Optional[int] = None  # the latest round scored (None: none yet)
+    streak: dict = field(default_factory=dict)  # rank -> consecutive outlying probes (> 0 only)
+    z: dict = field(default_factory=dict)  # rank -> its score at the latest round that scored it
+    why: dict = field(default_factory=dict)  # rank -> what a finding naming it says
+    values: Optional[dict] = None  # values() until the next round: read at every publish
+
+
 @register
 class OutlierRank(Check):
     name = "outlier_rank"
@@ -133,29 +144,24 @@ class OutlierRank(Check):
         ),
     }
 
-    def __init__(self, t):
-        super().__init__(t)
-        self._last_step: dict[str, int] = {}
-        self._streak: dict[str, dict[int, int]] = {}
-        self._z: dict[str, dict[int, float]] = {}
-        self._why: dict[str, dict[int, dict]] = {}
-        self._values: dict[str, dict] = {}  # values() per job until the next round: read at every publish
+    per_job = _Outliers
 
     def on_round(self, job, r):
         jid = job.job
+        st = self.state(jid)
         groups = [g for g in peer_groups(r) if len(g) >= 3]
         if not groups:
             # a round too small once rounds were judged (a burst on one rank) changes nothing while
             # the ranks named are live; one gone for good (forgotten, or closed while training goes
             # on) is never scored again: no data, its finding goes
-            named = [k for k, n in self._streak.get(jid, {}).items() if n >= self.t.outlier_probes]
-            if jid in self._last_step and ranks_live(job, named):
+            named = [k for k, n in st.streak.items() if n >= self.t.outlier_probes]
+            if st.last_step is not None and ranks_live(job, named):
                 return None
-            self._streak.pop(jid, None)
+            st.streak = {}
             return Evaluation.no_data()
-        if r.step <= self._last_step.get(jid, -1):
+        if r.step <= (st.last_step if st.last_step is not None else -1):
             return None  # an older round closed late: it must not break the consecutive count
-        self._last_step[jid] = r.step
+        st.last_step = r.step
         R = len(r.ranks)
         scores = np.zeros(R)
         # each rank's worst statistic: (feature, value, the peers' median, z), and its peer group
@@ -180,9 +186,7 @@ class OutlierRank(Check):
                 worst_val[ks], worst_med[ks], worst_z[ks] = x[better], med, z[better]
         if not scored:
             return Evaluation.no_data()
-        streak = self._streak.setdefault(jid, {})  # rank -> consecutive outlying probes (> 0 only)
-        zs = self._z.setdefault(jid, {})
-        why = self._why.setdefault(jid, {})
+        streak, zs, why = st.streak, st.z, st.why
         ranks = np.asarray(r.ranks, np.int64)  # ascending
         scored = group_of >= 0
         for rank in ranks[~scored].tolist():  # fewer than three peers (a small pipeline stage): not scored
@@ -206,7 +210,7 @@ class OutlierRank(Check):
                          "z": float(worst_z[k])} if worst_feat[k] >= 0 else {}
                 why[rank] = dict(worst, step=r.step, probes=streak[rank],
                                  peers=[r.ranks[q] for q in groups[group_of[k]]])
-        self._values.pop(jid, None)
+        st.values = None
         for rank in zs.keys() - job.ranks.keys():  # forgotten ranks
             streak.pop(rank, None)
             zs.pop(rank, None)
@@ -227,12 +231,9 @@ class OutlierRank(Check):
         return Evaluation.found(*findings)
 
     def values(self, job_id):
-        v = self._values.get(job_id)
-        if v is None:
-            zs = self._z.get(job_id, {})
-            v = self._values[job_id] = {"rank_outlier_zscore": {(str(k),): v for k, v in zs.items()}}
-        return v
-
-    def forget(self, job_id):
-        for d in (self._last_step, self._streak, self._z, self._why, self._values):
-            d.pop(job_id, None)
+        st = self.kept(job_id)
+        if st is None:
+            return {"rank_outlier_zscore": {}}
+        if st.values is None:
+            st.values = {"rank_outlier_zscore": {(str(k),): v for k, v in st.z.items()}}
+        return st.values

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 from pydantic import Field
@@ -44,8 +45,7 @@ from pydantic import Field
 from gradwatch import columns
 
 from . import Check, Finding, register
-from ._fingerprints import minority
-from .grad_agreement import _Agreement
+from ._fingerprints import Agreement, AgreementState, minority
 
 _WEIGHT = columns.at("param").weight_norm
 _FLOOR = 1e-6  # of |w0|: ten times float32's relative resolution, below which norms do not differ
@@ -84,6 +84,14 @@ class _Index:
         return self._pos.get(key)
 
 
+@dataclass
+class _Drift(AgreementState):
+    #: the two latest rounds' (step, ranks, params, weight norms, agreed mask)
+    hist: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2))
+    #: (rank, rank) pair -> the rank named for its disagreement (None: undecided)
+    verdict: dict = field(default_factory=dict)
+
+
 def _weights(r):
     """float64 [n_ranks, n_params]: each rank's own weight norm of each parameter, or None."""
     own = getattr(r, "own_param", None)
@@ -91,7 +99,7 @@ def _weights(r):
 
 
 @register
-class ReplicaDrift(_Agreement):
+class ReplicaDrift(Agreement):
     name = "replica_drift"
     severity = "critical"
     description = (
@@ -109,24 +117,18 @@ class ReplicaDrift(_Agreement):
     class Thresholds(Check.Thresholds):
         drift_tie_ratio: float = Field(2.0, gt=1, description="Two holders that disagree: a rank is named when its weight norm moved more than this many times both the other holder's move and the parameter's move over the previous probe interval.")
 
-    def __init__(self, t):
-        super().__init__(t)
-        #: per job: the two latest rounds' (step, ranks, params, weight norms, agreed mask)
-        self._hist: dict[str, collections.deque] = {}
-        #: per job: (rank, rank) pair -> the rank named for its disagreement (None: undecided)
-        self._verdict: dict[str, dict[tuple[int, int], int | None]] = {}
+    per_job = _Drift
 
     def on_round(self, job, r):
         fp, seen = r.fp_weight, r.fp_weight_seen
-        st = self._state(job)
+        st = self.state(job.job)
         if fp is None or len(r.ranks) < 2 or seen.sum(axis=0).max(initial=0) < 2:
             return self._too_small(job, st, fp)
         st.judged = True
         holders = getattr(r, "holders", None)
         bad, tied = minority(fp, seen, holders)
         findings = self._findings(job.job, r.step, r.ranks, r.params, bad, [], "fingerprints")
-        hist = self._hist.setdefault(job.job, collections.deque(maxlen=2))
-        verdicts = self._verdict.setdefault(job.job, {})
+        hist, verdicts = st.hist, st.verdict
         by_pair: dict[tuple[int, int], list[int]] = {}
         loose: set[int] = set()  # ranks of ties of three or more holders: candidates only
         loose_params: list[int] = []
@@ -214,8 +216,3 @@ class ReplicaDrift(_Agreement):
                 if mine > self.t.drift_tie_ratio * max(theirs, m, floor):
                     decisive.add(who)
         return (decisive.pop() if len(decisive) == 1 else None), evidence
-
-    def forget(self, job_id):
-        super().forget(job_id)
-        self._hist.pop(job_id, None)
-        self._verdict.pop(job_id, None)

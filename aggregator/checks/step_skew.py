@@ -18,9 +18,18 @@ this check names nobody new: what the aggregator missed is not the ranks' doing.
 from __future__ import annotations
 
 import numpy as np
+from dataclasses import dataclass
+from typing import Optional
+
 from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
+
+
+@dataclass
+class _Skew:
+    skew: Optional[int] = None  # the latest skew, None while fewer than two live ranks have a step
+    since: Optional[float] = None  # when the gap last went over skew_steps (None: it is within)
 
 
 @register
@@ -44,26 +53,25 @@ class StepSkew(Check):
         "job_step_skew": ("Latest step of the most advanced live rank minus that of the least advanced.", (), ""),
     }
 
-    def __init__(self, t):
-        super().__init__(t)
-        self._skew: dict[str, int] = {}
-        self._since: dict[str, float] = {}  # when the gap last went over skew_steps
+    per_job = _Skew
 
     def on_tick(self, job, now):
+        st = self.state(job.job)
         c = job.columns()
         live = np.flatnonzero(~c.closing & (c.step >= 0) & (now - c.last_seen <= self.t.silent_after_s))
         if len(live) < 2:
-            self._skew.pop(job.job, None)
+            st.skew = None
             return Evaluation.no_data()
         order = job.in_order()
         # the lowest rank among the least and among the most advanced (argmin/argmax take the first)
         behind, ahead = order[live[np.argmin(c.step[live])]], order[live[np.argmax(c.step[live])]]
-        skew = ahead.step - behind.step
-        self._skew[job.job] = skew
+        skew = st.skew = ahead.step - behind.step
         if skew <= self.t.skew_steps:
-            self._since.pop(job.job, None)
+            st.since = None
             return Evaluation.healthy()
-        if now - self._since.setdefault(job.job, now) < self.t.skew_for_s:
+        if st.since is None:
+            st.since = now
+        if now - st.since < self.t.skew_for_s:
             return None  # not yet held long enough to tell from reporting jitter
         live = [order[i] for i in live.tolist()]
         lagging = [r.rank for r in live if ahead.step - r.step > self.t.skew_steps]
@@ -77,9 +85,5 @@ class StepSkew(Check):
         ))
 
     def values(self, job_id):
-        skew = self._skew.get(job_id)
-        return {"job_step_skew": {(): skew}} if skew is not None else {}
-
-    def forget(self, job_id):
-        self._skew.pop(job_id, None)
-        self._since.pop(job_id, None)
+        st = self.kept(job_id)
+        return {"job_step_skew": {(): st.skew}} if st is not None and st.skew is not None else {}

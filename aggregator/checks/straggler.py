@@ -80,7 +80,6 @@ import numpy as np
 from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
-from ..shards import part_of
 
 
 @dataclass
@@ -127,9 +126,10 @@ class _Windows:
 class _Job:
     ranks: dict = field(default_factory=dict)  # rank -> _Rank
     w: Optional[_Windows] = None
-    epoch: int = -1  # the JobState.epoch that part and groups are of
+    epoch: int = -1  # the job epoch that part and groups are of (JobView.epoch)
     part: Optional[np.ndarray] = None  # int64 [world]: per rank its peer group, -1 for a rank not known
     groups: int = 0
+    values: Optional[dict] = None  # values() until a window closes: read at every publish
 
 
 #: what a rank's own time was, by source (findings say it)
@@ -227,17 +227,14 @@ class Straggler(Check):
         ),
     }
 
-    def __init__(self, t):
-        super().__init__(t)
-        self._jobs: dict[str, _Job] = {}
-        self._values: dict[str, dict] = {}  # values() per job until a window closes: read at every publish
+    per_job = _Job
 
     def on_steps(self, job, views):
         t = self.t
-        st = self._jobs.get(job.job)
-        if st is None or st.w is None or len(st.w.fill) != job.world:
-            st = self._jobs[job.job] = _Job(w=_Windows(job.world, t.straggler_window, t.straggler_windows))
-            self._values.pop(job.job, None)
+        st = self.state(job.job)
+        if st.w is None or len(st.w.fill) != job.world:
+            st = self.reset(job.job)
+            st.w = _Windows(job.world, t.straggler_window, t.straggler_windows)
         w = st.w
         # which ranks are known, their boots, their peer groups: walked again only once a rank
         # came, went, restarted or moved (16,384 ranks: ~15 ms a step)
@@ -249,8 +246,8 @@ class Straggler(Check):
                 if r is None or r.boot != rank.boot:  # a restarted rank starts over
                     st.ranks[k] = _Rank(rank.boot)
                     w.reset(k)
-                    self._values.pop(job.job, None)
-                part[k] = groups.setdefault(part_of(job, k), len(groups))
+                    st.values = None
+                part[k] = groups.setdefault(job.part_of(k), len(groups))
             st.epoch, st.part, st.groups = job.epoch, part, len(groups)
         part, n_groups = st.part, st.groups
         evs = []  # after each step that closed windows: one release can name a rank and clear it
@@ -283,7 +280,7 @@ class Straggler(Check):
             if closed:
                 evs.append(self._evaluate(job, st))
         if evs:
-            self._values.pop(job.job, None)
+            st.values = None
             return evs
         return Evaluation.no_data() if len(self._timed(job, st)) < 2 else None
 
@@ -335,7 +332,7 @@ class Straggler(Check):
         """Ranks of the job with a complete window (forgotten ranks dropped)."""
         for k in [k for k in st.ranks if k not in job.ranks]:
             del st.ranks[k]
-            self._values.pop(job.job, None)
+            st.values = None
         return {k: r for k, r in st.ranks.items() if r.windows}
 
     def _evaluate(self, job, st: _Job):
@@ -370,14 +367,16 @@ class Straggler(Check):
         return Evaluation.found(*findings)
 
     def values(self, job_id):
-        v = self._values.get(job_id)
-        if v is None:
-            v = self._values[job_id] = self._compute_values(job_id)
-        return v
+        st = self.kept(job_id)
+        if st is None:
+            return {}
+        if st.values is None:
+            st.values = self._compute_values(st)
+        return st.values
 
-    def _compute_values(self, job_id):
-        st = self._jobs.get(job_id)
-        ranks = {k: r for k, r in (st.ranks.items() if st else ()) if r.windows and r.current > 0}
+    @staticmethod
+    def _compute_values(st: _Job):
+        ranks = {k: r for k, r in st.ranks.items() if r.windows and r.current > 0}
         if not ranks:
             return {}
         return {
@@ -385,7 +384,3 @@ class Straggler(Check):
             "rank_straggler_individual_score": {(str(k),): r.best / r.current for k, r in ranks.items()},
             "rank_straggler_cpu_wait_ratio": {(str(k),): r.wait_share for k, r in ranks.items() if r.wait_share == r.wait_share},
         }
-
-    def forget(self, job_id):
-        self._jobs.pop(job_id, None)
-        self._values.pop(job_id, None)

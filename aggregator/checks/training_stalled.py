@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import collections
 import statistics
+from dataclasses import dataclass, field
+from typing import Optional
 
 from pydantic import Field
 
@@ -61,6 +63,16 @@ from . import Check, Evaluation, Finding, register
 
 def _ranks(rs) -> str:
     return ", ".join(str(r.rank) for r in rs)
+
+
+@dataclass
+class _Stall:
+    #: recent step times the median is taken over (reports of every rank)
+    times: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TrainingStalled.WINDOW))
+    idle: Optional[float] = None  # seconds since any rank completed a step, at the latest tick that knew
+    heard: Optional[float] = None  # the job's latest message's time at the previous tick
+    since: Optional[float] = None  # when the aggregator heard the job again after a dark gap
+    named: Optional[tuple] = None  # (last step, findings naming ranks) of its stall
 
 
 @register
@@ -101,45 +113,40 @@ class TrainingStalled(Check):
     #: aggregator was blind to it and the stall clock starts over
     DARK_S = 2.0
 
-    def __init__(self, t):
-        super().__init__(t)
-        self._idle: dict[str, float] = {}
-        self._times: dict[str, collections.deque] = {}
-        self._heard: dict[str, float] = {}  # job -> its latest message's time at the previous tick
-        self._since: dict[str, float] = {}  # job -> when the aggregator heard it again after a dark gap
-        self._named: dict[str, tuple[int, tuple]] = {}  # job -> (last step, findings naming ranks) of its stall
+    per_job = _Stall
 
     def on_steps(self, job, views):
-        times = self._times.setdefault(job.job, collections.deque(maxlen=self.WINDOW))
+        times = self.state(job.job).times
         for v in views:
             times.extend(v.step_time[v.step_time > 0].tolist())  # NaN (not measured) fails this too
         return None
 
     def bound(self, job_id: str) -> float:
         """Seconds without a completed step after which the job has stalled (some rank waiting)."""
-        times = self._times.get(job_id)
+        st = self.kept(job_id)
+        times = st.times if st is not None else None
         median = statistics.median(times) if times else 0.0
         return max(self.t.stall_after_s, self.t.stall_steps * median)
 
     def on_tick(self, job, now):
+        st = self.state(job.job)
         c = job.columns()
         open_ = ~c.closing
         if not open_.any():
-            self._idle.pop(job.job, None)
+            st.idle = None
             return Evaluation.healthy() if job.ranks else Evaluation.no_data()  # all said goodbye
         reported = open_ & (c.steps > 0)
         last = float(c.last_report_at[reported].max()) if reported.any() else None
         heard_at = float(c.last_seen[open_].max())
-        if heard_at - self._heard.get(job.job, heard_at) > self.DARK_S:
-            self._since[job.job] = heard_at
-        self._heard[job.job] = heard_at
+        if heard_at - (st.heard if st.heard is not None else heard_at) > self.DARK_S:
+            st.since = heard_at
+        st.heard = heard_at
         if last is None or now - heard_at > self.DARK_S:
             return Evaluation.no_data()
-        idle = now - max(last, self._since.get(job.job, last))
-        self._idle[job.job] = idle
+        idle = st.idle = now - max(last, st.since if st.since is not None else last)
         bound = self.bound(job.job)
         if idle < bound:
-            self._named.pop(job.job, None)
+            st.named = None
             return Evaluation.healthy()
         live = [r for r in job.in_order() if not r.closing]
         heard = [r for r in live if now - r.last_seen <= self.t.silent_after_s]
@@ -190,9 +197,9 @@ class TrainingStalled(Check):
                 for r in silent
             ]
             findings = sorted(findings, key=lambda f: f.rank)
-            self._named[job.job] = (step, tuple(findings))
+            st.named = (step, tuple(findings))
             return Evaluation.found(*findings)
-        named = self._named.get(job.job)
+        named = st.named
         if named is not None and named[0] == step:
             # the stall whose rank was named goes on at the same step with every rank waiting: the
             # hung rank woke and joined the all-reduce that the others wait in (one fault, one
@@ -205,9 +212,5 @@ class TrainingStalled(Check):
         return Evaluation.found(Finding(self.name, job.job, step, f"{head}; {why}", details=details))
 
     def values(self, job_id):
-        idle = self._idle.get(job_id)
-        return {"job_step_age_seconds": {(): idle}} if idle is not None else {}
-
-    def forget(self, job_id):
-        for d in (self._idle, self._times, self._heard, self._since, self._named):
-            d.pop(job_id, None)
+        st = self.kept(job_id)
+        return {"job_step_age_seconds": {(): st.idle}} if st is not None and st.idle is not None else {}

@@ -1,8 +1,9 @@
 """Vanishing gradients: the global gradient norm below ``vanish_below``.
 
-The explosion check's machinery (steps lined up across ranks, findings that last ``spike_window``
-steps past the last bad step) judging one kind of trouble, so alerts and dashboards can tell a
-vanishing job from an exploding one by the check's name alone.
+The gradient-norm checks' machinery (:class:`.explosion.GradientNorms`: steps lined up across
+ranks, findings that last ``spike_window`` steps past the last bad step) judging one kind of
+trouble, so alerts and dashboards can tell a vanishing job from an exploding one by the check's
+name alone. Per-layer norms are judged for explosion only.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 from pydantic import Field
 
 from . import register
-from .explosion import Explosion
+from .explosion import GradientNorms, NormThresholds
 
 
 @register
-class Vanishing(Explosion):
+class Vanishing(GradientNorms):
     name = "vanishing"
     severity = "warning"
     description = (
@@ -24,14 +25,7 @@ class Vanishing(Explosion):
         "last step below the threshold."
     )
 
-    class Thresholds(Explosion.Thresholds):
+    class Thresholds(NormThresholds):
         vanish_below: float = Field(1e-8, ge=0, description="Global gradient norm below which gradients are vanishing.")
 
     kinds = frozenset({"vanish"})
-    metrics = {}  # the rolling median is the explosion check's series
-
-    def on_round(self, job, r):
-        return None  # per-layer norms are judged for explosion only
-
-    def values(self, job_id):
-        return {}
