@@ -285,6 +285,7 @@ def nonzero_count(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_moments(x: torch.Tensor) -> torch.Tensor:
+    x = x.float()  # half precision read as float32 inside the kernel: no float32 copy of the tensor
     d = x - x[0]
     n = x.numel()
     s = d.sum()
@@ -301,6 +302,10 @@ def _fused_moments(x: torch.Tensor) -> torch.Tensor:
     )
 
 
+#: dtypes the fused kernel reads as they are (others are upcast to float32 and reduced eagerly)
+_FUSED_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
+
+
 @contextlib.contextmanager
 def _compiled_state(device: torch.device, state: tuple) -> Iterator[None]:
     """No grad, and ``device``'s autocast off with ``state`` = (dtype, cache enabled): the global
@@ -312,46 +317,49 @@ def _compiled_state(device: torch.device, state: tuple) -> Iterator[None]:
 class Reducer:
     """Computes moments records, eagerly or with a fused kernel compiled off the training thread.
 
-    The fused kernel is compiled and checked against the eager record on each device it is to
-    run on, in a background thread; until it is ready for a tensor's device, that tensor is
-    reduced eagerly. It is always called in the grad mode and autocast state it was compiled in
-    (no grad, autocast off with that thread's dtype): dynamo guards on both, and a forward pass
-    sets them otherwise. So the caller's thread never compiles: a kernel compiled for one device,
-    or called inside the training forward's ``torch.autocast``, would recompile on the caller's
-    thread, for each new device and autocast state.
+    The fused kernel reads float32, bfloat16 and float16 tensors as they are (half precision is
+    upcast inside it, one pass over memory and no float32 copy); it is compiled and checked
+    against the eager record for each device and dtype it is to run on, in a background thread,
+    and until it is ready for a tensor's device and dtype, that tensor is reduced eagerly. It is
+    always called in the grad mode and autocast state it was compiled in (no grad, autocast off
+    with that thread's dtype): dynamo guards on both, and a forward pass sets them otherwise. So
+    the caller's thread never compiles: a kernel compiled for one device or dtype, or called
+    inside the training forward's ``torch.autocast``, would recompile on the caller's thread.
 
     Args:
-        mode: "on" compile now for the CPU in a background thread, and for any other device the
-            first time one of its tensors is seen; "off" eager only; "auto" compile in the
-            background the first time a CUDA tensor is seen, for its device.
+        mode: "on" compile now for float32 on the CPU in a background thread, and for any other
+            device and dtype the first time one of its tensors is seen; "off" eager only; "auto"
+            compile in the background the first time a CUDA tensor of a dtype is seen.
     """
 
     def __init__(self, mode: str = "auto"):
         self.mode = mode
-        self._fused = None  # the compiled function (one for every device: dynamo keeps a graph per device)
-        self._ready: frozenset = frozenset()  # devices the fused kernel was compiled and checked on
-        self._started: set = set()  # devices a compile was started for (done, failed or running)
+        self._fused = None  # the compiled function (one for every device and dtype: dynamo keeps a graph each)
+        self._ready: frozenset = frozenset()  # (device, dtype) the fused kernel was compiled and checked for
+        self._started: set = set()  # (device, dtype) a compile was started for (done, failed or running)
         self._autocast: dict = {}  # device -> (dtype, cache_enabled) of the autocast state it was compiled in
         self._lock = threading.Lock()
         if mode == "on":
-            self._start_compile(torch.device("cpu"))
+            self._start_compile(torch.device("cpu"), torch.float32)
 
     @property
     def fused_ready(self) -> bool:
-        """The fused kernel is ready for some device."""
+        """The fused kernel is ready for some device and dtype."""
         return bool(self._ready)
 
-    def ready_for(self, device) -> bool:
+    def ready_for(self, device, dtype: torch.dtype = torch.float32) -> bool:
         """The fused kernel is ready for ``device`` (a ``torch.device`` or its name; ``"cuda"``
-        without an index: for any CUDA device): its tensors take it from now on."""
+        without an index: for any CUDA device) and ``dtype``: such tensors take it from now on."""
         dev = torch.device(device)
-        return any(d.type == dev.type and (dev.index is None or d.index == dev.index) for d in self._ready)
+        return any(d.type == dev.type and (dev.index is None or d.index == dev.index) and t == dtype
+                   for d, t in self._ready)
 
-    def _start_compile(self, device: torch.device) -> None:
+    def _start_compile(self, device: torch.device, dtype: torch.dtype) -> None:
+        key = (device, dtype)
         with self._lock:
-            if device in self._started or self.mode == "off":
+            if key in self._started or self.mode == "off":
                 return
-            self._started.add(device)
+            self._started.add(key)
 
         def build():
             try:
@@ -361,20 +369,21 @@ class Reducer:
                     fn = self._fused
                 state = (torch.autocast(device.type, enabled=False).fast_dtype, torch.is_autocast_cache_enabled())
                 for n in (4099, 17):  # two sizes so the graph is shape-generic from the start
-                    probe = torch.linspace(-1, 1, n, device=device)
+                    probe = torch.linspace(-1, 1, n, device=device, dtype=dtype)
                     with _compiled_state(device, state):
                         got = fn(probe)
-                    want = _eager_moments(probe)
+                    want = _eager_moments(probe.float())
                     if not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
                         raise RuntimeError(f"fused kernel disagrees with eager: {got} vs {want}")
                 with self._lock:
-                    self._autocast[device] = state
-                    self._ready = self._ready | {device}
-                log.info("gradwatch: fused statistics kernel ready on %s", device)
+                    self._autocast.setdefault(device, state)
+                    self._ready = self._ready | {key}
+                log.info("gradwatch: fused statistics kernel ready on %s for %s", device, dtype)
             except Exception as e:  # compile is an optimisation; eager stays correct
-                log.warning("gradwatch: fused statistics unavailable on %s, staying eager (%s)", device, e)
+                log.warning("gradwatch: fused statistics unavailable on %s for %s, staying eager (%s)", device, dtype, e)
 
-        log.info("gradwatch: compiling the fused statistics kernel for %s in the background (eager until ready)", device)
+        log.info("gradwatch: compiling the fused statistics kernel for %s, %s in the background (eager until ready)",
+                 device, dtype)
         threading.Thread(target=build, name="gradwatch-compile", daemon=True).start()
 
     def moments(self, t: torch.Tensor) -> torch.Tensor:
@@ -384,21 +393,18 @@ class Reducer:
         x = t.detach().reshape(-1)
         if x.is_complex():
             x = x.abs()
-        if x.dtype != torch.float32:
-            x = x.float()
         if x.numel() == 0:  # no host-to-device copy: new_full and slicing fill on the device
-            out = x.new_full((6,), float("nan"))
+            out = x.new_full((6,), float("nan"), dtype=torch.float32)
             out[1:2].zero_()
             out[4:].zero_()
             return out
-        device = x.device
-        if device in self._ready:
-            with _compiled_state(device, self._autocast[device]):
+        key = (x.device, x.dtype)
+        if key in self._ready:
+            with _compiled_state(key[0], self._autocast[key[0]]):
                 return self._fused(x)
-        if self.mode == "on" or (self.mode == "auto" and x.is_cuda):
-            if device not in self._started:
-                self._start_compile(device)
-        return _eager_moments(x)
+        if key not in self._started and x.dtype in _FUSED_DTYPES and (self.mode == "on" or (self.mode == "auto" and x.is_cuda)):
+            self._start_compile(*key)
+        return _eager_moments(x if x.dtype == torch.float32 else x.float())
 
     @staticmethod
     def sumsq_nonfinite(t: torch.Tensor) -> torch.Tensor:

@@ -65,3 +65,26 @@ def test_off_never_compiles_and_auto_waits_for_a_cuda_tensor():
         assert torch.equal(red.moments(x), _eager_moments(x))
         assert not any(t.name == "gradwatch-compile" and t.is_alive() for t in threading.enumerate()), mode
         assert not red.fused_ready and not red.ready_for("cpu")
+
+
+@pytest.mark.slow  # compiles the kernel for bfloat16 with inductor
+def test_half_precision_is_read_as_it_is_without_a_float32_copy():
+    """A bf16 activation (a Linear's output under autocast) went through the fused kernel as a
+    float32 copy made first: twice its own size allocated on every probed step, and three passes
+    over memory instead of one. The kernel reads it as it is: no allocation the tensor's size."""
+    from torch.profiler import ProfilerActivity, profile
+
+    red = Reducer("on")
+    x = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)).bfloat16()
+    assert torch.equal(red.moments(x), _eager_moments(x.float()))  # eager meanwhile; starts its compile
+    deadline = time.monotonic() + 180
+    while not red.ready_for("cpu", torch.bfloat16):
+        assert time.monotonic() < deadline, "the fused kernel did not compile for bfloat16"
+        time.sleep(0.05)
+    assert torch.allclose(red.moments(x), _eager_moments(x.float()), rtol=1e-5, atol=1e-4)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        red.moments(x)
+    allocated = sum(max(e.cpu_memory_usage, 0) for e in prof.events())
+    assert allocated < x.numel(), f"{allocated} bytes allocated for a {x.numel()}-element bf16 tensor"
+    assert not red.ready_for("cpu", torch.float16)  # a dtype not seen yet: not compiled
+    _compiles_settled()

@@ -116,7 +116,7 @@ def test_device_check_distributed_part_and_fused_kernel_on_the_cpu(tmp_path):
     for precision in ("fp32", "bf16", "fp16"):
         assert checks[f"{precision}/fused=on: every statistic of 8 steps equals the float64 reference"]["status"] == "pass"
         fused = checks[f"{precision}/fused=on: the fused kernel was ready for cpu before step 0, and nothing compiled "
-                       f"on the training thread (autocast, grad mode)"]
+                       f"on the training thread (autocast, grad mode, dtypes)"]
         assert fused["status"] == "pass" and fused["value"]["graphs_compiled_during_steps"] == 0, fused
     ddp = _checks(result["parts"]["distributed"])
     assert ddp["DDP over NCCL, one rank: reports, exported norms, findings"]["detail"] == NEEDS_CUDA

@@ -355,10 +355,14 @@ def rel_err(got: float, want: float) -> float:
 # --- the agent's side ----------------------------------------------------------------------------
 
 
-def wait_fused(reducer, device, timeout_s: float) -> bool:
-    """Wait until the agent's fused kernel is ready for ``device``; False on timeout."""
+def wait_fused(reducer, device, timeout_s: float, dtype=None) -> bool:
+    """Wait until the agent's fused kernel is ready for ``device`` and ``dtype`` (float32 when
+    None); False on timeout."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     deadline = time.monotonic() + timeout_s
-    while not reducer.ready_for(device):
+    while not reducer.ready_for(device, dtype):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)

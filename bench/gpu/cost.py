@@ -137,6 +137,8 @@ class Runner:
             self.watch.log(loss)
 
     def info(self) -> dict:
+        import torch
+
         m = self.mon
         if m is None:
             return {}
@@ -144,7 +146,8 @@ class Runner:
         return {"steps": m.step, "probes": m.probes, "errors": m.errors, "sent": m.sender.sent, "drops": m.sender.drops,
                 "probe_interval": s.interval, "agent_cost": s.fraction, "over_budget": s.over_budget,
                 "nan_guard_kept": s.guard, "nan_guard_host_s": s.guard_s, "train_step_s": s.cost.train_s,
-                "fused_kernel": m.reducer.ready_for(self.dev)}
+                "fused_kernel": {str(t).replace("torch.", ""): m.reducer.ready_for(self.dev, t)
+                                 for t in (torch.float32, torch.bfloat16)}}
 
     def close(self) -> None:
         for a in (self.mon, self.hooks, self.watch):

@@ -219,11 +219,14 @@ def run_case(ctx: Context, cap: Capture, part: Part, precision: str, fused: str)
         return
     fused_ready = graphs_before = None
     if fused == "on":
-        # the kernel's compile for this device starts at its first tensor (the CPU's at attach):
-        # start it, and let every compile finish, so that any graph compiled from here on was
-        # compiled on this, the training, thread
-        mon.reducer.moments(torch.zeros(8, device=dev))
-        fused_ready = wait_fused(mon.reducer, dev, max(5.0, min(150.0, ctx.left() - 40)))
+        # the kernel's compile for a device and dtype starts at its first tensor (the CPU's float32
+        # at attach): start those of this case's outputs (float32, and the autocast dtype), and let
+        # every compile finish, so that any graph compiled from here on was compiled on this, the
+        # training, thread
+        dtypes = [torch.float32] + ([{"bf16": torch.bfloat16, "fp16": torch.float16}[precision]] if precision != "fp32" else [])
+        for dt in dtypes:
+            mon.reducer.moments(torch.zeros(8, device=dev, dtype=dt))
+        fused_ready = all(wait_fused(mon.reducer, dev, max(5.0, min(150.0, ctx.left() - 40)), dt) for dt in dtypes)
         compile_threads_done(max(5.0, min(60.0, ctx.left() - 40)))
         graphs_before = counters["stats"]["unique_graphs"]
     truths: dict[int, dict] = {}
@@ -326,7 +329,7 @@ def run_case(ctx: Context, cap: Capture, part: Part, precision: str, fused: str)
                                                                                     "iterations": it})
     if fused == "on":
         part.check(f"{case}: the fused kernel was ready for {dev.type} before step 0, and nothing compiled on the "
-                   f"training thread (autocast, grad mode)", bool(fused_ready) and graphs_after == graphs_before,
+                   f"training thread (autocast, grad mode, dtypes)", bool(fused_ready) and graphs_after == graphs_before,
                    value={"ready": fused_ready, "graphs_compiled_during_steps": graphs_after - (graphs_before or 0)})
     say(f"  [truth] {case} done in {time.perf_counter() - t0:.1f}s")
 
