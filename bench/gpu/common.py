@@ -301,7 +301,8 @@ def autocast(precision: str, device: str):
 # --- references ------------------------------------------------------------------------------------
 
 
-def f64(tensors) -> "torch.Tensor":  # noqa: F821
+def f64(tensors):
+    """float64 [n]: the concatenation of ``tensors`` (one tensor or a list), flattened."""
     import torch
 
     if isinstance(tensors, torch.Tensor):

@@ -97,8 +97,6 @@ def _run(ctx: Context, cap: Capture, with_agent: bool, fused: str, tag: str) -> 
 
 
 def _max_diff(a: dict, b: dict) -> float:
-    import torch
-
     d = float((a["losses"] - b["losses"]).abs().max())
     for p, q in zip(a["params"], b["params"]):
         d = max(d, float((p - q).abs().max()))

@@ -247,8 +247,6 @@ def peak_memory(spec: dict, batch: int, dev, endpoint: str, tag: str, ctx: Conte
 
 
 def measure_model(ctx: Context, part: Part, name: str, spec: dict, sink, seconds: float) -> None:
-    import torch
-
     dev = ctx.torch_device()
     t_end = time.monotonic() + seconds
     t0 = time.perf_counter()

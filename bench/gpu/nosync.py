@@ -122,7 +122,7 @@ def _variant(ctx: Context, cap: Capture, precision: str, variant: str, ddp_ok: b
     if mon is not None:
         out.update(agent_errors=mon.errors, disabled=sorted(mon.disabled), probes=mon.probes,
                    fused_kernel=mon.reducer.ready_for(dev))
-    del net, model, opt
+    net = model = opt = None  # noqa: F841 (freed before the next variant's model)
     if cuda:
         torch.cuda.empty_cache()
     return out
