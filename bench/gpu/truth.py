@@ -310,7 +310,9 @@ def run_case(ctx: Context, cap: Capture, part: Part, precision: str, fused: str)
                detail="; ".join(c.mismatches[:3] + ([f"missing steps {missing}"] if missing else [])
                                 + ([f"agent errors {errors}, disabled {disabled}"] if errors or disabled else [])))
     probed = sorted(s for s, r in got.items() if r.probe)
-    part.check(f"{case}: probed exactly every {EVERY}th step", probed == list(range(0, STEPS, EVERY)), value=probed)
+    want_probed = list(range(0, STEPS, EVERY))
+    part.check(f"{case}: probed exactly at steps {', '.join(map(str, want_probed))} (every={EVERY}, no bursts)",
+               probed == want_probed, value=probed)
     unprobed = [s for s in range(STEPS) if s in got and not got[s].probe]
     verdicts = {s: got[s].nonfinite_slot for s in unprobed}
     if precision != "fp16":
