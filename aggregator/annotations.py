@@ -1,4 +1,4 @@
-"""Findings as Grafana annotations: a :class:`~.checks.Runner` sink that posts each raised finding.
+"""Findings as Grafana annotations: a :class:`~.runner.Runner` sink that posts each raised finding.
 
 With ``--grafana-url`` set, every finding the checks raise becomes one organisation annotation
 (``POST <url>/api/annotations``, Grafana's HTTP API) at the time it was raised, tagged

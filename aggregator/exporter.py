@@ -1,7 +1,7 @@
 """Prometheus exporter: a custom collector that turns the latest snapshot into metric families.
 
 Each exported metric is one self-registering unit (:func:`metric`): its name, type, help and
-labels, and a function from a :class:`~.reconcile.Snapshot` to samples. The README's catalog is
+labels, and a function from a :class:`~.snapshot.Snapshot` to samples. The README's catalog is
 generated from :data:`METRICS`. Labels are bounded: ``job_id`` (not ``job``, which Prometheus
 itself sets on every scraped series), ``rank``, ``layer`` (a module path of the model) and fixed
 enums — never a step, a pid, an address or free text (case C34). Per-layer series are

@@ -28,7 +28,7 @@ class RankState:
     host: str = ""
     local_rank: int = 0
     schema: str = ""
-    placed: tuple = ("", (), "")  # the latest (schema hash, mesh coordinates, State._place key)
+    placed: tuple = ("", (), "")  # the latest (schema hash, mesh coordinates, its place's key: schemas.SchemaStore.place)
     last_seq: int = -1
     received: int = 0
     lost: int = 0
@@ -40,14 +40,14 @@ class RankState:
     grad_nonfinite: int = 0
     steps: int = 0
     probes: int = 0
-    nonfinite_steps: int = 0  # steps whose gradient held NaN/Inf (counter, case C36)
+    nonfinite_steps: int = 0  # steps whose gradient held NaN/Inf (a counter)
     agent_drops: int = 0
     agent_errors: int = 0
     local_grad_norm: float = math.nan
     compute_time: float = math.nan
     loss: float = math.nan
     loss_scale: float = math.nan
-    skipped_steps: int = 0  # steps the AMP loss scaler skipped (case C10): labelled, not alerted
+    skipped_steps: int = 0  # steps the AMP loss scaler skipped: labelled, not alerted
     # the agent's own cost as its latest records say (wire sender fields): every message, not
     # only probed steps, carries them (a probe interval past the run's length is never probed)
     agent_cost: float = math.nan
@@ -156,7 +156,7 @@ class JobState:
     max_step: int = -1  # latest step any of its ranks reported
     last_report_at: float = 0.0  # aggregator clock of its latest report
     pending_bytes: int = 0  # array bytes of the reports its open rounds hold
-    ended: bool = False  # every rank said goodbye as its process ended, grace_s ago (State._maybe_ended)
+    ended: bool = False  # every rank said goodbye as its process ended, grace_s ago (state.State.tick)
     exported_series: int = 0  # per-layer series its last_round exports
     table: Optional[StepTable] = None  # every rank's records of the steps not yet judged
     #: aggregator clock when the intake last dropped a frame of this job (overload): silence since
@@ -270,7 +270,7 @@ class JobState:
 
 
 #: the counters a job totals over its ranks (``gradwatch_job_*_total``, named as the
-#: :class:`.reconcile.RankView` fields that show them per rank), each the sum of these RankState
+#: :class:`.snapshot.RankView` fields that show them per rank), each the sum of these RankState
 #: fields: steps, non-finite steps, reports its agent dropped (over all its boots), messages lost
 COUNTERS = {"steps": ("steps",), "nonfinite_steps": ("nonfinite_steps",), "agent_drops": ("drops_base", "agent_drops"),
             "lost": ("lost",)}

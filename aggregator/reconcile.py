@@ -236,7 +236,7 @@ class Layout:
     @staticmethod
     def of(schemas) -> "Layout":
         """The layout of ``schemas`` (:class:`~gradwatch.wire.Schema`, first use order). Schemas
-        holding the same lists (the ranks of a mesh placed on one schema, ``state.State._place``: a sharded
+        holding the same lists (the ranks of a mesh placed on one schema, ``schemas.SchemaStore.place``: a sharded
         job's ranks differ in mesh coordinates only) share their columns, worked out once."""
         schemas = tuple(schemas)
         kinds: dict[tuple[int, int], int] = {}

@@ -75,7 +75,7 @@ class State:
 
         self.limits = replace(limits if limits is not None else Limits(), **bounds)
         self.clock = clock or time.monotonic
-        self.runner = runner  # checks.Runner, or None
+        self.runner = runner  # runner.Runner, or None
         self.registry = Registry(runner)
         self.schemas = SchemaStore(self.registry, self.limits)
         self.admission = Admission(self.registry, self.limits, self.schemas)

@@ -61,7 +61,7 @@ class StepView:
         norms: ``{rank: (schema hash, float32 [n_params])}``: the ranks' per-parameter gradient
             norms (wire ``grad_norms``), for the ranks that sent them.
         grad_sq: ``{rank: (its place's schema key, shards.sq_kind of its classes' dims, their sums
-            of squares)}`` of sharded ranks (opaque to the table; :meth:`.state.State._released`).
+            of squares)}`` of sharded ranks (opaque to the table; :meth:`.records.Records.released`).
         guard: ``{rank: (schema hash, slot)}``: the ranks whose NaN guard saw a non-finite output
             at this step, and the first slot that held one (wire ``nonfinite_slot``).
     """

@@ -1,7 +1,7 @@
 """Rank-health checks: outlier_rank, straggler, rank_silent, training_stalled, step_skew.
 
 Two tiers. First each check on recorded inputs: real :mod:`gradwatch.wire` messages folded into a
-real :class:`~gradwatch.aggregator.state.State` with a real :class:`~gradwatch.aggregator.checks.Runner`
+real :class:`~gradwatch.aggregator.state.State` with a real :class:`~gradwatch.aggregator.runner.Runner`
 and a fake clock, asserting outcomes, the findings raised and resolved, and exported values. Then
 fault injection on real 3-rank gloo DDP runs (``gradwatch demo``) against a real aggregator process
 with short thresholds: a straggler, three exploding steps on one rank, a hung rank, a rank killed

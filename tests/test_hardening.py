@@ -1237,7 +1237,7 @@ print(repr((before, seen[0], kept)))
 
 
 def test_schemas_of_all_jobs_stay_within_max_schema_bytes_and_pending_ones_within_a_quarter():
-    """Schemas are counted as held (state.schema_cost): strangers' pending jobs keep at most a
+    """Schemas are counted as held (schemas.schema_cost): strangers' pending jobs keep at most a
     quarter of max_schema_bytes, evicting each other least recently heard first; a running job
     keeps its schema, a new real job still gets its own kept and admitted, and an admitted job's
     changes of model drop its unused schemas to stay within the total."""

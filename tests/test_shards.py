@@ -363,7 +363,7 @@ def test_vectorised_groups_match_the_definition(staged):
 
 
 def test_a_jobs_released_steps_share_one_set_of_norm_groups_whatever_order_their_records_come_in():
-    """State._released asks norms_of in rank order: steps whose records arrive in another order each
+    """Records.released asks norms_of in rank order: steps whose records arrive in another order each
     time reuse the groups of the first (they are kept by position), and every rank's gauge is the
     sqrt of its tp group's summed squares, in float64."""
     from gradwatch.aggregator import shards
