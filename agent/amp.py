@@ -42,7 +42,7 @@ class ScalerWatch:
         self.on_skip = on_skip
         self.on_error = on_error
         self.skipped = 0
-        self.stepped = True
+        self.stepped = False  # an update before any step since attach is a skipped first step
         self.live = True
         self._scaler = scaler
         ref = weakref.ref(self)  # the scaler must not keep the agent alive

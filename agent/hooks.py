@@ -38,7 +38,19 @@ _MAX_DEPTH = 6
 
 
 def inert(*args, **kwargs) -> None:
-    """What a copy of a module gets in place of each of the agent's hooks: nothing."""
+    """What a copy of a module gets in place of each of the agent's hooks. Called as a module
+    hook, it takes every such stand-in off the module it was called for and off its submodules,
+    so a copy's first call leaves it as if the agent had never been there (hooks on a module turn
+    off fused fast paths such as ``nn.TransformerEncoderLayer``'s); it returns None."""
+    m = args[0] if args else None
+    if isinstance(m, torch.nn.Module):
+        for sub in m.modules():
+            for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
+                for k in [k for k, h in hooks.items() if h is inert]:
+                    del hooks[k]
+                    for extra in (sub._forward_pre_hooks_with_kwargs, sub._forward_hooks_with_kwargs,
+                                  getattr(sub, "_forward_hooks_always_called", {})):
+                        extra.pop(k, None)
     return None
 
 
@@ -50,7 +62,9 @@ class Hook:
     """One of the agent's module hooks as the module keeps it: calls ``fn``. A copy of the module
     (``copy.deepcopy``, an EMA or evaluation copy) or a pickle of it (``torch.save(model)``) gets
     :func:`inert` in its place, so copying or saving a watched model works, never copies the
-    agent's state (its locks would refuse), and the copy is not watched."""
+    agent's state (its locks would refuse), and the copy is not watched; its first call removes
+    the stand-ins. Loading such a pickle imports gradwatch (``state_dict()`` checkpoints hold no
+    hooks)."""
 
     __slots__ = ("fn",)
 

@@ -96,7 +96,8 @@ class Monitor:
         self.fingerprints = Fingerprints(self.world_size)
         self.scaler: Optional[ScalerWatch] = None
         self.step = self.probes = 0
-        self._stepped = False  # an optimizer step has ended (start_at is refused after one)
+        self._number: Optional[Callable[[], int]] = None  # a framework's step numbering (number_steps)
+        self._last_step = -1  # the number the latest step was reported under
         self._closed = self._forked = False
         self._close_reason = ""  # wire.CLOSE_REASONS, sent in the goodbye heartbeat
         self._pre: Optional[tuple[list[int], dict, tuple, int]] = None  # the sentinel's (present, sections, rows, split)
@@ -231,17 +232,34 @@ class Monitor:
         exceptions are swallowed."""
         self._at_close.append(fn)
 
-    def start_at(self, step: int) -> None:
-        """Number steps from ``step``: the next optimizer step is reported as step ``step`` and
-        the ones after it count on from there (a framework's own numbering, a resumed run). Only
-        before the first step: later, or for a negative ``step``, it warns and changes nothing."""
+    def number_steps(self, source: Callable[[], int]) -> None:
+        """Number steps as a framework does: each optimizer step is reported as ``source()``, read
+        in the optimizer's step hooks while the step is taken (Trainer's ``state.global_step + 1``,
+        Lightning's ``trainer.global_step``). A step the loss scaler skips then keeps its number
+        (the framework counts it), and steps of one optimizer among several are numbered as the
+        framework numbers them all. A number that does not move past the previous step's (or
+        ``source`` failing) gives the previous step + 1 instead; ``source`` never raises into
+        training."""
         if not self.active:
             return
-        if self.step != 0 or self._stepped or not isinstance(step, int) or step < 0:
-            warn_user(f"gradwatch: start_at({step!r}) ignored: give a step >= 0 before the first optimizer step")
-            return
-        self.step = step
-        self.schedule.advance(step)
+        self._number = source
+        first = self._numbered(-1)
+        if first >= 0:
+            self.step = first
+            self.schedule.advance(first)
+
+    def _numbered(self, previous: int) -> int:
+        """The number of the step being taken: ``source()`` when it moves past ``previous``, else
+        ``previous + 1`` (with no source: the agent's own count)."""
+        if self._number is None:
+            return self.step
+        try:
+            n = self._number()
+            if isinstance(n, int) and n > previous:
+                return n
+        except Exception as e:
+            self.failures("step-number", e)
+        return previous + 1
 
     def wrap_comm_hook(self, hook):
         """Wrap a user's DDP communication hook so the agent still sees local gradient norms.
@@ -297,7 +315,7 @@ class Monitor:
 
     def _heartbeat_msg(self, h: wire.Header) -> wire.Heartbeat:
         return wire.Heartbeat(
-            h, step=self.step - 1, sent=self.sender.sent, drops=self.sender.drops,
+            h, step=self._last_step, sent=self.sender.sent, drops=self.sender.drops,
             errors=self.errors + self.sender.errors, closing=self._closed,
             in_step_s=time.perf_counter() - self._last_step_end,
             # in DDP's all-reduce: between the step's first bucket and its backward's end
@@ -327,11 +345,15 @@ class Monitor:
     # --- step hooks (training thread) ----------------------------------------------------------
 
     def _discard_step(self) -> None:
-        """The loss scaler skipped the step: its partial statistics go, unreported (case C10)."""
+        """The loss scaler skipped the step: its partial statistics go, unreported (case C10).
+        Under a framework's numbering the skipped step took a number: the next is one further."""
         self._pre, self._losses = None, []
         self.comm.reset()
         self.recorder.reset()
         self._unscale.reset()
+        if self._number is not None and self.active:
+            self._last_step, self.step = self.step, self.step + 1
+            self.schedule.advance(self.step)
 
     def _pre_step(self, optimizer, args, kwargs):
         if not self.active or "sentinel" in self.disabled:
@@ -372,7 +394,7 @@ class Monitor:
     def _post_step(self, optimizer, args, kwargs) -> None:
         if not self.active:
             return
-        step = self.step
+        step = self._numbered(self._last_step) if self._number is not None else self.step
         now = time.perf_counter()
         self._train_tid = threading.get_native_id()
         first, end = self.comm.first_bucket, self.comm.backward_end
@@ -393,8 +415,10 @@ class Monitor:
             self._submit(step, step_time, compute_time, waits)
         except Exception as e:
             self.failures("step", e)
-        self.step = step + 1
-        self._stepped = True
+        # the next step's number as far as can be told now (the probe schedule's choice for it):
+        # one more, or as many more as the framework's numbers moved last time
+        stride = step - self._last_step if self._number is not None and self._last_step >= 0 else 1
+        self.step, self._last_step = step + max(stride, 1), step
         self.recorder.reset()
         self.comm.reset()
         self._unscale.reset()

@@ -21,7 +21,7 @@ class NullMonitor:
     def wrap_comm_hook(self, hook):
         return hook
 
-    def start_at(self, step: int) -> None:
+    def number_steps(self, source) -> None:
         pass
 
     def at_close(self, fn) -> None:

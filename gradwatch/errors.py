@@ -27,9 +27,10 @@ class ConfigError(GradwatchError, ValueError):
     setting (``agent.every (GRADWATCH_EVERY): Input should be ...``)."""
 
 
-#: modules whose frames a warning is not attributed to: gradwatch's own, and torch's (whose hooks
-#: and optimizer call the agent)
-_INTERNAL = ("gradwatch", "torch")
+#: modules whose frames a warning is not attributed to: gradwatch's own, torch's (whose hooks and
+#: optimizer call the agent), and the training frameworks' that call it (their callbacks, loops and
+#: optimizer wrappers), so a warning points at the user's line that led there
+_INTERNAL = ("gradwatch", "torch", "transformers", "accelerate", "lightning", "pytorch_lightning", "lightning_fabric")
 
 
 def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import gradwatch.agent as gw
 from gradwatch.errors import warn_user
@@ -12,8 +12,8 @@ from gradwatch.errors import warn_user
 log = logging.getLogger("gradwatch.agent")
 
 
-def attach(model, optimizer, *, framework: str, job: Optional[str] = None, first_step: Optional[int] = None,
-           scaler=None, **settings):
+def attach(model, optimizer, *, framework: str, job: Optional[str] = None,
+           number: Optional[Callable[[], int]] = None, scaler=None, **settings):
     """:func:`gradwatch.agent.attach` for a framework's objects.
 
     Args:
@@ -22,7 +22,8 @@ def attach(model, optimizer, *, framework: str, job: Optional[str] = None, first
         job: the framework's run name, the job id unless ``job`` is among ``settings`` or
             ``GRADWATCH_JOB`` is set (which then win); None for the agent's own default
             (torchrun's run id).
-        first_step: the framework's number for the next optimizer step (:meth:`Monitor.start_at`).
+        number: the framework's number of the step being taken, read in the optimizer's step hooks
+            (:meth:`Monitor.number_steps`); None: the agent counts optimizer steps from 0.
 
     Returns:
         The monitor (a ``NullMonitor`` when switched off or unable to start).
@@ -33,8 +34,8 @@ def attach(model, optimizer, *, framework: str, job: Optional[str] = None, first
     if job and "job" not in settings and not os.environ.get("GRADWATCH_JOB"):
         settings["job"] = job
     monitor = gw.attach(model, optimizer, scaler=scaler, **settings)
-    if first_step is not None:
-        monitor.start_at(first_step)
+    if number is not None:
+        monitor.number_steps(number)
     return monitor
 
 

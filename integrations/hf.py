@@ -8,7 +8,8 @@ where it cannot be (another Trainer loop), the module and optimizer the callback
 and the DDP wrapper is found at the first forward (:class:`gradwatch.agent.targets.FollowDDP`).
 
 - **Steps** are the Trainer's: the optimizer step that makes ``state.global_step`` g is reported
-  as step g (the step its logs show), resumed runs included.
+  as step g (the step its logs show), resumed runs included; a step the GradScaler skips keeps its
+  number (the Trainer counts it too), so the reported steps have a gap there.
 - **Loss** is the one the Trainer logs: per optimizer step, the sum of what ``training_step``
   returns over the step's micro-batches (``training_step`` divides by gradient accumulation; the
   sum undoes it). The Trainer's log is that value averaged over the ranks and logging steps;
@@ -77,7 +78,7 @@ class GradwatchCallback(TrainerCallback):
             model, optimizer = trainer.model_wrapped, trainer.optimizer
             scaler = getattr(trainer.accelerator, "scaler", None)
         self.monitor = attach(model, optimizer, framework="Hugging Face Trainer", job=args.run_name,
-                              first_step=state.global_step + 1, scaler=scaler, **self.settings)
+                              number=lambda: state.global_step + 1, scaler=scaler, **self.settings)
         if trainer is not None and self.monitor.active:
             self._trainer = trainer
             trainer.training_step = self._training_step(trainer.training_step, trainer)

@@ -7,10 +7,14 @@ Lightning runs forward and backward inside ``optimizer.step(closure)``; the agen
 step after its closure ran, so statistics are those of the step the optimizer applies.
 
 - **Steps** are Lightning's: an optimizer step is reported as the ``trainer.global_step`` it is
-  taken at (the step Lightning's loggers record its metrics under), resumed runs included.
+  taken at (the step Lightning's loggers record its metrics under), resumed runs included. A step
+  the GradScaler skips keeps its number, as Lightning counts it; with several optimizers (manual
+  optimization), whose steps Lightning counts together, the first optimizer's steps are reported
+  under the numbers Lightning gives them.
 - **Loss** is what ``training_step`` returned, averaged over the step's micro-batches: Lightning
   divides it by ``accumulate_grad_batches`` (and, under AMP, multiplies it by the loss scale)
-  before backward; the callback undoes both, without a host synchronisation.
+  before backward; the callback undoes both, without a host synchronisation. Under manual
+  optimization it is what ``manual_backward`` was given.
 - **Clipping** (``gradient_clip_val``) is said once; the global norm is read after it, and
   explosions are judged on the ranks' own norms, taken before it.
 - Only the first optimizer is watched when there are several (manual optimization); this is said.
@@ -67,7 +71,7 @@ class GradwatchCallback(Callback):
         self._scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._normalize = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         self.monitor = attach(trainer.strategy.model, optimizers[0], framework="Lightning",
-                              first_step=trainer.global_step, scaler=self._scaler, **self.settings)
+                              number=lambda: trainer.global_step, scaler=self._scaler, **self.settings)
         clip = trainer.gradient_clip_val
         if clip and clip > 0:
             say_clipping(self.monitor, "Lightning", float(clip))

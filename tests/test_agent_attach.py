@@ -256,23 +256,49 @@ def test_observe_loss_inside_the_closure_wins_and_lbfgs_gets_the_last_evaluation
 # --- steps numbered as a framework numbers them -----------------------------------------------------
 
 
-def test_start_at_numbers_steps_from_the_frameworks_step(collector):
+def test_steps_are_numbered_as_the_framework_numbers_them(collector):
+    """``number_steps``: each step is reported under the framework's number, read while it is taken:
+    from 41 on; an iteration the GradScaler skips keeps its number (the framework counts it: a gap
+    in the reported steps, the next report saying one step was skipped); a number that does not
+    move on gives the previous + 1; the probe cadence counts the framework's numbers."""
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    monitor = agent.attach(model, opt, endpoint=collector.endpoint, every=4, nan_guard="off")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1_000_000)
+    framework = {"step": 41}
+    monitor = agent.attach(model, opt, scaler=scaler, endpoint=collector.endpoint, every=4, nan_guard="off")
     try:
-        monitor.start_at(41)
-        for _ in range(4):
-            F.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 1)).backward()
-            opt.step()
+        monitor.number_steps(lambda: framework["step"])
+        for i in range(6):
+            loss = model(torch.randn(4, 3)).square().mean()
+            if i == 2:  # overflow: the scaler skips this iteration
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
             opt.zero_grad()
-        with pytest.warns(RuntimeWarning, match="start_at"):
-            monitor.start_at(0)  # after a step: refused, said
-        reports = collector.wait(lambda: (r := collector.reports()) and 44 in r and r, what="steps 41..44")
+            if i != 4:  # the framework's counter stalls once: the agent moves on by one
+                framework["step"] += 1
+        reports = collector.wait(lambda: (r := collector.reports()) and len(r) == 5 and r, what="five steps")
     finally:
         monitor.close()
-    assert sorted(reports) == [41, 42, 43, 44] and monitor.step == 45
-    assert [s for s in sorted(reports) if reports[s].probe] == [44]  # the cadence counts the framework's steps
+    assert sorted(reports) == [41, 42, 44, 45, 46]  # 43 skipped; the stalled 45 read as 46 by previous + 1
+    assert reports[44].skipped == 1 and [reports[s].skipped for s in (41, 42, 45, 46)] == [0, 0, 0, 0]
+    assert [s for s in sorted(reports) if reports[s].probe] == [44]
+
+
+def test_a_scaler_skip_at_the_first_step_is_counted(collector):
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with agent.attach(model, opt, scaler=scaler, endpoint=collector.endpoint, every=100) as monitor:
+        for i in range(3):
+            loss = model(torch.randn(4, 3)).square().mean() * (float("inf") if i == 0 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        reports = collector.wait_steps(2)
+    assert reports[0].skipped == 1 and reports[1].skipped == 0 and monitor.step == 2
 
 
 def test_the_batch_is_found_inside_a_tuple_argument():
@@ -410,3 +436,5 @@ def test_a_watched_model_deep_copies_and_pickles_and_its_copy_is_not_watched(col
         monitor.close()
     calls = report.act_count[:, columns.at("act_count").calls]
     assert report.probe and len(calls) == 3 and set(calls.tolist()) == {1.0}, calls  # the copies never count
+    for copied in (twin, again):  # their first call took the stand-ins off: nothing of the agent's left
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in copied.modules())
