@@ -402,3 +402,14 @@ def test_without_textual_the_command_says_what_to_install_in_one_line():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert run.returncode == 1, run.stderr
     assert run.stderr == f"gradwatch top: {NO_TEXTUAL}\n" and "pip install 'gradwatch[top]'" in NO_TEXTUAL
+
+
+def test_jobs_still_training_come_first_and_a_pattern_picks_jobs():
+    """The live job is not lost among ended ones listed by id: training jobs first, the most
+    recently stepping first; ``--job`` keeps only the jobs its pattern matches."""
+    from gradwatch.commands.top import model
+
+    done = model.Job("a-done", ended=True, step_age_s=300.0)
+    stale, live, new = model.Job("b-stale", step_age_s=40.0), model.Job("z-live", step_age_s=0.5), model.Job("c-new")
+    assert [j.job_id for j in model.arrange((done, stale, live, new))] == ["z-live", "b-stale", "c-new", "a-done"]
+    assert [j.job_id for j in model.arrange((done, stale, live, new), job="*-l*")] == ["z-live"]

@@ -37,6 +37,7 @@ class TopCommand(BaseSettings):
     silent_after_s: float = Field(
         RankSilent.Thresholds.model_fields["silent_after_s"].default, gt=0,
         description="Seconds without a message from a rank after which its status reads silent (default: the aggregator's rank_silent default).")
+    job: str = Field("", description="Show only the jobs whose id matches this shell pattern (my-run, llama-*); '' for every job, those still training first.")
     max_ranks: int = Field(32, ge=1, description="Most ranks listed per job; beyond it the ranks not ok come first.")
     timeout_s: float = Field(5.0, gt=0, le=600, description="Seconds each HTTP request to the aggregator may take.")
 
@@ -58,4 +59,4 @@ class TopCommand(BaseSettings):
         from .app import TopApp
 
         TopApp(self.url, refresh_s=self.refresh_s, recent_s=60 * self.recent_minutes,
-               silent_after_s=self.silent_after_s, max_ranks=self.max_ranks, timeout_s=self.timeout_s).run()
+               silent_after_s=self.silent_after_s, max_ranks=self.max_ranks, timeout_s=self.timeout_s, job=self.job).run()

@@ -162,9 +162,10 @@ class TopApp(App):
     BINDINGS = [("q", "quit", "Quit"), ("r", "poll", "Refresh now"), Binding("ctrl+c", "quit", show=False, priority=True)]
 
     def __init__(self, url: str, *, refresh_s: float = 1.0, recent_s: float = 600.0, silent_after_s: float = 2.5,
-                 max_ranks: int = 32, timeout_s: float = 5.0):
+                 max_ranks: int = 32, timeout_s: float = 5.0, job: str = ""):
         super().__init__()
         self.url = model.base_url(url)
+        self.job = job
         self.refresh_s, self.recent_s, self.silent_after_s = refresh_s, recent_s, silent_after_s
         self.max_ranks, self.timeout_s = max_ranks, timeout_s
         self.history = model.NormHistory()
@@ -195,7 +196,7 @@ class TopApp(App):
 
     def _read(self) -> None:
         try:
-            v = model.view(model.fetch(self.url, self.timeout_s), self.recent_s)
+            v = model.view(model.fetch(self.url, self.timeout_s), self.recent_s, self.job)
         except model.FetchError as e:
             self._hand(self._failed, str(e))
         except Exception as e:  # a bug of ours reading what it got: said on the status line, retried

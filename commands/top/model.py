@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import email.utils
 import json
+import fnmatch
 import math
 import socket
 import statistics
@@ -443,8 +444,10 @@ def findings(events: Iterable[dict], active: Iterable[dict], now: float, recent_
     return tuple(sorted(shown, key=lambda f: (not f.active, -(f.last_time if f.last_time is not None else -math.inf))))
 
 
-def view(scrape: Scrape, recent_s: float) -> View:
-    """The :class:`View` of one :func:`fetch`.
+def view(scrape: Scrape, recent_s: float, job: str = "") -> View:
+    """The :class:`View` of one :func:`fetch`: jobs still training first (the most recently
+    stepping first), then ended ones, each group by id; with ``job``, only the jobs whose id
+    matches it (a shell pattern: ``llama-*``), and only their findings.
 
     Raises:
         FetchError: its /metrics text is not a gradwatch exposition.
@@ -453,7 +456,18 @@ def view(scrape: Scrape, recent_s: float) -> View:
         js = jobs(scrape.metrics)
     except (ValueError, KeyError) as e:  # KeyError: a gradwatch_ series without the labels it has here
         raise FetchError(f"/metrics is not a gradwatch aggregator's: {e}") from None
-    return View(js, findings(scrape.events, scrape.active, scrape.server_time, recent_s), scrape.server_time)
+    found = findings(scrape.events, scrape.active, scrape.server_time, recent_s)
+    if job:
+        found = tuple(f for f in found if fnmatch.fnmatchcase(f.job_id, job))
+    return View(arrange(js, job), found, scrape.server_time)
+
+
+def arrange(js: Iterable[Job], job: str = "") -> tuple[Job, ...]:
+    """``js`` in the order the view lists them: jobs still training first, the most recently
+    stepping first, then ended ones, ties by id; with ``job``, only those whose id matches that
+    shell pattern."""
+    picked = [j for j in js if not job or fnmatch.fnmatchcase(j.job_id, job)]
+    return tuple(sorted(picked, key=lambda j: (j.ended, j.step_age_s if math.isfinite(j.step_age_s) else math.inf, j.job_id)))
 
 
 # --- what a rank's status says ----------------------------------------------------------------------
