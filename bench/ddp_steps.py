@@ -52,7 +52,7 @@ def worker(rank: int, variant: str, a, port: int, q) -> None:
     import torch.nn.functional as F
 
     sys.path.insert(0, str(ROOT))
-    from tests.faultjob import build
+    from bench.faultjob import build
     import resource
 
     model, opt, gen = build(rank, port, a.width)
@@ -127,7 +127,7 @@ def main() -> int:
                    "(default: nowhere; the sender then builds no report)")
     p.add_argument("--malloc", choices=("fixed", "glibc"), default="fixed",
                    help="fixed (default): every run with glibc's heap trimming and mmap threshold held "
-                   "(tests/faultjob.py's MALLOC_FIXED), so a ratio is the agent's cost, not which of glibc's "
+                   "(bench/faultjob.py's MALLOC_FIXED), so a ratio is the agent's cost, not which of glibc's "
                    "trim regimes a run fell into; glibc: its defaults")
     p.add_argument("--json", default="", help="also write the results here")
     a = p.parse_args()
@@ -140,7 +140,7 @@ def main() -> int:
     import torch.multiprocessing as mp
 
     sys.path.insert(0, str(ROOT))
-    from tests.faultjob import MALLOC_FIXED
+    from bench.faultjob import MALLOC_FIXED
 
     if a.malloc == "fixed":
         os.environ.update(MALLOC_FIXED)  # read by each spawned rank's C library at its start

@@ -1,7 +1,7 @@
 """Training speed with the agent while the aggregator is away, against the same job without the
-agent, in one run (issue 9).
+agent, in one run.
 
-Two 2-rank gloo DDP jobs (tests/faultjob.py), one with the agent and one without, run at the
+Two 2-rank gloo DDP jobs (bench/faultjob.py), one with the agent and one without, run at the
 same time in one network namespace and take turns on the cores: a baton file names the job
 that trains (``agent:<phase>`` / ``none:<phase>``), handed over every ``--turn-s`` seconds, so
 both see the same machine load within each phase. The aggregator runs in a second namespace
@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests import netns  # noqa: E402
-from tests.faultjob import MALLOC_FIXED  # noqa: E402
+from bench import netns  # noqa: E402
+from bench.faultjob import MALLOC_FIXED  # noqa: E402
 
 PHASES = [("absent", 20), ("up", 10), ("killed", 30), ("restarted", 10), ("stopped", 20), ("resumed", 10),
           ("partitioned", 20), ("healed", 10)]
@@ -71,7 +71,7 @@ def main() -> int:
 
     def job(name, endpoint, gloo_port):
         return subprocess.Popen(
-            pair.cmd(pair.train, sys.executable, str(ROOT / "tests" / "faultjob.py"), "--endpoint", endpoint,
+            pair.cmd(pair.train, sys.executable, str(ROOT / "bench" / "faultjob.py"), "--endpoint", endpoint,
                      "--port", str(gloo_port), "--baton", str(baton), "--name", name, "--job", "outage",
                      "--every", str(a.every), "--heartbeat-s", "1.0", "--width", str(a.width), "--batch", str(a.batch),
                      "--progress", str(tmp / f"{name}.progress"), "--out", str(tmp / name)),

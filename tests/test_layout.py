@@ -180,6 +180,12 @@ def test_wire_imports_neither_torch_nor_prometheus():
     assert offenders(found, ("torch", "prometheus_client", "zmq", "gradwatch.agent", "gradwatch.aggregator")) == {}
 
 
+def test_bench_imports_nothing_from_the_tests():
+    """The benchmarks run on machines without the test suite (the lent GPU machine): what they
+    share with the tests lives in bench/ or in the package, and the tests import it from there."""
+    assert offenders(source_imports(ROOT / "bench", "bench"), ("tests",)) == {}
+
+
 def test_agent_serves_no_http_C38():
     """C38: ranks never open HTTP ports; only the aggregator serves /metrics."""
     found = source_imports(AGENT, "gradwatch.agent")
@@ -255,7 +261,7 @@ def test_importing_the_wire_module_pulls_in_neither_torch_nor_prometheus():
 def test_agent_public_surface_is_pinned():
     import gradwatch.agent as agent
 
-    assert sorted(agent.__all__) == sorted(["attach", "AgentConfig", "ConfigError", "Monitor", "NullMonitor"])
+    assert sorted(agent.__all__) == sorted(["attach", "AgentConfig", "ConfigError", "Halt", "Monitor", "NullMonitor"])
     for name in agent.__all__:
         assert getattr(agent, name) is not None, name
 

@@ -1,10 +1,10 @@
 """Two Linux network namespaces joined by a veth pair: the ranks in one, the aggregator in the
-other, so a test can partition and heal the link between them (issue 9).
+other, so a run can partition and heal the link between them (bench/outage.py and
+tests/test_netns_faults.py).
 
 Addresses are in a private /30 assigned inside the namespaces only (``TRAIN_ADDR`` and
 ``AGG_ADDR``); traffic flows only between these two namespaces, each with its own loopback.
-Needs root and iproute2: without them the tests that use this skip with the reason, unless
-``GRADWATCH_REQUIRE_NETNS=1`` (set by .ci/run, which installs iproute2) makes that a failure.
+Needs root and iproute2: :func:`unavailable` says why they cannot be used here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 
-REQUIRE_ENV = "GRADWATCH_REQUIRE_NETNS"
 TRAIN_ADDR, AGG_ADDR = "10.231.7.1", "10.231.7.2"
 
 
@@ -37,18 +36,6 @@ def unavailable() -> str | None:
         return f"`ip netns add` failed: {r.stderr.strip()}"
     _ip("netns", "del", probe, check=False)
     return None
-
-
-def require() -> None:
-    """Skip the calling test (fail it under ``GRADWATCH_REQUIRE_NETNS=1``) without namespaces."""
-    import pytest
-
-    reason = unavailable()
-    if reason is None:
-        return
-    if os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"{REQUIRE_ENV}=1 but {reason}")
-    pytest.skip(reason)
 
 
 def _remove_stale() -> None:

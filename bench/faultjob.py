@@ -1,5 +1,5 @@
-"""A 2-rank gloo DDP training job with or without the agent, for the fault tests and
-bench/outage.py (issue 9). Run as a script; gloo rendezvous on loopback.
+"""A 2-rank gloo DDP training job with or without the agent, for bench/outage.py and
+tests/test_netns_faults.py. Run as a script; gloo rendezvous on loopback.
 
 Stops after ``--steps`` steps, or (``--steps -1``) when the file ``--stop`` appears; the ranks
 agree on stopping with an all-reduce every step, in both modes, so a run without the agent can
