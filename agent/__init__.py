@@ -20,9 +20,11 @@ import warnings
 
 from pydantic import TypeAdapter, ValidationError
 
+from gradwatch.errors import Halt
+
 from .config import AgentConfig, ConfigError, load
 
-__all__ = ["attach", "AgentConfig", "ConfigError", "Monitor", "NullMonitor"]
+__all__ = ["attach", "AgentConfig", "ConfigError", "Halt", "Monitor", "NullMonitor"]
 
 log = logging.getLogger("gradwatch.agent")
 

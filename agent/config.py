@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Literal, Optional
+import re
+from typing import Annotated, Literal, Optional
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gradwatch import auth
 from gradwatch.errors import ConfigError, warn_user  # the one config error; gradwatch.agent.ConfigError names it too
@@ -60,6 +61,25 @@ class AgentConfig(BaseSettings):
         "(eager until ready), 'off' stays eager, 'auto' compiles only for CUDA models.",
     )
 
+    stack_source: bool = Field(
+        False,
+        description="Send the source line of each frame with the training thread's stack when the aggregator asks "
+        "for it (a hung rank, gradwatch stacks); off: file paths, line numbers and function names only.")
+    on_critical: Literal["off", "halt"] = Field(
+        "off",
+        description="'halt': when the aggregator raises a critical finding of a check in halt_on, every rank raises "
+        "gradwatch.Halt from optimizer.step() at the step the aggregator names, before the optimizer changes anything "
+        "(docs/control.md). 'off': the aggregator can never stop this job.")
+    halt_on: Annotated[tuple[str, ...], NoDecode] = Field(
+        ("nonfinite", "replica_drift", "grad_agreement"),
+        description="With on_critical='halt': the checks whose critical finding halts training (comma-separated in "
+        "GRADWATCH_HALT_ON); at most 16 check names.")
+    on_nonfinite: Literal["off", "skip"] = Field(
+        "off",
+        description="'skip': before each optimizer step, read whether the gradients it would apply are finite (one "
+        "host sync a step) and, when not, take every gradient away so the step changes nothing (the same step on "
+        "every DDP rank: the all-reduced gradient is the same); counted in gradwatch_rank_nonfinite_skipped_steps_total.")
+
     server_key: str = Field(
         "",
         description="Aggregator's CURVE public key: a path to its server.key file (gradwatch keys) or the "
@@ -100,12 +120,28 @@ class AgentConfig(BaseSettings):
     def _endpoint(cls, v: str) -> str:
         return endpoint(v)
 
+    @field_validator("halt_on", mode="before")
+    @classmethod
+    def _halt_on(cls, v):
+        if isinstance(v, str):
+            v = [x.strip() for x in v.split(",") if x.strip()]
+        if isinstance(v, (list, tuple)):
+            if len(v) > 16:
+                raise ValueError(f"at most 16 checks, got {len(v)}")
+            for x in v:
+                if not isinstance(x, str) or not _CHECK_NAME.fullmatch(x):
+                    raise ValueError(f"{x!r} is not a check name (lower case letters, digits and _, at most 64)")
+        return v
+
     @field_validator("job")
     @classmethod
     def _job(cls, v: str) -> str:
         if len(v.encode()) > 256:
             raise ValueError("must be at most 256 bytes")
         return v
+
+
+_CHECK_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
 def load(**settings) -> AgentConfig:

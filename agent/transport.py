@@ -1,38 +1,52 @@
-"""The sender: a background thread that finalises, encodes and pushes messages over ZeroMQ.
+"""The sender: a background thread that finalises, encodes and sends messages over ZeroMQ, and
+takes the aggregator's commands on the same connection.
 
 The training thread only appends to a bounded deque (drop-oldest, counted) and sets an event; it
-never touches the socket, never waits and never sees an exception from here. The thread:
+never touches the socket, never waits and never sees an exception from here. The sender is a
+conductor of small parts, each with explicit inputs:
 
-* connects a PUSH socket (never binds: a bound PUSH blocks without peers, case C24) with
-  ``LINGER 0`` so process exit never waits on unsent data (case C26; only the last messages at
-  close, the goodbye among them, get :data:`CLOSE_LINGER_MS` to leave), ``IMMEDIATE`` so nothing is
-  queued to an aggregator that is not connected, and sends with ``NOBLOCK`` (case C25);
-* never spins, whatever the aggregator does (issue 9): it builds a message only when ZeroMQ can
-  take it (``POLLOUT``); when it cannot, reports wait in the bounded queue (the oldest dropped and
-  counted once) and the next attempt comes after a backoff doubling from 10 ms to
-  ``max(1 s, heartbeat_s)`` (10 s at most), reset by a (re)connection or a send. A report that was
-  built and refused is counted as dropped once; schemas and heartbeats are retried, not counted.
-  ZMTP heartbeats drop a silent peer after 3 s (partition, stopped aggregator) and reconnection
-  backs off from 0.1 s to 1 s, so reports flow again within ~2 s of the aggregator's return;
-* coalesces (issue 14): the records of unprobed steps gather in a batch that goes out as one
-  ``wire.Steps`` message once its oldest record is ``coalesce_s`` old, so the message rate does
-  not grow with the step rate. The batch goes out sooner before any other queued message (a
-  probe's report: steps stay in order), at once when a record shows an anomaly (``watch``: a
-  non-finite or spiking gradient norm, so detection waits for no timer), before a record that
-  cannot share its message (another schema, another ``grad_norms`` width or ``grad_sq`` dims, a
-  step not after the last), when it holds :data:`wire.MAX_STEPS` records or :data:`BATCH_BYTES`,
-  and when stopping. A batch ZeroMQ refuses is dropped whole, each record counted once;
-* stamps a per-rank sequence number on each message actually handed to ZeroMQ, so the
-  aggregator can count messages lost in flight (case C28);
-* sends a heartbeat only when no message went out for ``heartbeat_s`` (any message says the rank
-  is alive), when the error count changed since the last one (only a heartbeat carries it; at
-  most one per ``heartbeat_s``), after a (re)connection, and always when stopping (the goodbye);
-* sends the full schema on demand (it changed), whenever the connection (re)establishes (socket
-  monitor ``EVENT_CONNECTED``), so a late or restarted aggregator learns it (case C24), and again
-  after ``schema_every_s``, the gap doubling after each resend up to ``32 x schema_every_s``, each
-  resend up to its gap late at random (spread further past :data:`SCHEMA_RANKS` ranks,
-  :func:`schema_spread`); the heartbeats carry its hash in between;
-* survives any failure of one message: it is dropped and counted in ``errors`` (case C32).
+* :class:`Link`, the connection: a DEALER socket that connects (never binds: a bound socket
+  blocks without peers, case C24) with ``LINGER 0`` so process exit never waits on unsent data
+  (case C26; only the last messages at close, the goodbye among them, get
+  :data:`CLOSE_LINGER_MS` to leave), ``IMMEDIATE`` so nothing is queued to an aggregator that is
+  not connected, sends with ``NOBLOCK`` (case C25), and watches its handshakes: a refused one is
+  counted and said (a wrong key, a wrong port), as is an aggregator not reached for
+  :data:`UNREACHED_WARN_S`. ZMTP heartbeats drop a silent peer after 3 s (partition, stopped
+  aggregator) and reconnection backs off from 0.1 s to 1 s, so reports flow again within ~2 s of
+  the aggregator's return;
+* :class:`Backoff`: the thread never spins, whatever the aggregator does (issue 9): it builds a
+  message only when ZeroMQ can take it (``POLLOUT``); when it cannot, reports wait in the bounded
+  queue (the oldest dropped and counted once) and the next attempt comes after a backoff doubling
+  from 10 ms to ``max(1 s, heartbeat_s)`` (10 s at most), reset by a (re)connection or a send. A
+  report that was built and refused is counted as dropped once; schemas and heartbeats are
+  retried, not counted;
+* :class:`Batch` coalesces: the records of unprobed steps gather and go out as one
+  ``wire.Steps`` message once the oldest is ``coalesce_s`` old, so the message rate does not
+  grow with the step rate. The batch goes out sooner before any other queued message (a probe's
+  report: steps stay in order), at once when a record shows an anomaly (``watch``: a non-finite
+  or spiking gradient norm, so detection waits for no timer), before a record that cannot share
+  its message (another schema, another ``grad_norms`` width or ``grad_sq`` dims, a step not after
+  the last), when it holds :data:`wire.MAX_STEPS` records or :data:`BATCH_BYTES`, and when
+  stopping. A batch ZeroMQ refuses is dropped whole, each record counted once;
+* :class:`Inbox` takes the aggregator's commands (the only peer of the socket this agent
+  connected: with CURVE, the aggregator whose server key it was given), once per turn, a few at
+  most (``poll(0)``, never waiting): it decodes each (:func:`gradwatch.wire.decode_command`) and
+  drops, counting by reason and logging once, a malformed or oversized one, one for another job,
+  rank or boot, one seen among the last :data:`SEEN_IDS` ids (a replay or a resend), and any past
+  :data:`COMMANDS_PER_S` a second; an expired one is refused (an ``ack`` saying so). What a
+  command does is the ``control`` input's (:mod:`.control`); its answer goes out at once.
+
+The sender itself stamps a per-rank sequence number on each message actually handed to ZeroMQ,
+so the aggregator can count messages lost in flight (case C28); sends a heartbeat only when no
+message went out for ``heartbeat_s`` (any message says the rank is alive), when the error count
+changed since the last one (only a heartbeat carries it; at most one per ``heartbeat_s``), after a
+(re)connection, and always when stopping (the goodbye); sends the full schema on demand (it
+changed), whenever the connection (re)establishes (socket monitor ``EVENT_CONNECTED``), so a late
+or restarted aggregator learns it (case C24), and again after ``schema_every_s``, the gap doubling
+after each resend up to ``32 x schema_every_s``, each resend up to its gap late at random (spread
+further past :data:`SCHEMA_RANKS` ranks, :func:`schema_spread`); the heartbeats carry its hash in
+between; and survives any failure of one message: it is dropped and counted in ``errors`` (case
+C32).
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ import math
 import random
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import msgspec
@@ -83,8 +98,14 @@ CLOSE_LINGER_MS = 200
 HANDSHAKE_WARN_S = 10.0
 #: seconds an agent goes without reaching any aggregator (no connection at all: none listening,
 #: a wrong host or port) before it says so, once; and says so again when one answers. A job may
-#: start before its aggregator; a multi-day one must not learn this only at close (a user's trial)
+#: start before its aggregator; a multi-day one must not learn this only at close
 UNREACHED_WARN_S = 60.0
+#: most commands the sender reads from the aggregator in one turn (it turns every ``flush_s`` at least)
+COMMANDS_PER_TURN = 4
+#: most commands an agent carries out a second; the rest are counted and dropped
+COMMANDS_PER_S = 10
+#: command ids an agent remembers: a command whose id is among them changes nothing
+SEEN_IDS = 256
 _ROW_BYTES = 8 * len(wire.STEP_COLUMNS)
 
 
@@ -121,12 +142,359 @@ def _joins(last: wire.Report, r: wire.Report) -> bool:
             and (r.grad_sq is None or [d for d, _ in last.grad_sq] == [d for d, _ in r.grad_sq]))
 
 
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who an agent is on the wire: every header's fields but the sequence number and the time.
+
+    Attributes:
+        job: the job id; rank, world: the rank and the job's size; boot: this agent instance's
+        random id; key: the job's identity digest (``wire.Header.key``); coord: the rank's mesh
+        coordinates (() without a mesh).
+    """
+
+    job: str
+    rank: int
+    world: int
+    boot: str
+    key: str = ""
+    coord: tuple = ()
+
+    def header(self, seq: int) -> wire.Header:
+        """The header of a message sent now (wall clock) with sequence number ``seq``."""
+        return wire.Header(self.job, self.rank, self.world, self.boot, seq, time.time(), self.key, self.coord)
+
+
+class Batch:
+    """The records of unprobed steps waiting to go out as one ``wire.Steps`` message (the
+    module docstring says when it goes). The sender thread's alone.
+
+    Args:
+        coalesce_s: seconds its oldest record may wait (0: until the sender's next turn).
+    """
+
+    def __init__(self, coalesce_s: float):
+        self.coalesce_s = coalesce_s
+        self.records: list[wire.Report] = []
+        self.at = 0.0  # clock when the oldest record joined
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def joins(self, r: wire.Report) -> bool:
+        """Whether ``r`` may join the batch (always, when empty: :func:`_joins`)."""
+        return not self.records or _joins(self.records[-1], r)
+
+    def add(self, r: wire.Report, now: float) -> bool:
+        """Add ``r`` (it must :meth:`join <joins>`) at clock ``now``; returns whether the batch is
+        full (:data:`wire.MAX_STEPS` records or :data:`BATCH_BYTES`) and must go now."""
+        if not self.records:
+            self.at = now
+        self.records.append(r)
+        self.nbytes += _record_bytes(r)
+        return len(self.records) >= wire.MAX_STEPS or self.nbytes >= BATCH_BYTES
+
+    def due(self, now: float) -> bool:
+        """Whether the oldest record has waited ``coalesce_s``."""
+        return bool(self.records) and now - self.at >= self.coalesce_s
+
+    @property
+    def due_at(self) -> float:
+        """Clock when the batch falls due (inf when empty)."""
+        return self.at + self.coalesce_s if self.records else math.inf
+
+    def take(self) -> list[wire.Report]:
+        """Empty the batch; returns its records, oldest first."""
+        out, self.records, self.nbytes = self.records, [], 0
+        return out
+
+
+class Backoff:
+    """When the sender tries again after ZeroMQ took nothing: ``min_s`` doubling up to ``max_s``
+    (``max(1 s, heartbeat_s)``, 10 s at most), back to ``min_s`` after a send or a (re)connection.
+
+    Attributes:
+        retry_at: clock of the next attempt after a refusal.
+        blocked: refusals so far (tests bound them).
+    """
+
+    def __init__(self, heartbeat_s: float):
+        # short first retries: a fresh socket is refused until its connection completes (~1 ms on
+        # a LAN), and reports of fast steps wait in the bounded queue meanwhile
+        self.min_s = 0.01
+        self.max_s = min(10.0, max(1.0, heartbeat_s))
+        self.current = self.min_s
+        self.retry_at = 0.0
+        self.blocked = 0
+
+    def refused(self, now: float) -> None:
+        """ZeroMQ took nothing at ``now``: no attempt before ``now + current``, which doubles."""
+        self.retry_at = now + self.current
+        self.current = min(self.current * 2, self.max_s)
+        self.blocked += 1
+
+    def reset(self, now: Optional[float] = None) -> None:
+        """A send went through, or (with ``now``) a connection came: the next refusal waits
+        ``min_s`` (and a connection allows an attempt at once)."""
+        self.current = self.min_s
+        if now is not None:
+            self.retry_at = now
+
+
+class Link:
+    """The agent's connection to the aggregator: a ZeroMQ DEALER socket connected to
+    ``endpoint`` (options in the module docstring), the monitor of its handshakes, and what the
+    agent says about them. The sender thread's alone once made.
+
+    Args:
+        endpoint: the aggregator's ZeroMQ endpoint.
+        keys: CURVE keys (:class:`gradwatch.auth.ClientKeys`), or None for plain TCP.
+        send_hwm: ZeroMQ send high-water mark, messages.
+        clock: monotonic clock, seconds.
+
+    Raises:
+        Whatever ZeroMQ or ``keys.apply`` raise; nothing made is left open then.
+
+    Attributes:
+        sock: the DEALER socket.
+        connected: a ZMTP handshake with a peer completed at least once.
+        refused: handshakes that failed (refused keys, no CURVE keys, not an aggregator).
+    """
+
+    def __init__(self, endpoint: str, keys=None, send_hwm: int = 256, clock: Callable[[], float] = time.monotonic):
+        self.endpoint = endpoint
+        self._curve = keys is not None
+        self._clock = clock
+        self.connected = False
+        self.refused = 0
+        self._told = False
+        self._failing_since = math.nan  # clock of the first failed handshake, while none succeeded
+        self._started = clock()
+        self._told_unreached = False
+        self._ctx = zmq.Context(io_threads=1)
+        try:
+            self.sock = self._ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.SNDHWM, send_hwm)
+            self.sock.setsockopt(zmq.RCVHWM, 16)  # commands: a handful at most, each turn reads a few
+            self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * wire.MAX_COMMAND_BYTES)  # larger frames: the peer is cut off
+            if keys is not None:
+                keys.apply(self.sock)  # CURVE client: before connect
+            # queue only to a connected aggregator: a restarted one must not first get stale reports
+            # queued during the outage, ahead of the schema resent on connect
+            self.sock.setsockopt(zmq.IMMEDIATE, 1)
+            self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # ms, exponential in between
+            self.sock.setsockopt(zmq.CONNECT_TIMEOUT, 2000)  # a SYN into a partition is given up
+            if keys is None:
+                # a peer that accepts TCP but never speaks ZMTP (an HTTP port) fails the handshake
+                # after 5 s, not ZeroMQ's 30 s. (With CURVE the aggregator's ZAP thread admits ~1,000
+                # handshakes a second: a large job connecting at once needs ZeroMQ's default.)
+                self.sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+            # ZMTP heartbeats: a peer silent for 3 s (partition, SIGSTOP) is dropped and reconnected,
+            # instead of waiting out TCP's retransmission backoff after the network heals
+            self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+            # completed handshakes (a TCP connection alone is not one: a CURVE aggregator refuses a
+            # keyless agent, an HTTP port answers no ZMTP) and failed ones (said once, counted)
+            self._monitor = self.sock.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | auth.REFUSED_EVENTS)
+            self.sock.connect(endpoint)
+        except BaseException:
+            # nothing half-made is left for the garbage collector to close on another thread
+            self._ctx.destroy(linger=0)
+            raise
+
+    def writable(self) -> bool:
+        """Whether ZeroMQ takes a message now: a connected peer (``IMMEDIATE``) and room below the
+        high-water mark. One getsockopt: nothing is built to find out."""
+        try:
+            return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
+        except zmq.ZMQError:
+            return False
+
+    def send(self, frame: bytes) -> Optional[bool]:
+        """Hand ``frame`` to ZeroMQ without blocking: True when taken, False when refused (no
+        peer, high-water mark), None when ZeroMQ failed otherwise (logged at debug level)."""
+        try:
+            self.sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            log.debug("gradwatch: send failed: %r", e)
+            return None
+        return True
+
+    def receive(self, most: int) -> list[bytes]:
+        """Up to ``most`` frames the aggregator sent, without waiting (``poll(0)``). A message of
+        several frames (never sent by an aggregator) gives its frames one by one."""
+        out: list[bytes] = []
+        try:
+            while len(out) < most and self.sock.poll(0, zmq.POLLIN):
+                out.append(self.sock.recv(zmq.NOBLOCK))
+        except zmq.ZMQError:
+            pass
+        return out
+
+    def events(self) -> bool:
+        """Whether the socket (re)connected since the last call (TCP: the schema and a heartbeat
+        go out at once, sent as soon as the handshake lets them); ``connected`` once a handshake
+        completed. Counts failed handshakes in ``refused`` and warns at the first one before any
+        succeeded (nothing this agent sends would arrive), and once when no aggregator was
+        reached for :data:`UNREACHED_WARN_S`."""
+        seen = False
+        while self._monitor.poll(0):
+            try:
+                event = zmq.utils.monitor.parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except (zmq.ZMQError, ValueError, KeyError):
+                break
+            if event == zmq.EVENT_CONNECTED:
+                seen = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if not self.connected and self._told_unreached:
+                    log.warning("gradwatch: reached the aggregator at %s after %.0f s", self.endpoint,
+                                self._clock() - self._started)
+                self.connected = True
+            elif event & auth.REFUSED_EVENTS:
+                self.refused += 1
+                if math.isnan(self._failing_since):
+                    self._failing_since = self._clock()
+                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self._failing_since = -math.inf  # a refused key is final: said at once
+        # other failures may be a peer killed or stopped mid-handshake, or a proxy before one
+        # starting: said once they have lasted HANDSHAKE_WARN_S (checked every turn, events or not)
+        if not (self.connected or self._told) and self._clock() - self._failing_since >= HANDSHAKE_WARN_S:
+            self._told = True
+            log.warning("gradwatch: %s", self.refusal())
+        waited = 0.0 if self.connected or self._told or self._told_unreached else self._clock() - self._started
+        if waited >= UNREACHED_WARN_S:
+            self._told_unreached = True
+            log.warning("gradwatch: no aggregator reached at %s in %.0f s: this rank's reports wait in a bounded "
+                        "queue, then are dropped, until one answers (is it running, and is GRADWATCH_ENDPOINT right?)",
+                        self.endpoint, waited)
+        return seen
+
+    def refusal(self) -> str:
+        """What a failed handshake with the endpoint means, and the settings to check."""
+        if self._curve:
+            return (f"the aggregator at {self.endpoint} refused this agent's CURVE handshake: no report reaches "
+                    "it (is GRADWATCH_SERVER_KEY the aggregator's public key, and this agent's client key "
+                    "among its --client-keys?)")
+        return (f"the ZeroMQ handshake with {self.endpoint} failed: no report reaches it (an aggregator with "
+                "CURVE on needs GRADWATCH_SERVER_KEY and GRADWATCH_CLIENT_KEY; is GRADWATCH_ENDPOINT its "
+                "ZeroMQ --listen port, not its HTTP one?)")
+
+    def close(self) -> None:
+        """Close the monitor and the socket (the socket's last messages get :data:`CLOSE_LINGER_MS`
+        to leave when connected, none otherwise) and terminate the context. Never raises."""
+        try:
+            self.sock.disable_monitor()
+        except Exception:
+            pass
+        for s, linger in ((self._monitor, 0), (self.sock, CLOSE_LINGER_MS if self.connected else 0)):
+            try:
+                s.close(linger=linger)
+            except Exception:
+                pass
+        try:
+            self._ctx.term()
+        except Exception:
+            pass
+
+    def release(self) -> None:
+        """Close both sockets without lingering and end the context; returns at once (nothing
+        left open for ``term`` to wait for). Never raises."""
+        try:
+            self.sock.disable_monitor()
+        except Exception:
+            pass
+        try:
+            self._ctx.destroy(linger=0)
+        except Exception:
+            pass
+
+
+class Inbox:
+    """The aggregator's commands, checked before anything is done with them (module docstring).
+    The sender thread's alone.
+
+    Args:
+        identity: the agent's job, rank and boot, which a command must name (rank -1 and boot ""
+            name any).
+        wall: wall clock, seconds since the epoch (a command's expiry is the aggregator's).
+        clock: monotonic clock, seconds (the rate).
+
+    Attributes:
+        accepted: commands taken (expired ones among them: they are refused, not dropped).
+        rejected: ``Counter`` of the commands dropped, by reason: a :data:`wire.REJECT_REASONS`
+            (malformed, too large, the wrong direction...), ``job``, ``rank`` or ``boot`` (another
+            agent's), ``replayed`` (an id among the last :data:`SEEN_IDS`), ``rate`` (over
+            :data:`COMMANDS_PER_S` a second).
+    """
+
+    def __init__(self, identity: Identity, wall: Callable[[], float] = time.time,
+                 clock: Callable[[], float] = time.monotonic):
+        self.identity = identity
+        self._wall, self._clock = wall, clock
+        self.accepted = 0
+        self.rejected: collections.Counter = collections.Counter()
+        self._seen: collections.OrderedDict = collections.OrderedDict()  # the last SEEN_IDS ids
+        self._recent: collections.deque = collections.deque()  # clock of the commands taken within 1 s
+        self._told: set[str] = set()
+
+    def take(self, frame: bytes) -> Optional[tuple[wire.Command, str]]:
+        """``(command, why)`` for a command to answer (``why``: "" to carry it out, "expired" to
+        refuse it), or None for one dropped (counted in ``rejected``, the first of each reason
+        logged). Never raises."""
+        try:
+            cmd = wire.decode_command(frame)
+        except wire.WireError as e:
+            return self._drop(e.reason, f"a command that is not one ({e})")
+        except Exception as e:  # never expected of the decoder
+            return self._drop("malformed", f"a command that failed to decode: {e!r}")
+        me = self.identity
+        if cmd.job != me.job:
+            return self._drop("job", f"a command for job {cmd.job[:64]!r}")
+        if cmd.rank not in (-1, me.rank):
+            return self._drop("rank", f"a command for rank {cmd.rank}")
+        if cmd.boot not in ("", me.boot):
+            return self._drop("boot", "a command for another boot of this rank")
+        if cmd.id in self._seen:
+            return self._drop("replayed", "a command already seen (a replay or a resend)")
+        now = self._clock()
+        while self._recent and now - self._recent[0] >= 1.0:
+            self._recent.popleft()
+        if len(self._recent) >= COMMANDS_PER_S:
+            return self._drop("rate", f"commands past {COMMANDS_PER_S} a second")
+        self._recent.append(now)
+        self._seen[cmd.id] = None
+        if len(self._seen) > SEEN_IDS:
+            self._seen.popitem(last=False)
+        self.accepted += 1
+        return cmd, ("expired" if self._wall() > cmd.expires else "")
+
+    def _drop(self, reason: str, what: str) -> None:
+        self.rejected[reason] += 1
+        if reason not in self._told:
+            self._told.add(reason)
+            log.warning("gradwatch: dropped %s (counted; later ones not logged)", what)
+        return None
+
+
+def refused(h: wire.Header, cmd: wire.Command, why: str) -> wire.Ack:
+    """The answer to ``cmd`` refused for ``why`` (one of :data:`wire.ACK_REASONS`)."""
+    return wire.Ack(h, cmd.id, False, -1, why)
+
+
 class Sender:
-    """Owns the socket and the sender thread of one agent.
+    """Owns the sender thread of one agent and the parts it conducts (module docstring).
 
     Args:
         endpoint: ZeroMQ endpoint to connect to.
-        header: ``seq -> wire.Header`` factory (identity fields plus the given sequence number).
+        header: ``seq -> wire.Header`` factory (identity fields plus the given sequence number),
+            e.g. :meth:`Identity.header`.
         schema: ``header -> wire.Schema | None``; None until the first probe names the slots.
         heartbeat: ``header -> wire.Heartbeat``.
         queue_size: most pending reports; the oldest is dropped beyond it.
@@ -150,6 +518,11 @@ class Sender:
         clock: monotonic clock, seconds (injectable for tests).
         keys: CURVE keys (:class:`gradwatch.auth.ClientKeys`) to authenticate and encrypt with;
             None for plain TCP.
+        identity: whom commands must name (:class:`Inbox`); None: every command is dropped
+            (reason ``job``).
+        control: ``command -> (header -> answer)``, run on the sender thread for each command the
+            inbox takes, returning the builder of its answer (a ``wire.Stack`` or ``wire.Ack``);
+            None: every command is refused (``why`` "disabled").
     """
 
     def __init__(
@@ -170,93 +543,53 @@ class Sender:
         errors: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.monotonic,
         keys=None,
+        identity: Optional[Identity] = None,
+        control: Optional[Callable[[wire.Command], Build]] = None,
     ):
+        if schema_jitter < 0:
+            raise ValueError(f"schema_jitter must be >= 0, got {schema_jitter}")
         self._header = header
         self._schema = schema
         self._heartbeat = heartbeat
         self._watch = watch if watch is not None else nonfinite
         self._owner_errors = errors
+        self._control = control
+        self._clock = clock
+        # the training thread's side: the bounded queue, and the event that wakes the thread
         self._queue: collections.deque[tuple[Build, Ready]] = collections.deque()
         self._queue_size = queue_size
         self._wake_at = max(1, min(16, queue_size // 2))
         self.flush_s = 0.05
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # the schema: on demand, and resent after a gap doubling up to SCHEMA_BACKOFF x schema_every_s
         self._schema_due = True
-        self._clock = clock
-        self._heartbeat_s = heartbeat_s
         self._schema_every_s = schema_every_s
         self._schema_gap = schema_every_s  # until the next periodic resend; doubles after each
-        if schema_jitter < 0:
-            raise ValueError(f"schema_jitter must be >= 0, got {schema_jitter}")
         self._schema_jitter = schema_jitter
         self._schema_spread = schema_spread(world)
         self._rng = random.Random()  # the jitter: every agent its own
-        self.coalesce_s = coalesce_s
-        # the batch: built unprobed reports waiting to go out as one steps message
-        self._batch: list[wire.Report] = []
-        self._batch_at = 0.0  # clock when its oldest record joined
-        self._batch_bytes = 0
+        self._next_schema = 0.0
+        # heartbeats
+        self._heartbeat_s = heartbeat_s
+        self._last_sent = self._last_beat = 0.0  # clock of the latest message, and heartbeat, handed over
+        self._beat_due = True  # a heartbeat at the first turn and after each (re)connect
+        self._beat_errors = 0  # the error count the latest heartbeat said
+        # the parts
+        self._batch = Batch(coalesce_s)
+        self.backoff = Backoff(heartbeat_s)
+        self.inbox = Inbox(identity if identity is not None else Identity("", -2, 1, ""), clock=clock)
+        self.link = Link(endpoint, keys, send_hwm, clock)
+        # counters
         self.seq = 0
         self.sent = 0  # messages handed to ZeroMQ, and the step records among them
         self.reports = 0
         self.batches = 0  # steps messages handed to ZeroMQ
-        self.connected = False  # a ZMTP handshake with a peer completed at least once
         self.errors = 0
         # one counter per writing thread: a shared += from two threads can lose counts
         self._queue_drops = 0
         self._send_drops = 0
-        # backoff while ZeroMQ takes nothing (no aggregator, partition, high-water mark)
-        # short first retries: a fresh socket is refused until its connection completes (~1 ms
-        # on a LAN), and reports of fast steps wait in the bounded queue meanwhile
-        self.backoff_min_s = 0.01
-        self.backoff_max_s = min(10.0, max(1.0, heartbeat_s))
-        self._backoff = self.backoff_min_s
-        self.retry_at = 0.0  # monotonic time of the next attempt after a refusal
-        self._next_schema = 0.0
-        self._last_sent = self._last_beat = 0.0  # clock of the latest message, and heartbeat, handed over
-        self._beat_due = True  # a heartbeat at the first turn and after each (re)connect
-        self._beat_errors = 0  # the error count the latest heartbeat said
         self.turns = 0  # sender loop turns (tests bound them)
-        self.blocked = 0  # attempts that found ZeroMQ refusing
-        self._endpoint = endpoint
-        self._curve = keys is not None
-        self.refused = 0  # handshakes that failed: refused keys, no CURVE keys, not an aggregator
-        self._told = False
-        self._failing_since = math.nan  # clock of the first failed handshake, while none succeeded
-        self._started = self._clock()
-        self._told_unreached = False
-        self._ctx = zmq.Context(io_threads=1)
-        try:
-            self._sock = self._ctx.socket(zmq.PUSH)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.SNDHWM, send_hwm)
-            if keys is not None:
-                keys.apply(self._sock)  # CURVE client: before connect
-            # queue only to a connected aggregator: a restarted one must not first get stale reports
-            # queued during the outage, ahead of the schema resent on connect
-            self._sock.setsockopt(zmq.IMMEDIATE, 1)
-            self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # ms, exponential in between
-            self._sock.setsockopt(zmq.CONNECT_TIMEOUT, 2000)  # a SYN into a partition is given up
-            if keys is None:
-                # a peer that accepts TCP but never speaks ZMTP (an HTTP port) fails the handshake
-                # after 5 s, not ZeroMQ's 30 s. (With CURVE the aggregator's ZAP thread admits ~1,000
-                # handshakes a second: a large job connecting at once needs ZeroMQ's default.)
-                self._sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
-            # ZMTP heartbeats: a peer silent for 3 s (partition, SIGSTOP) is dropped and reconnected,
-            # instead of waiting out TCP's retransmission backoff after the network heals
-            self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-            # completed handshakes (a TCP connection alone is not one: a CURVE aggregator refuses a
-            # keyless agent, an HTTP port answers no ZMTP) and failed ones (said once, counted)
-            self._monitor = self._sock.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | auth.REFUSED_EVENTS)
-            self._sock.connect(endpoint)
-        except BaseException:
-            # nothing half-made is left for the garbage collector to close on another thread
-            self._ctx.destroy(linger=0)
-            raise
         self._thread = threading.Thread(target=self._run, name="gradwatch-sender", daemon=True)
 
     def start(self) -> "Sender":
@@ -264,6 +597,53 @@ class Sender:
         (the thread's first heartbeat reads the owner's counters)."""
         self._thread.start()
         return self
+
+    # --- the parts' state, as the owner and tests read it ---------------------------------------
+
+    @property
+    def coalesce_s(self) -> float:
+        return self._batch.coalesce_s
+
+    @coalesce_s.setter
+    def coalesce_s(self, value: float) -> None:
+        self._batch.coalesce_s = value
+
+    @property
+    def connected(self) -> bool:
+        """A ZMTP handshake with a peer completed at least once."""
+        return self.link.connected
+
+    @property
+    def refused(self) -> int:
+        """Handshakes that failed: refused keys, no CURVE keys, not an aggregator."""
+        return self.link.refused
+
+    def refusal(self) -> str:
+        return self.link.refusal()
+
+    @property
+    def _sock(self):
+        return self.link.sock
+
+    @_sock.setter
+    def _sock(self, sock) -> None:
+        self.link.sock = sock
+
+    @property
+    def retry_at(self) -> float:
+        return self.backoff.retry_at
+
+    @property
+    def blocked(self) -> int:
+        return self.backoff.blocked
+
+    @property
+    def backoff_min_s(self) -> float:
+        return self.backoff.min_s
+
+    @property
+    def backoff_max_s(self) -> float:
+        return self.backoff.max_s
 
     # --- training thread side: O(1), never blocks ------------------------------------------
 
@@ -287,7 +667,7 @@ class Sender:
         # wake on crossing the mark, not on every report above it: a sender that cannot send
         # (aggregator away, queue full) must not be woken at every step
         # and not for a probe while backing off: nothing could go out before ``retry_at`` anyway
-        if len(self._queue) == self._wake_at or (urgent and self._clock() >= self.retry_at):
+        if len(self._queue) == self._wake_at or (urgent and self._clock() >= self.backoff.retry_at):
             self._wake.set()
 
     def request_schema(self) -> None:
@@ -317,31 +697,11 @@ class Sender:
         self._stop.set()
         self._wake.set()
         if self._thread.ident is None:  # never started: the thread would have closed these
-            self._release()
+            self.link.release()
         elif threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    def _release(self) -> None:
-        """Close both sockets without lingering and end the context; returns at once (nothing
-        left open for ``term`` to wait for). Never raises."""
-        try:
-            self._sock.disable_monitor()
-        except Exception:
-            pass
-        try:
-            self._ctx.destroy(linger=0)
-        except Exception:
-            pass
-
     # --- sender thread -------------------------------------------------------------------------
-
-    def _writable(self) -> bool:
-        """Whether ZeroMQ takes a message now: a connected peer (``IMMEDIATE``) and room below the
-        high-water mark. One getsockopt: nothing is built to find out."""
-        try:
-            return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
-        except zmq.ZMQError:
-            return False
 
     def _build(self, make: Build) -> Optional[wire.Message]:
         """``make``'s message, or None (nothing to send, or it failed: counted in ``errors``)."""
@@ -366,72 +726,35 @@ class Sender:
             self.errors += 1
             log.debug("gradwatch: dropped a message that failed to encode: %r", e)
             return None
-        try:
-            self._sock.send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as e:
+        ok = self.link.send(frame)
+        if ok is None:
             self.errors += 1
-            log.debug("gradwatch: send failed: %r", e)
             return None
-        self.seq += 1
-        self.sent += 1
-        self._last_sent = self._clock()
-        return True
+        if ok:
+            self.seq += 1
+            self.sent += 1
+            self._last_sent = self._clock()
+        return ok
 
-    def _reconnected(self) -> bool:
-        """Whether the socket (re)connected since the last turn (TCP: the schema and a heartbeat
-        go out at once, sent as soon as the handshake lets them); ``connected`` once a handshake
-        completed. Counts failed handshakes in ``refused`` and warns at the first one before any
-        succeeded (nothing this agent sends would arrive)."""
-        seen = False
-        while self._monitor.poll(0):
-            try:
-                event = zmq.utils.monitor.parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
-            except (zmq.ZMQError, ValueError, KeyError):
-                break
-            if event == zmq.EVENT_CONNECTED:
-                seen = True
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if not self.connected and self._told_unreached:
-                    log.warning("gradwatch: reached the aggregator at %s after %.0f s", self._endpoint,
-                                self._clock() - self._started)
-                self.connected = True
-            elif event & auth.REFUSED_EVENTS:
-                self.refused += 1
-                if math.isnan(self._failing_since):
-                    self._failing_since = self._clock()
-                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                    self._failing_since = -math.inf  # a refused key is final: said at once
-        # other failures may be a peer killed or stopped mid-handshake, or a proxy before one
-        # starting: said once they have lasted HANDSHAKE_WARN_S (checked every turn, events or not)
-        if not (self.connected or self._told) and self._clock() - self._failing_since >= HANDSHAKE_WARN_S:
-            self._told = True
-            log.warning("gradwatch: %s", self.refusal())
-        waited = 0.0 if self.connected or self._told or self._told_unreached else self._clock() - self._started
-        if waited >= UNREACHED_WARN_S:
-            self._told_unreached = True
-            log.warning("gradwatch: no aggregator reached at %s in %.0f s: this rank's reports wait in a bounded "
-                        "queue, then are dropped, until one answers (is it running, and is GRADWATCH_ENDPOINT right?)",
-                        self._endpoint, waited)
-        return seen
-
-    def refusal(self) -> str:
-        """What a failed handshake with the endpoint means, and the settings to check."""
-        if self._curve:
-            return (f"the aggregator at {self._endpoint} refused this agent's CURVE handshake: no report reaches "
-                    "it (is GRADWATCH_SERVER_KEY the aggregator's public key, and this agent's client key "
-                    "among its --client-keys?)")
-        return (f"the ZeroMQ handshake with {self._endpoint} failed: no report reaches it (an aggregator with "
-                "CURVE on needs GRADWATCH_SERVER_KEY and GRADWATCH_CLIENT_KEY; is GRADWATCH_ENDPOINT its "
-                "ZeroMQ --listen port, not its HTTP one?)")
-
-    def _blocked(self, now: float) -> None:
-        """ZeroMQ takes nothing now: no attempt before ``now + backoff``; the backoff doubles from
-        ``backoff_min_s`` up to ``backoff_max_s``. Reports wait in the queue meanwhile."""
-        self.retry_at = now + self._backoff
-        self._backoff = min(self._backoff * 2, self.backoff_max_s)
-        self.blocked += 1
+    def _commands(self) -> None:
+        """The aggregator's commands since the last turn (a few at most): each the inbox takes is
+        carried out (``control``) and answered at once; what ZeroMQ does not take of the answer
+        is lost (the aggregator gives up waiting)."""
+        for frame in self.link.receive(COMMANDS_PER_TURN):
+            got = self.inbox.take(frame)
+            if got is None:
+                continue
+            cmd, why = got
+            if why or self._control is None:
+                answer: Build = lambda h, c=cmd, w=why or "disabled": refused(h, c, w)
+            else:
+                try:
+                    answer = self._control(cmd)
+                except Exception as e:  # never expected of the control part: refused, counted
+                    self.errors += 1
+                    log.debug("gradwatch: a command failed: %r", e)
+                    answer = lambda h, c=cmd: refused(h, c, "other")
+            self._hand(self._build(answer))
 
     def _send_schema(self, now: float) -> Optional[bool]:
         """Send the schema if due (on demand, or the resend timer); False when ZeroMQ refused it
@@ -456,10 +779,9 @@ class Sender:
     def _flush(self) -> Optional[bool]:
         """Send the batch as one steps message; its records are dropped (counted) if ZeroMQ
         refuses it or it fails to encode. The result as :meth:`_hand`'s (True with no batch)."""
-        batch = self._batch
-        if not batch:
+        if not self._batch:
             return True
-        self._batch, self._batch_bytes = [], 0
+        batch = self._batch.take()
         try:
             msg = wire.Steps.of(batch, self._header(self.seq))
             msg = msgspec.structs.replace(msg, drops=self.drops)  # the latest count, not the last record's
@@ -478,14 +800,10 @@ class Sender:
     def _add(self, r: wire.Report, now: float, alarm: bool) -> Optional[bool]:
         """Put an unprobed report in the batch (after sending the batch if ``r`` cannot join it);
         send the batch at once after an anomaly (``alarm``) or when full. False: refused."""
-        if self._batch and not _joins(self._batch[-1], r) and self._flush() is False:
+        if not self._batch.joins(r) and self._flush() is False:
             self._send_drops += 1
             return False
-        if not self._batch:
-            self._batch_at = now
-        self._batch.append(r)
-        self._batch_bytes += _record_bytes(r)
-        if alarm or len(self._batch) >= wire.MAX_STEPS or self._batch_bytes >= BATCH_BYTES:
+        if self._batch.add(r, now) or alarm:
             return self._flush()
         return True
 
@@ -517,11 +835,11 @@ class Sender:
 
     def _work(self, now: float, stopping: bool) -> bool:
         """One turn's sending; returns whether an unready report holds back the queue."""
-        if not self._writable():
-            self._blocked(now)
+        if not self.link.writable():
+            self.backoff.refused(now)
             return False
         if self._send_schema(now) is False:
-            self._blocked(now)
+            self.backoff.refused(now)
             return False
         waiting = False
         while self._queue:
@@ -534,7 +852,7 @@ class Sender:
                 break
             # a report never overtakes the schema it names (request_schema() may come any time)
             if self._schema_due and self._send_schema(now) is False:
-                self._blocked(now)
+                self.backoff.refused(now)
                 return False
             try:
                 self._queue.popleft()
@@ -557,26 +875,24 @@ class Sender:
                     elif ok is False:  # built but refused: this report is lost, counted once
                         self._send_drops += 1
             if ok is False:
-                self._blocked(now)
+                self.backoff.refused(now)
                 return False
-        if self._batch and (stopping or now - self._batch_at >= self.coalesce_s):
+        if self._batch and (stopping or self._batch.due(now)):
             if self._flush() is False:
-                self._blocked(now)
+                self.backoff.refused(now)
                 return False
         if stopping or self._beat_is_due(now):
             errors = self._errors()
             if self._hand(self._build(self._heartbeat)) is False:
-                self._blocked(now)
+                self.backoff.refused(now)
                 return False
             self._beat_due, self._beat_errors, self._last_beat = False, errors, now
-        self._backoff = self.backoff_min_s
+        self.backoff.reset()
         return waiting
 
     def _next_turn(self, now: float, waiting: bool) -> float:
         """Seconds until the next timer (heartbeat, schema, the batch's age) or ``flush_s``."""
-        due = min(self._quiet_until, self._next_schema)
-        if self._batch:
-            due = min(due, self._batch_at + self.coalesce_s)
+        due = min(self._quiet_until, self._next_schema, self._batch.due_at)
         return min(due - now, 0.002 if waiting else self.flush_s)
 
     def _run(self) -> None:
@@ -586,16 +902,17 @@ class Sender:
                 self.turns += 1
                 stopping = self._stop.is_set()
                 now = self._clock()
-                if self._reconnected():  # a (new) aggregator: schema and heartbeat at once
+                if self.link.events():  # a (new) aggregator: schema and heartbeat at once
                     self._schema_due = self._beat_due = True
-                    self._backoff = self.backoff_min_s
-                    self.retry_at = now
-                waiting = self._work(now, stopping) if stopping or now >= self.retry_at else False
+                    self.backoff.reset(now)
+                if not stopping:
+                    self._commands()
+                waiting = self._work(now, stopping) if stopping or now >= self.backoff.retry_at else False
                 if stopping:
                     return
                 now = self._clock()
-                if now < self.retry_at:  # blocked: nothing can go out before then
-                    timeout = self.retry_at - now
+                if now < self.backoff.retry_at:  # blocked: nothing can go out before then
+                    timeout = self.backoff.retry_at - now
                 else:  # a turn every flush_s at least: reports that did not wake the thread wait no longer
                     timeout = self._next_turn(now, waiting)
                 # never a zero wait: a turn that could not send does not come round at once
@@ -605,16 +922,4 @@ class Sender:
             self.errors += 1
             log.warning("gradwatch: sender thread stopped: %r", e)
         finally:
-            try:
-                self._sock.disable_monitor()
-            except Exception:
-                pass
-            for s, linger in ((self._monitor, 0), (self._sock, CLOSE_LINGER_MS if self.connected else 0)):
-                try:
-                    s.close(linger=linger)
-                except Exception:
-                    pass
-            try:
-                self._ctx.term()
-            except Exception:
-                pass
+            self.link.close()

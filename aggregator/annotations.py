@@ -3,8 +3,10 @@
 With ``--grafana-url`` set, every finding the checks raise becomes one organisation annotation
 (``POST <url>/api/annotations``, Grafana's HTTP API) at the time it was raised, tagged
 ``gradwatch``, ``job:<job_id>``, ``check:<check>``, ``rank:<rank>`` (when the finding names a
-rank) and ``severity:<severity>``, with the finding's one-line summary as text. The gradwatch
-dashboards overlay the annotations tagged ``gradwatch`` and ``job:<their job>``.
+rank) and ``severity:<severity>``, with the finding's one-line summary as text. A finding updated
+with where its rank is stuck (``details["stacks"]``, :mod:`.control`) becomes one more annotation,
+its text the stuck rank's innermost frames beside the healthy rank's. The gradwatch dashboards
+overlay the annotations tagged ``gradwatch`` and ``job:<their job>``.
 
 The runner calls its sinks on the aggregator's single writer thread, which must never wait on a
 network: :meth:`GrafanaAnnotations.__call__` only puts the event on a bounded queue (when full the
@@ -30,14 +32,27 @@ log = logging.getLogger("gradwatch.aggregator")
 _STOP = object()
 
 
+#: frames of each stack an annotation shows, innermost first
+TOP_FRAMES = 3
+
+
 def annotation(e: Event) -> dict:
-    """The ``PostAnnotationsCmd`` body for one raised finding (time in milliseconds since the epoch)."""
+    """The ``PostAnnotationsCmd`` body for one raised finding, or one updated with its stacks
+    (time in milliseconds since the epoch)."""
     tags = ["gradwatch", f"job:{e.job}", f"check:{e.check}"]
     if e.rank is not None:
         tags.append(f"rank:{e.rank}")
     tags.append(f"severity:{e.severity}")
     where = f" (layer {e.layer})" if e.layer else ""
-    return {"time": int(e.time * 1000), "tags": tags, "text": f"{e.check} [{e.severity}]{where}: {e.summary}"}
+    text = f"{e.check} [{e.severity}]{where}: {e.summary}"
+    stacks = e.details.get("stacks") if e.event == "updated" else None
+    if stacks:
+        tags.append("stacks")
+        text += "".join(f"\n{who} rank {s['rank']}: " + (" < ".join(
+            f"{f['file'].rsplit('/', 1)[-1]}:{f['line']} {f['function']}" for f in s["frames"][::-1][:TOP_FRAMES])
+            or s.get("error", "no stack")) for who, s in (("stuck", stacks.get("stuck")), ("healthy", stacks.get("healthy")))
+            if s)
+    return {"time": int(e.time * 1000), "tags": tags, "text": text}
 
 
 def auth_header(token: str = "", basic_auth: str = "") -> Optional[str]:
@@ -83,8 +98,8 @@ class GrafanaAnnotations:
         return cls(cfg.grafana_url, token=cfg.grafana_token, basic_auth=cfg.grafana_basic_auth)
 
     def __call__(self, e: Event) -> None:
-        """The runner's sink: queue a raised finding, never block."""
-        if e.event != "raised":
+        """The runner's sink: queue a raised finding, or one updated with its stacks; never block."""
+        if e.event != "raised" and not (e.event == "updated" and e.details.get("stacks")):
             return
         try:
             self._q.put_nowait(e)

@@ -40,8 +40,8 @@ class AggregatorConfig(BaseSettings):
         cli_implicit_flags=True,
     )
 
-    listen: str = Field("tcp://127.0.0.1:5555", description="ZeroMQ endpoint the PULL socket binds to; agents connect here. Binding beyond loopback (tcp://0.0.0.0:5555) without --server-key is warned about: anyone who reaches the port can write.")
-    metrics_host: str = Field("127.0.0.1", description="Address the HTTP server (/metrics, /api/*, /healthz) binds to; 0.0.0.0 for every interface. It serves no secrets and takes no input.")
+    listen: str = Field("tcp://127.0.0.1:5555", description="ZeroMQ endpoint the ROUTER socket binds to; agents connect here (and take its commands on the same connection). Binding beyond loopback (tcp://0.0.0.0:5555) without --server-key is warned about: anyone who reaches the port can write.")
+    metrics_host: str = Field("127.0.0.1", description="Address the HTTP server (/metrics, /api/*, /healthz) binds to; 0.0.0.0 for every interface. It serves no secrets; its control endpoints (/api/stacks, /api/probe, /api/budget) answer only requests bearing --control-token.")
     metrics_port: int = Field(9400, ge=0, le=65535, description="TCP port of the HTTP server; 0 picks a free one.")
     round_grace_s: float = Field(10.0, gt=0, le=3600, description="Seconds a probed step waits for missing ranks before it is reconciled as incomplete.")
     round_slice_ranks: int = Field(2048, ge=0, description="Probed steps of at least this many reporting ranks are reconciled in slices between the writer's batches of frames (a 16,384-rank step takes ~0.6 s, during which no frame would be handled and /metrics would age); 0: each at once.")
@@ -71,6 +71,12 @@ class AggregatorConfig(BaseSettings):
         "",
         description="Agents' CURVE public keys admitted with --server-key: a directory of .key files (gradwatch keys' "
         "DIR/clients), one .key file, or one 40-character Z85 public key. Read at start-up.",
+    )
+    control_token: SecretStr = Field(
+        SecretStr(""),
+        description="Bearer token the HTTP control endpoints (/api/stacks, /api/probe, /api/budget; gradwatch stacks and "
+        "probe) require, at least 16 characters (prefer GRADWATCH_AGGREGATOR_CONTROL_TOKEN to the flag; never logged). "
+        "'' (the default): they answer 403. Stacks the aggregator asks for on its own findings need none.",
     )
     rcv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive high-water mark, messages per connected agent. The intake thread keeps ZeroMQ's queues near empty; this bounds them should it fall behind.")
     max_intake_bytes: int = Field(64 * 1024 * 1024, ge=1024 * 1024, description="Bytes of received frames waiting for the writer thread, all agents together; beyond it frames are dropped and counted (rejected, reason overload), so the aggregator's memory does not grow with the number of agents under overload. At least max_message_bytes.")
@@ -107,6 +113,15 @@ class AggregatorConfig(BaseSettings):
     @property
     def check_names(self) -> list[str]:
         return resolve(self.enable_checks, self.disable_checks)
+
+    @field_validator("control_token")
+    @classmethod
+    def _control_token(cls, v: SecretStr) -> SecretStr:
+        token = v.get_secret_value()
+        if token and (len(token) < 16 or not token.isprintable() or " " in token):
+            raise ValueError("must be at least 16 printable characters without spaces (e.g. python -c "
+                             "'import secrets; print(secrets.token_urlsafe(24))')")
+        return v
 
     @field_validator("grafana_url")
     @classmethod
@@ -146,7 +161,7 @@ class AggregatorConfig(BaseSettings):
         return endpoint(v, bind=True)
 
     def curve_keys(self) -> Optional[auth.ServerKeys]:
-        """The CURVE keys for the PULL socket, or None for plain TCP (neither key set).
+        """The CURVE keys for the ROUTER socket, or None for plain TCP (neither key set).
 
         Raises:
             ConfigError: naming ``server_key`` or ``client_keys`` (and the variable it came from):

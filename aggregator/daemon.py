@@ -1,13 +1,16 @@
 """The aggregator daemon: an intake thread, one writer thread that owns the state, an HTTP server.
 
-The intake thread only receives (:mod:`.intake`: the socket, and a queue bounded in bytes and
-shared fairly between jobs). The writer thread takes frames from the intake, decodes them
+The intake thread owns the socket (:mod:`.intake`: it receives into a queue bounded in bytes and
+shared fairly between jobs, and sends the control room's commands). The writer thread takes frames from the intake, decodes them
 (:mod:`gradwatch.wire`, with explicit limits), applies them to :class:`~.state.State`, ticks it
 (rounds whose grace period ran out, the checks' ticks), runs a large round's reconciliation in
 slices between batches of frames (:class:`SliceGate`), and publishes an immutable snapshot
 (:mod:`.snapshot`) at most every ``publish_interval_s``. The HTTP server's threads
-(:mod:`.web`) only read the published snapshot. A peer's bytes can fail one frame, never the loop:
-every failure is counted in ``gradwatch_messages_rejected_total{reason}``.
+(:mod:`.web`) read the published snapshot, and ask the control room (:mod:`.control`) for stacks,
+probes and budgets. Agents' answers to commands go to the control room, every other frame to the
+state; the control room learns which connection each rank's accepted frames came on. A peer's
+bytes can fail one frame, never the loop: every failure is counted in
+``gradwatch_messages_rejected_total{reason}``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry
@@ -25,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from gradwatch import wire
 
 from .config import AggregatorConfig, ConfigError
+from .control import Control
 from .discovery import TargetFile, target_host
 from .exporter import SnapshotCollector
 from .intake import Intake, Receiver
@@ -122,7 +127,8 @@ class Aggregator:
         cfg: settings.
         registry: Prometheus registry to expose (a fresh one by default).
         clock: monotonic clock, seconds.
-        sinks: callables receiving each raised finding's event (besides Grafana's, when set).
+        sinks: callables receiving each raised or updated finding's event (besides Grafana's, when
+            set, and the control room's).
 
     Raises (from :meth:`start`):
         ConfigError: the ZeroMQ endpoint cannot be bound, the HTTP port is in use, or the
@@ -135,6 +141,10 @@ class Aggregator:
     ):
         self.cfg = cfg
         self.clock = clock
+        # the control channel: findings ask it for stacks and halts, and it annotates them
+        self.control = Control(clock, annotate=lambda *a: self.runner.annotate(*a),
+                               named=lambda job: self.runner.named_ranks([job]).get(job, set()))
+        sinks = (*sinks, self.control.on_event)
         self.annotations = None
         if cfg.grafana_url:  # findings as Grafana annotations, posted off the writer thread
             from .annotations import GrafanaAnnotations
@@ -150,12 +160,13 @@ class Aggregator:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(lambda: self._snapshot, cfg.layer_depth, cfg.rank_detail_max,
                                                  cfg.rank_series_max))
-        self.api = Api(lambda: self._snapshot, self.registry, self._alive)
+        self.api = Api(lambda: self._snapshot, self.registry, self._alive, self.control,
+                       cfg.control_token.get_secret_value())
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._intake_thread: Optional[threading.Thread] = None
         self.intake = Intake(cfg.max_intake_bytes, cfg.max_intake_frames)
-        self.receiver = Receiver(cfg, self.intake, self._stop)
+        self.receiver = Receiver(cfg, self.intake, self._stop, self.control.outbox)
         self._overload_counted = 0
         self._slots = 0  # State.slots when the intake last learnt which jobs hold a slot
         self._http: Optional[HTTPServer] = None
@@ -253,11 +264,13 @@ class Aggregator:
 
     # --- the single writer ----------------------------------------------------------------------
 
-    def handle(self, frame: bytes, peer_key: Optional[str] = None) -> None:
+    def handle(self, frame: bytes, peer_key: Optional[str] = None, peer: Optional[bytes] = None) -> None:
         """Decode and apply one frame; count it as rejected by reason if it is not valid.
 
         ``peer_key``: the sender's CURVE public key (Z85) with CURVE on; a job is bound to the key
-        that created it."""
+        that created it. ``peer``: the routing id of the connection it came on (the control room
+        sends the rank's commands there once the frame is accepted; answers to commands must come
+        on the connection their command went to)."""
         st = self.state
         t0 = time.perf_counter()
         try:
@@ -266,7 +279,13 @@ class Aggregator:
             st.reject(e.reason)
         else:
             try:
-                st.apply(msg, peer_key=peer_key)
+                if isinstance(msg, (wire.Stack, wire.Ack)):
+                    self.control.answer(msg, peer, st.labels.get((msg.header.job, msg.header.key)))
+                else:
+                    taken = sum(st.received.values())
+                    st.apply(msg, peer_key=peer_key)
+                    if peer is not None and sum(st.received.values()) != taken:
+                        self._route(msg.header, peer)
             except Exception as e:  # a bug of ours must not let one peer stop the aggregator
                 st.reject("internal")
                 if not self._internal_warned:
@@ -275,12 +294,21 @@ class Aggregator:
         st.decode_seconds += time.perf_counter() - t0
         st.decode_count += 1
 
+    def _route(self, h: wire.Header, peer: bytes) -> None:
+        """A frame of ``h``'s rank was accepted: the control room sends its commands to ``peer``
+        while the rank's job holds a slot and the rank this boot."""
+        job = self.state.registry.of(h)
+        if job is not None and job.admitted:
+            r = job.ranks.get(h.rank)
+            if r is not None and r.boot == h.boot:
+                self.control.heard(job.job, h.rank, h.boot, peer)
+
     def _on_signal(self, signum, _frame) -> None:
         self._signal = signal.Signals(signum).name
         self._stop.set()
 
     def publish(self) -> None:
-        self._snapshot = snapshot(self.state, time.time())
+        self._snapshot = replace(snapshot(self.state, time.time()), control=self.control.view())
         self._announce()
 
     def _announce(self) -> None:
@@ -304,7 +332,8 @@ class Aggregator:
 
     def _loop(self) -> None:
         published = -1
-        last_pub = last_tick = 0.0
+        last_pub = last_tick = last_control = 0.0
+        control_slots = -1
         interval = wait = self.cfg.publish_interval_s
         tick_wait = 0.1
         gate = SliceGate()
@@ -312,8 +341,8 @@ class Aggregator:
         try:
             while not self._stop.is_set():
                 if intake.ready.wait(min(interval, 0.1) if not self.state.closing else 0):
-                    for frame, key in intake.take(1000):
-                        self.handle(frame, key)
+                    for item in intake.take(1000):
+                        self.handle(*item)
                     if self.state.slots != self._slots:  # a job took or left a slot: its own queue
                         self._slots = self.state.slots
                         intake.admit(self.state.admitted)
@@ -336,10 +365,14 @@ class Aggregator:
                 if refused:
                     self._count_refused(refused)
                 now = self.clock()
+                self._guarded(self.control.tick, "close control requests")  # the open ones: a few at most
                 if now - last_tick >= tick_wait:
                     last_tick = now
                     t0 = time.perf_counter()
                     self._guarded(self.state.tick, "tick")
+                    if now - last_control >= 1.0 or self.state.slots != control_slots:
+                        last_control, control_slots = now, self.state.slots
+                        self._guarded(lambda: self.control.refresh(self.state.jobs), "refresh the control room")
                     # ticks walk every rank (25 ms at 16,384 ranks): every 0.1 s, or more rarely
                     # so that they take at most PERIODIC_SHARE of the writer, yet every second (a
                     # tick that had to finish a large round is no measure of the next)
@@ -355,7 +388,7 @@ class Aggregator:
         finally:
             self._guarded(self.state.finish_closing, "reconcile a round")  # counts a failing round, goes on
             self.publish()
-            self.receiver.join(5)  # its thread closes the PULL socket (and disables its monitor)
+            self.receiver.join(5)  # its thread closes the ROUTER socket (and disables its monitor)
 
     def _guarded(self, fn: Callable[[], object], what: str) -> None:
         """``fn()`` on the writer thread: a bug of ours it raises never stops the receive loop; it

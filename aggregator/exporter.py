@@ -82,6 +82,7 @@ _rank_metric("rank_grad_norm", "gauge", "Global L2 norm of the rank's gradients 
 _rank_metric("rank_loss", "gauge", "Loss the training script handed to Monitor.observe_loss at the rank's latest step (mean over micro-steps); NaN when not observed.", "loss")
 _rank_metric("rank_loss_scale", "gauge", "AMP GradScaler loss scale at the rank's latest step; NaN without a scaler.", "loss_scale")
 _rank_metric("rank_skipped_steps", "counter", "Steps the rank's AMP loss scaler skipped (inf/NaN gradients while it searches the scale): labelled, not alerted (case C10).", "skipped_steps")
+_rank_metric("rank_nonfinite_skipped_steps", "counter", "Steps whose optimizer update the rank's agent skipped because the gradients were not finite (its local breaker, on_nonfinite=\"skip\"): the weights stayed as they were.", "nonfinite_skipped")
 _rank_metric("rank_local_grad_norm", "gauge", "L2 norm of the rank's own gradients before all-reduce at its latest step (DDP communication hook); NaN when the agent cannot measure it.", "local_grad_norm")
 _rank_metric("rank_grad_nonfinite_params", "gauge", "Parameters whose gradient held NaN or Inf at the rank's latest step.", "grad_nonfinite")
 _rank_metric("rank_step_seconds", "gauge", "Wall time of the rank's latest optimizer step, host clock.", "step_time", "seconds")
@@ -275,6 +276,36 @@ metric("check_layer_flagged", "gauge", "1 for each layer an active finding names
     lambda s: ((((f.job, f.check, f.layer), 1.0) for f in (s.checks.active if s.checks else ()) if f.layer is not None))
 )
 
+#: most characters of a frame in ``finding_stack_info``'s label (a path's tail is kept)
+FRAME_LABEL_MAX = 200
+
+
+def _frame_label(f: dict) -> str:
+    where = f"{f.get('file', '')}:{f.get('line', 0)} {f.get('function', '')}"
+    return where if len(where) <= FRAME_LABEL_MAX else "..." + where[-(FRAME_LABEL_MAX - 3):]
+
+
+def _stack_info(s: Snapshot):
+    for f in (s.checks.active if s.checks else ()):
+        stuck = (f.details.get("stacks") or {}).get("stuck") if f.rank is not None else None
+        if stuck and stuck.get("frames"):
+            yield (f.job, f.check, str(f.rank), _frame_label(stuck["frames"][-1])), 1.0
+
+
+metric("finding_stack_info", "gauge", "1 for each active finding whose rank the aggregator asked where it is stuck (training_stalled, straggler), the frame label the innermost Python frame of that rank's training thread (file:line function); the alerts quote it.", ("job_id", "check", "rank", "frame"))(_stack_info)
+
+
+#: what the control room counts (:meth:`.control.Control.view`), each shown from the start
+CONTROL_COUNTS = ("requests", "commands", "sent", "dropped", "answers", "answers_rejected", "refused", "throttled", "halts")
+
+
+def _control(s: Snapshot):
+    counts = dict(s.control)
+    return (((k,), counts.get(k, 0)) for k in CONTROL_COUNTS)
+
+
+metric("control", "counter", "The control channel (docs/control.md), by what: requests made (on demand and for findings), commands queued to agents, sent, dropped (queue full, connection gone or full), answers taken, answers rejected (from a rank not asked, on another connection, too late), commands refused by agents, requests over a job's rate, halts sent.", ("what",))(_control)
+
 
 def _check_value(short: str):
     def fn(s: Snapshot):
@@ -314,7 +345,8 @@ ESSENTIAL_RANK_METRICS = frozenset(PREFIX + n for n in (
 
 
 #: per-rank series that exist only for the ranks findings name: bounded by the runner, never filtered
-RANK_SERIES_OF_FINDINGS = frozenset(PREFIX + n for n in ("check_rank_flagged", "rank_finding_raised_timestamp_seconds"))
+RANK_SERIES_OF_FINDINGS = frozenset(PREFIX + n for n in ("check_rank_flagged", "rank_finding_raised_timestamp_seconds",
+                                                          "finding_stack_info"))
 
 
 class SnapshotCollector(Collector):

@@ -1,14 +1,18 @@
 """The intake: every agent's frames, from the socket to the writer, bounded and shared fairly.
 
-The intake thread only receives (:class:`Receiver`, the one user of the aggregator's PULL socket):
-it moves frames from ZeroMQ into :class:`Intake`, a queue bounded in bytes over all agents
+The intake thread owns the aggregator's ROUTER socket (:class:`Receiver`, its one user: ZeroMQ
+sockets are not thread-safe). It moves frames from ZeroMQ, each with the routing id of the
+connection it came on, into :class:`Intake`, a queue bounded in bytes over all agents
 together (``max_intake_bytes``; beyond it frames are dropped and counted, reason ``overload``), so
 that under overload memory does not grow with the number of connected agents times ZeroMQ's
 per-connection high-water mark. Once the queue is half full, each job (the identity its frames'
 headers claim, :func:`gradwatch.wire.peek`, and with CURVE the sender's key) may hold only its
 fair share of it: a job flooding the aggregator loses its own frames, not another job's. The
 writer thread takes frames from the jobs' queues in turn. With CURVE on, the receiver's socket
-authenticates every peer (the ZAP handler) and counts the handshakes it refused.
+authenticates every peer (the ZAP handler) and counts the handshakes it refused. Between receives
+the intake thread sends the commands other threads queued for agents (the control room's outbox,
+:class:`~.control.Outbox`): ``ROUTER_MANDATORY`` and ``NOBLOCK``, so a command to a connection
+gone, or to an agent not reading, is dropped and counted, never waited for.
 """
 
 from __future__ import annotations
@@ -158,9 +162,9 @@ class Intake:
                 return
             rest: collections.deque = collections.deque()
             for item in pending:
-                job = item[2]
+                job = item[-1]
                 if job in new:
-                    self._queues.setdefault(job, collections.deque()).append(item[:2])
+                    self._queues.setdefault(job, collections.deque()).append(item[:-1])
                     self._bytes[job] += len(item[0])
                     self._bytes[PENDING] -= len(item[0])
                 else:
@@ -171,8 +175,9 @@ class Intake:
                 del self._queues[PENDING], self._bytes[PENDING]
 
     def put(self, batch: list) -> None:
-        """Intake thread: hold ``(frame bytes, CURVE user id or None)`` items while room lasts."""
-        jobs = [(key, wire.peek(frame)) for frame, key in batch]  # read outside the lock
+        """Intake thread: hold ``(frame bytes, CURVE user id or None[, routing id])`` items while
+        room lasts; :meth:`take` gives each back as it came."""
+        jobs = [(item[1], wire.peek(item[0])) for item in batch]  # read outside the lock
         with self._lock:
             for item, job in zip(batch, jobs):
                 self._put(item, job)
@@ -196,7 +201,7 @@ class Intake:
                 self._drop(job)
                 return
             shed = kept is not item[0]  # a probe report's record (anything else is kept whole)
-            item, n = (kept, item[1]), len(kept)
+            item, n = (kept, *item[1:]), len(kept)
         full = self.frames + 1 > self.max_frames or self.bytes + n > self.max_bytes
         if full or 2 * (self.frames + 1) > self.max_frames or 2 * (self.bytes + n) > self.max_bytes:
             if held + 1 > self.max_frames / shares or held_bytes + n > self.max_bytes / shares:
@@ -218,7 +223,7 @@ class Intake:
     def _evict(self, queue) -> None:
         item = self._queues[queue].popleft()
         self._forget(queue, len(item[0]))
-        self._drop(item[2] if queue is PENDING else queue)
+        self._drop(item[-1] if queue is PENDING else queue)
 
     def _drop(self, job) -> None:
         self.dropped += 1
@@ -254,8 +259,9 @@ class Intake:
             del self._queues[job], self._bytes[job]
 
     def take(self, most: int) -> list:
-        """Writer thread: up to ``most`` ``(frame, user id)`` items, the jobs in turn, each job's
-        oldest first; ``ready`` stays set while more wait."""
+        """Writer thread: up to ``most`` items as :meth:`put` was given them (``(frame, user id,
+        routing id)`` from the receiver), the jobs in turn, each job's oldest first; ``ready``
+        stays set while more wait."""
         out: list = []
         with self._lock:
             while self._queues and len(out) < most:
@@ -264,7 +270,7 @@ class Intake:
                     q = self._queues[job]
                     for _ in range(min(each, len(q), most - len(out))):
                         item = q.popleft()
-                        out.append(item if job is not PENDING else item[:2])
+                        out.append(item if job is not PENDING else item[:-1])
                         self._forget(job, len(item[0]))
                         if job not in self._queues:
                             break
@@ -273,23 +279,33 @@ class Intake:
         return out
 
 
+#: seconds the intake thread waits for frames before it looks at the outbox again: a command
+#: queued meanwhile leaves at most this late
+POLL_S = 0.05
+#: commands sent to agents per pass of the intake thread, at most
+SENDS_PER_PASS = 1000
+
+
 class Receiver:
-    """The intake thread and the socket it drains: the aggregator's PULL socket bound at
+    """The intake thread and the socket it drains: the aggregator's ROUTER socket bound at
     ``cfg.listen`` (with CURVE keys, a ZAP handler authenticating every peer, and a monitor of
-    the handshakes it refused), every frame moved into ``intake`` with its sender's CURVE key.
+    the handshakes it refused), every frame moved into ``intake`` with its sender's CURVE key and
+    the routing id of its connection; and the commands of ``outbox`` sent to their connections.
 
     Args:
         cfg: the aggregator's settings (``listen``, ``rcv_hwm``, ``max_message_bytes``, keys).
         intake: the queue the frames go to.
         stop: set when the aggregator stops; the intake thread then closes the socket.
+        outbox: the commands to send (``take(most) -> [(routing id, frame)]``, ``sent(n)``,
+            ``dropped(n)``: :class:`~.control.Outbox`), or None.
 
     Attributes:
         endpoint: the endpoint bound (the port filled in for ``:0``), after :meth:`bind`.
         thread: the intake thread, once started.
     """
 
-    def __init__(self, cfg, intake: Intake, stop: threading.Event):
-        self.cfg, self.intake, self._stop = cfg, intake, stop
+    def __init__(self, cfg, intake: Intake, stop: threading.Event, outbox=None):
+        self.cfg, self.intake, self._stop, self.outbox = cfg, intake, stop, outbox
         self.endpoint = ""
         self.thread: Optional[threading.Thread] = None
         self._ctx: Optional[zmq.Context] = None
@@ -312,9 +328,12 @@ class Receiver:
             )
         self._ctx = zmq.Context()
         self._auth = keys.authenticator(self._ctx) if keys else None  # ZAP handler before bind
-        sock = self._ctx.socket(zmq.PULL)
+        sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, cfg.rcv_hwm)
+        # a command to a connection that is gone raises (dropped, counted) instead of vanishing
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 64)  # per connection: an agent reads a few commands a turn
         # libzmq drops (and disconnects) frames far beyond our own limit before buffering them
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.max_message_bytes)
         if keys:
@@ -346,22 +365,29 @@ class Receiver:
         return self.thread
 
     def _receive(self) -> None:
-        """Intake thread: the only user of the PULL socket; moves frames into the intake."""
+        """Intake thread: the only user of the ROUTER socket; moves frames into the intake and
+        sends the outbox's commands."""
         sock = self._sock
         curve = self.curve
         intake = self.intake
+        wait_ms = int(POLL_S * 1000) if self.outbox is not None else 100
         try:
             while not self._stop.is_set():
-                if not sock.poll(100):
+                if self.outbox is not None:
+                    self._send()
+                if not sock.poll(wait_ms):
                     continue
                 batch = []
                 for _ in range(1000):
                     try:
-                        frame = sock.recv(zmq.NOBLOCK, copy=not curve)
+                        parts = sock.recv_multipart(zmq.NOBLOCK, copy=not curve)
                     except zmq.Again:
                         break
-                    # with CURVE the ZAP handler set User-Id to the peer's public key
-                    batch.append((frame.bytes, frame.get("User-Id")) if curve else (frame, None))
+                    if curve:  # the ZAP handler set User-Id to the peer's public key
+                        peer, user = parts[0].bytes, parts[1].get("User-Id") if len(parts) > 1 else None
+                        batch.extend((f.bytes, user, peer) for f in parts[1:])
+                    else:  # a peer's message of several frames gives each (an agent sends one)
+                        batch.extend((f, None, parts[0]) for f in parts[1:])
                 intake.put(batch)
         except Exception as e:  # never expected: the writer's /healthz reports a dead intake
             log.exception("gradwatch aggregator: intake thread stopped: %r", e)
@@ -369,6 +395,21 @@ class Receiver:
             if curve:
                 sock.disable_monitor()
             sock.close(linger=0)
+
+    def _send(self) -> None:
+        """Intake thread: the commands queued for agents, each to the connection named, without
+        waiting; one to a connection gone or full is dropped (counted by the outbox)."""
+        sent = dropped = 0
+        for rid, frame in self.outbox.take(SENDS_PER_PASS):
+            try:
+                self._sock.send_multipart((rid, frame), zmq.NOBLOCK)
+                sent += 1
+            except zmq.ZMQError:  # EHOSTUNREACH (ROUTER_MANDATORY: gone), EAGAIN (its queue is full)
+                dropped += 1
+        if sent:
+            self.outbox.sent(sent)
+        if dropped:
+            self.outbox.dropped(dropped)
 
     def refused(self) -> int:
         """Writer thread: CURVE handshakes refused since the last call (a peer without keys, with

@@ -69,6 +69,8 @@ class RankState:
     close_reason: str = ""  # why its agent said goodbye (wire.CLOSE_REASONS)
     prev_boot: str = ""  # the boot before ``boot``
     first_report_at: float = math.nan  # aggregator clock of the rank's first report (its step rate)
+    halt_on: tuple = ()  # the checks its latest schema says may halt it (wire.Schema.halt_on)
+    nonfinite_skipped: int = 0  # steps its agent's breaker skipped (on_nonfinite="skip"): a counter
 
     def beat(self, hb: wire.Heartbeat, now: float) -> None:
         """Take heartbeat ``hb`` heard at ``now`` (aggregator clock): the agent's counters, its

@@ -47,6 +47,7 @@ class Records:
             last, n = rec["step"], 1
             fresh = last > r.step
             skipped = rec["skipped"] if fresh else 0
+            breaker = rec["nonfinite_skipped"] if fresh else 0
             nonfinite = fresh and (rec["grad_nonfinite"] > 0 or math.isinf(rec["grad_norm"]))
         else:
             rec = dict(zip(_NAMES, m.records[-1].item()))
@@ -54,6 +55,7 @@ class Records:
             new = m.step > r.step
             fresh = int(new.sum())
             skipped = int(m.skipped[new].sum())
+            breaker = int(m.nonfinite_skipped[new].sum())
             nonfinite = int((((m.grad_nonfinite > 0) | np.isinf(m.grad_norm)) & new).sum())
         r.boot_step = -1
         if r.steps == 0:
@@ -66,6 +68,7 @@ class Records:
         if not sharded:  # a sharded rank's global norm is known once its shard group reported (:meth:`released`)
             r.grad_norm, r.grad_nonfinite = rec["grad_norm"], int(rec["grad_nonfinite"])
         r.skipped_steps += skipped
+        r.nonfinite_skipped += int(breaker)
         r.agent_drops = max(r.agent_drops, m.drops)
         r.agent_cost, r.probe_interval, r.over_budget = m.agent_cost, m.probe_interval, m.over_budget
         r.steps += int(fresh)

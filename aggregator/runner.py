@@ -65,7 +65,9 @@ def _handlers(checks: dict[str, Check], method: str) -> dict[str, Check]:
 class Event:
     """A finding raised, updated or resolved, as written to the event log and served at
     /api/findings. *updated*: a knock-on was folded into an active finding (``details["knock_on"]``),
-    or reopened one resolved within ``knock_on_window_s``; only *raised* goes to the sinks."""
+    or reopened one resolved within ``knock_on_window_s``, or details were added to it
+    (:meth:`Runner.annotate`: where a hung rank is stuck, a halt); *raised* and *updated* go to the
+    sinks."""
 
     event: str  # raised | updated | resolved
     time: float  # wall clock, seconds since the epoch
@@ -126,7 +128,8 @@ class Runner:
         names: checks to run (see :func:`resolve`).
         thresholds: their configuration.
         events_path: JSON-lines file to append events to ('' for none).
-        sinks: callables receiving each raised :class:`Event` (e.g. a Grafana annotation poster).
+        sinks: callables receiving each raised and updated :class:`Event` (e.g. a Grafana
+            annotation poster, the control room).
         wall: wall clock, seconds since the epoch.
 
     Raises:
@@ -175,6 +178,7 @@ class Runner:
         self._knock: dict[tuple[str, str], dict[tuple, tuple[list, int]]] = {}  # (job, P) -> key -> (knock-ons, n)
         self._held: dict[tuple[str, str], set[tuple]] = {}  # (job, P) -> keys P no longer reports, kept for knock-ons
         self._recent: dict[tuple[str, str], collections.deque] = {}  # (job, P) -> (wall time, resolved Finding)
+        self._notes: dict[tuple[str, str], dict[tuple, dict]] = {}  # (job, check) -> key -> details annotated
 
     def close(self) -> None:
         if self._log is not None:
@@ -230,7 +234,7 @@ class Runner:
         self.status[k] = ev.outcome  # a folded finding's check still says it found (module docstring)
         before = self.active.get(k, {})
         # a check that can no longer judge (no_data) stands behind none of its earlier findings
-        now = {f.key: f for f in ev.findings} if ev.outcome != Outcome.NO_DATA else {}
+        now = {f.key: self._noted(k, f) for f in ev.findings} if ev.outcome != Outcome.NO_DATA else {}
         if check.name not in self._causes and check.name not in self._explains:
             for key, f in now.items():
                 if key not in before:
@@ -281,6 +285,24 @@ class Runner:
                 if pkey in self._held.get(pk, ()) and not self._explained(job, p, pkey):
                     self._held[pk].discard(pkey)
                     self._resolve(job, self.checks[p], self.active[pk].pop(pkey))
+
+    def annotate(self, job: str, check: str, key: tuple, details: dict) -> bool:
+        """Add ``details`` to the active finding of ``check`` in ``job`` whose key (rank, layer)
+        is ``key``, for as long as it stays active (each evaluation of the check keeps them), and
+        emit an *updated* event. False when no such finding is active (resolved meanwhile)."""
+        k = (job, check)
+        f = self.active.get(k, {}).get(key)
+        if f is None or check not in self.checks:
+            return False
+        self._notes.setdefault(k, {}).setdefault(key, {}).update(details)
+        f = self.active[k][key] = self._noted(k, f)
+        self._emit("updated", self.checks[check], f)
+        return True
+
+    def _noted(self, k: tuple[str, str], f: Finding) -> Finding:
+        """``f`` with the details :meth:`annotate` added to its key's finding."""
+        notes = self._notes.get(k, {}).get(f.key) if self._notes else None
+        return replace(f, details={**f.details, **notes}) if notes else f
 
     def _raise(self, k: tuple[str, str], check: Check, f: Finding) -> None:
         """Count ``f`` raised, keep when for its rank (one of the first :attr:`RANKS_TIMED_MAX`
@@ -365,6 +387,8 @@ class Runner:
             recent.append((self._wall(), f))
 
     def _emit(self, kind: str, check: Check, f: Finding) -> None:
+        if kind == "resolved" and self._notes:
+            self._notes.get((f.job, f.check), {}).pop(f.key, None)
         e = Event(kind, self._wall(), f.check, check.severity, f.job, f.step, f.rank, f.layer, f.summary, json_safe(f.details))
         self.events.append(e)
         (log.warning if kind == "raised" else log.info)("gradwatch %s %s in job %r: %s", kind, f.check, f.job, f.summary)
@@ -377,7 +401,7 @@ class Runner:
                 if "event_log" not in self._warned:
                     self._warned.add("event_log")
                     log.error("gradwatch: cannot append to the event log (counted, not logged again): %r", err)
-        if kind == "raised":
+        if kind != "resolved":
             for sink in self._sinks:
                 try:
                     sink(e)
@@ -400,7 +424,7 @@ class Runner:
             self.raised.pop((job, name), None)
             self._ranks_timed.pop((job, name), None)
             self.folded.pop((job, name), None)
-            for d in (self._folded, self._knock, self._held, self._recent):
+            for d in (self._folded, self._knock, self._held, self._recent, self._notes):
                 d.pop((job, name), None)
         for rk in [rk for rk in self.raised_at if rk[0] == job]:
             del self.raised_at[rk]

@@ -46,6 +46,7 @@ class RankView(NamedTuple):
     agent_cost: float = math.nan
     probe_interval: int = 0
     over_budget: bool = False
+    nonfinite_skipped: int = 0  # steps the agent's breaker skipped (on_nonfinite="skip")
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Snapshot:
     decode_count: int = 0
     jobs_evicted: int = 0  # pending jobs evicted (State.max_pending_jobs)
     probes_shed: int = 0  # probe reports kept as their step's record alone (intake.Intake.shed)
+    control: tuple = ()  # ((what, count), ...) of the control room (control.Control.view)
 
 
 #: the RankView fields worked out from other RankState fields; every other field is the RankState

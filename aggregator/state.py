@@ -202,6 +202,7 @@ class State:
             self.received["schema"] += 1
             job.use_schema(r, key)
             r.host, r.local_rank = msg.host[: self.limits.max_label_len], msg.local_rank
+            r.halt_on = msg.halt_on
             return None
         if key is not None:  # its full schema may have come from another rank, or while the job had no room for it
             job.use_schema(r, key)

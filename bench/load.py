@@ -214,7 +214,7 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out, parent: int) -> N
     mine = [(job, r) for job in jobs for r in range(job.world)
             if (jobs.index(job) * job.world + r) % args.senders == idx]
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
+    sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, 10_000)
     sock.setsockopt(zmq.LINGER, -1)  # every frame sent is delivered: the accounting relies on it
     sock.connect(endpoint)

@@ -29,7 +29,7 @@ of default-cadence periods (a multiple of 10 steps) so every agent block holds t
 probes. A variant's figure is the median of its block times; "ratio" is that median over the no-agent
 median, "paired" the median over rounds of (variant block / no-agent block of the same round).
 
-The agents report to a real aggregator process on loopback (--sink: an in-process PULL socket).
+The agents report to a real aggregator process on loopback (--sink: an in-process ROUTER socket).
 See bench/README.md.
 
     .venv/bin/python bench/overhead.py                      # full run, ~8.5 minutes
@@ -92,16 +92,16 @@ QUICK = {"transformer": (2, 10), "cnn": (4, 50)}
 
 
 # --------------------------------------------------------------------------------------------
-# The endpoint: a real PULL socket drained by a background thread.
+# The endpoint: a real ROUTER socket (as the aggregator's) drained by a background thread.
 # --------------------------------------------------------------------------------------------
 
 
 class Sink:
-    """Binds a ZeroMQ PULL socket on 127.0.0.1 (random port) and drains it in a thread."""
+    """Binds a ZeroMQ ROUTER socket (as the aggregator's) on 127.0.0.1 (random port) and drains it in a thread."""
 
     def __init__(self, keep: int = 64):
         self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
@@ -121,7 +121,7 @@ class Sink:
                 continue
             while True:
                 try:
-                    frame = self._sock.recv(zmq.NOBLOCK)
+                    frame = self._sock.recv_multipart(zmq.NOBLOCK)[-1]  # without the agent's routing id
                 except zmq.Again:
                     break
                 self.messages += 1
@@ -819,7 +819,7 @@ def main(argv=None) -> int:
         help="extra gradwatch.agent.attach setting for both agent variants, e.g. fused=on (repeatable)",
     )
     p.add_argument("--variants", help=f"comma list, a subset of {','.join(ALL_VARIANTS)} (default: all; 'none' is always run)")
-    p.add_argument("--sink", action="store_true", help="report to an in-process PULL socket instead of a real aggregator process")
+    p.add_argument("--sink", action="store_true", help="report to an in-process ROUTER socket instead of a real aggregator process")
     args = p.parse_args(argv)
     agent_opts = dict(kv.split("=", 1) for kv in args.agent_opt)
     global VARIANTS, BUSY_PROC
@@ -874,7 +874,7 @@ def main(argv=None) -> int:
         "agent_opts": agent_opts,
     }
     print(f"gradwatch overhead bench: torch {env['torch']}, {env['device']}, {env['threads']} thread(s), commit {env['commit']}")
-    print(f"agents report to {'an in-process PULL socket' if isinstance(sink, Sink) else 'a real aggregator process'} at {sink.endpoint}"
+    print(f"agents report to {'an in-process ROUTER socket' if isinstance(sink, Sink) else 'a real aggregator process'} at {sink.endpoint}"
           + (f"; agent settings {agent_opts}" if agent_opts else ""))
     if args.quick:
         print("quick mode: few rounds and a smaller transformer batch; a smoke test, not the figures")

@@ -11,8 +11,8 @@ The package is in rooms that import in one direction only (tests/test_layout.py 
   catalog in docs/catalog.md) and :mod:`gradwatch.grafana` (dashboards as code): they may import anything.
 """
 
-from .errors import ConfigError, GradwatchError
+from .errors import ConfigError, GradwatchError, Halt
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "GradwatchError", "__version__"]
+__all__ = ["ConfigError", "GradwatchError", "Halt", "__version__"]

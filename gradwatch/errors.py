@@ -4,6 +4,8 @@
     ├── ConfigError (also ValueError)   an invalid setting, or a resource a setting names
     │                                   (a port in use); raised by the agent and the aggregator
     ├── WireError (also ValueError)     a frame that is not a valid message (gradwatch.wire)
+    ├── Halt                            the agent stops training at the step the aggregator named
+    │                                   (only when attached with ``on_critical="halt"``)
     └── the commands' errors            StackError, PushError, ... (gradwatch.commands, grafana)
 
 ``except gradwatch.GradwatchError`` catches all of them; ``except ValueError`` keeps catching the
@@ -15,7 +17,7 @@ from __future__ import annotations
 import sys
 import warnings
 
-__all__ = ["GradwatchError", "ConfigError", "warn_user"]
+__all__ = ["GradwatchError", "ConfigError", "Halt", "warn_user"]
 
 
 class GradwatchError(Exception):
@@ -25,6 +27,23 @@ class GradwatchError(Exception):
 class ConfigError(GradwatchError, ValueError):
     """An invalid setting, or a resource a setting names (a port in use); the message names the
     setting (``agent.every (GRADWATCH_EVERY): Input should be ...``)."""
+
+
+class Halt(GradwatchError):
+    """Raised by ``optimizer.step()`` of an agent attached with ``on_critical="halt"``, before the
+    optimizer changes anything, at the step the aggregator named after a critical finding of one
+    of the checks in ``halt_on``: every rank of the job raises it at the same step, so none goes on
+    to save a checkpoint of corrupted weights. Raised once; the agent is closed by then.
+
+    Attributes:
+        step: the step that was not taken (as the agent numbers steps).
+        check: the check whose finding asked for the halt.
+        summary: that finding's summary.
+    """
+
+    def __init__(self, step: int, check: str, summary: str = ""):
+        super().__init__(f"gradwatch: halted before step {step}: {check}" + (f": {summary}" if summary else ""))
+        self.step, self.check, self.summary = step, check, summary
 
 
 #: modules whose frames a warning is not attributed to: gradwatch's own, torch's (whose hooks and

@@ -9,8 +9,13 @@ import os
 from pydantic import BaseModel, ValidationError
 
 
+#: settings whose values an error never shows (tokens, secret keys, passwords): a part of the name
+_SECRETS = ("token", "secret", "password", "basic_auth", "server_key", "client_key")
+
+
 def describe(e: ValidationError, prefix: str, env_prefix: str = "", given=(), skip: int = 0) -> str:
-    """One line naming the first invalid setting of ``e``.
+    """One line naming the first invalid setting of ``e`` (and its value, but for a secret's:
+    :data:`_SECRETS`).
 
     Args:
         prefix: the component (``agent``, ``aggregator``, ``demo``).
@@ -22,7 +27,7 @@ def describe(e: ValidationError, prefix: str, env_prefix: str = "", given=(), sk
     """
     err = e.errors()[0]
     name = ".".join(str(p) for p in err["loc"][skip:]) or "?"
-    got = repr(err.get("input"))
+    got = "a value not shown" if any(w in name for w in _SECRETS) else repr(err.get("input"))
     # the value, unless the message says it already ("... got 'foo'"; "greater than 0" is no "got 0")
     msg = err["msg"] if f"got {got}" in err["msg"] or err["type"] == "missing" else f"{err['msg']} (got {got})"
     var = f"{env_prefix}{name.upper().replace('.', '__')}"  # a nested setting's variable: CHECKS__SKEW_STEPS

@@ -1,13 +1,14 @@
 """The wire format between agents and the aggregator: the one module that builds or parses bytes.
 
-Protocol version 3. Every message is one ZeroMQ frame holding one msgpack map (msgpack spec:
+Protocol version 4. Every message is one ZeroMQ frame holding one msgpack map (msgpack spec:
 https://github.com/msgpack/msgpack/blob/master/spec.md). The message types below are msgspec
 ``Struct``\\ s (https://jcristharif.com/msgspec/): their annotations are the format, msgspec checks
 every field's type and bounds while decoding, in C, and the frames are plain msgpack (frames made
 with msgpack-python decode here and the reverse; tests/test_wire.py). Keys of every message:
 
     v       int   protocol version, :data:`PROTOCOL_VERSION`; any other is rejected ("version")
-    kind    str   "schema" | "steps" | "report" | "heartbeat"
+    kind    str   "schema" | "steps" | "report" | "heartbeat" | "stack" | "ack" (agent -> aggregator);
+                  "command" (aggregator -> agent, :class:`Command`)
     header  map   the sender (:class:`Header`):
         job    str    training job id (torchrun's TORCHELASTIC_RUN_ID by default), 1-256 chars
         rank   int    global rank, 0 <= rank < world
@@ -27,7 +28,9 @@ floating output tensor of a leaf module, in forward order; ``output`` is a path 
 ``""``, ``[0]`` or ``.logits``). An agent sends it when it connects or reconnects, when it changes,
 and again after 10 s, 20 s, 40 s ... (at most every ``32 x schema_every_s``); between them its
 heartbeats carry the hash, which is all the aggregator needs once it holds a schema of that hash
-(every rank of a DDP job, or of one pipeline stage, sends the same).
+(every rank of a DDP job, or of one pipeline stage, sends the same). ``halt_on`` (optional, not
+hashed) lists the checks whose critical finding may halt the rank (the agent's ``on_critical="halt"``
+and ``halt_on`` settings); empty (the default) when the aggregator may not halt it.
 
 Per-step records. The values an agent measures at every optimizer step are the columns of
 :data:`STEP_COLUMNS` (step, step time, compute time and the CPU wait within it, gradient norm
@@ -71,7 +74,9 @@ gradients); ``local_grad_norm`` the same before all-reduce, from the DDP communi
 when unknown); ``grad_nonfinite`` parameters whose gradient holds a NaN or Inf; ``loss`` mean of
 the losses the script handed to ``Monitor.observe_loss`` in the step (NaN when none);
 ``loss_scale`` the AMP GradScaler's scale (NaN without one); ``skipped`` steps the loss scaler
-skipped since the previous record (their inf/NaN gradients are normal; they send no record).
+skipped since the previous record (their inf/NaN gradients are normal; they send no record);
+``nonfinite_skipped`` 1 when the agent's local breaker (``on_nonfinite="skip"``) took this step's
+gradients away because they were not finite, so the optimizer step changed nothing, else 0.
 
 ``nonfinite_slot`` (sent with the records of unprobed steps by an agent whose NaN guard is on; a
 report's int, a steps message's ``int32 [n]``): the first slot, in the order the step's forward
@@ -127,6 +132,25 @@ training thread has been running or waiting for a CPU, from Linux's schedstat: a
 a sleep, a lock or I/O adds nothing; NaN when unknown) and ``schema`` (the hash of the schema the
 rank's records refer to, "" before its first probe).
 
+The control channel. The agent's socket is a ZeroMQ DEALER connected to the aggregator's ROUTER:
+the frames above go one way, and the aggregator answers on the same connection with ``command``
+frames (:class:`Command`, at most :data:`MAX_COMMAND_BYTES`): ``id`` (random, 63 bits), ``job``,
+``rank`` (-1: every rank of the job), ``boot`` ("" for any), ``issued`` and ``expires``
+(aggregator wall clock, seconds; expires at most :data:`COMMAND_TTL_S` after issued), and
+``args``, a map tagged by its own ``kind``: ``stacks`` (``source``: send source lines), ``probe``
+(``start`` step, ``steps`` 1 to 1,000, ``layers`` up to 16 fnmatch patterns of module paths),
+``budget`` (``budget`` 0.001 to 0.2 for ``for_s`` 1 to 3,600 seconds) or ``halt`` (``step``,
+``check``, ``summary``). The agent answers a ``stacks`` command with a ``stack`` message:
+``command`` (the id), ``frames`` (the training thread's Python frames, outermost first, innermost
+last, at most :data:`MAX_FRAMES`: the innermost kept; each ``[file, line, function, source]``,
+source "" unless the agent's ``stack_source`` setting is on), ``in_step_s``, ``waiting`` (as a
+heartbeat's), ``flight`` (at most :data:`MAX_FLIGHT` ``[collective, state, sequence]`` of torch's
+Flight Recorder, newest last, when it is enabled), ``flight_error`` and ``error`` (why there is no
+stack or no flight record, "" when there is). Every other command is answered with an ``ack``:
+``command``, ``accepted``, ``step`` (the step it takes effect at, -1 when refused) and ``why``
+(one of :data:`ACK_REASONS`, "" when accepted). A command is never accepted from an agent, nor a
+data kind by an agent (reason "direction").
+
 Decoding is defensive (case C30): a frame over ``Limits.max_message_bytes`` is rejected unread;
 msgspec allocates nothing a length prefix claims beyond the frame; every field is type-checked and
 bounded (strings, lists, counts); array byte lengths must match their columns and, when the
@@ -150,7 +174,7 @@ import numpy as np
 from gradwatch import columns
 from gradwatch.errors import GradwatchError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 #: column names of the probe arrays, declared in :data:`gradwatch.columns.STATISTICS`
 ACT_FIELDS = columns.fields("act")
@@ -168,13 +192,30 @@ REJECT_REASONS = (
     "missing_field",
     "bad_field",
     "bad_array",
+    "direction",
 )
 
 #: Why an agent says goodbye (``Heartbeat.reason``): training finished (the process exits after its
 #: last step), ``Monitor.close()`` was called, the agent switched itself off after repeated
-#: errors, or the interpreter is exiting. "" when the heartbeat is not a goodbye or says nothing;
-#: a reason a later agent may add decodes as "other".
-CLOSE_REASONS = ("", "finished", "closed", "disabled", "exit", "other")
+#: errors, the interpreter is exiting, or the agent raised ``gradwatch.Halt`` at the step the
+#: aggregator named. "" when the heartbeat is not a goodbye or says nothing; a reason a later agent
+#: may add decodes as "other".
+CLOSE_REASONS = ("", "finished", "closed", "disabled", "exit", "other", "halted")
+
+#: what a command asks of an agent (``Command.args``' kind)
+COMMAND_KINDS = ("stacks", "probe", "budget", "halt")
+#: largest command frame, bytes, either way (the encoder refuses a larger one, the agent rejects it)
+MAX_COMMAND_BYTES = 4096
+#: longest a command lives, seconds from ``issued`` to ``expires``
+COMMAND_TTL_S = 600.0
+#: most frames one stack carries (the innermost are kept), and most Flight Recorder entries
+MAX_FRAMES = 64
+MAX_FLIGHT = 32
+#: why an agent refused a command (``Ack.why``; "" when accepted); a reason a later agent may add
+#: decodes as "other"
+ACK_REASONS = ("", "expired", "disabled", "out_of_bounds", "passed", "other")
+#: the kinds an agent sends (a ``command`` among them is refused, reason "direction")
+AGENT_KINDS = ("schema", "steps", "report", "heartbeat", "stack", "ack")
 
 #: most parameters, and most slots, any schema may list (``Limits.max_names`` is the configurable cap)
 MAX_NAMES = 200_000
@@ -281,6 +322,8 @@ class Schema(_Message, tag="schema"):
     mesh: Optional[Mesh] = None
     #: per parameter, the mesh dims it is sharded along; () when all are whole
     shard: Annotated[tuple[_Dims, ...], msgspec.Meta(max_length=MAX_NAMES)] = ()
+    #: the checks whose critical finding may halt this rank (not hashed: a setting, not the layout)
+    halt_on: Annotated[tuple[_Str64, ...], msgspec.Meta(max_length=16)] = ()
     v: int = PROTOCOL_VERSION
 
     def __post_init__(self):
@@ -333,6 +376,7 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("loss", "<f8", math.nan),
     Column("loss_scale", "<f8", math.nan),
     Column("skipped", "<u4", 0),
+    Column("nonfinite_skipped", "<u4", 0),
 )
 COLUMNS: dict[str, Column] = {c.name: c for c in STEP_COLUMNS}
 
@@ -486,7 +530,114 @@ Heartbeat = msgspec.defstruct(
 )
 Heartbeat.__doc__ = "An agent's sign of life and counters (module docstring: ``heartbeat``)."
 
-Message = Union[Schema, Steps, Report, Heartbeat]
+
+# --- the control channel (module docstring: "The control channel") --------------------------------
+
+_Id = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # a command's id: random, 63 bits (msgspec bounds an int64)
+_Pattern = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+
+
+class StacksArgs(msgspec.Struct, frozen=True, tag_field="kind", tag="stacks"):
+    """Send the training thread's Python stack (a :class:`Stack`); ``source``: with source lines,
+    if the agent's ``stack_source`` setting allows them."""
+
+    source: bool = False
+
+
+class ProbeArgs(msgspec.Struct, frozen=True, tag_field="kind", tag="probe"):
+    """Probe steps ``[start, start + steps)`` whatever the budget says; ``layers``: only the leaf
+    modules whose path matches one of these fnmatch patterns (none: every layer)."""
+
+    start: _Nat
+    steps: Annotated[int, msgspec.Meta(ge=1, le=1000)]
+    layers: Annotated[tuple[_Pattern, ...], msgspec.Meta(max_length=16)] = ()
+
+
+class BudgetArgs(msgspec.Struct, frozen=True, tag_field="kind", tag="budget"):
+    """Use ``budget`` (a fraction of the step time) in place of the agent's own for ``for_s`` seconds."""
+
+    budget: Annotated[float, msgspec.Meta(ge=0.001, le=0.2)]
+    for_s: Annotated[float, msgspec.Meta(ge=1.0, le=3600.0)]
+
+
+class HaltArgs(msgspec.Struct, frozen=True, tag_field="kind", tag="halt"):
+    """Raise ``gradwatch.Halt`` before the optimizer step of the first step >= ``step`` (only in
+    an agent attached with ``on_critical="halt"`` and ``check`` among its ``halt_on``)."""
+
+    step: _Nat
+    check: _Str64
+    summary: Annotated[str, msgspec.Meta(max_length=512)] = ""
+
+
+CommandArgs = Union[StacksArgs, ProbeArgs, BudgetArgs, HaltArgs]
+
+
+class Command(_Message, tag="command"):
+    """What the aggregator asks of one rank, or of every rank of a job (module docstring: "The
+    control channel"). ``issued`` and ``expires`` are the aggregator's wall clock, seconds."""
+
+    id: _Id
+    job: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    rank: Annotated[int, msgspec.Meta(ge=-1, lt=1 << 20)]
+    boot: _Str64
+    issued: float
+    expires: float
+    args: CommandArgs
+    v: int = PROTOCOL_VERSION
+
+    @property
+    def action(self) -> str:
+        """The kind of ``args``: one of :data:`COMMAND_KINDS`."""
+        return self.args.__struct_config__.tag
+
+
+class Frame(msgspec.Struct, frozen=True, array_like=True):
+    """One Python frame of a stack: ``[file, line, function, source]`` on the wire."""
+
+    file: Annotated[str, msgspec.Meta(max_length=512)]
+    line: Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+    function: Annotated[str, msgspec.Meta(max_length=256)]
+    source: Annotated[str, msgspec.Meta(max_length=256)] = ""
+
+    def where(self) -> str:
+        """``file:line function``, as stack listings print a frame."""
+        return f"{self.file}:{self.line} {self.function}"
+
+
+class FlightEntry(msgspec.Struct, frozen=True, array_like=True):
+    """One collective of torch's Flight Recorder: ``[collective, state, sequence]`` on the wire."""
+
+    collective: Annotated[str, msgspec.Meta(max_length=128)]
+    state: Annotated[str, msgspec.Meta(max_length=32)]
+    sequence: Annotated[str, msgspec.Meta(max_length=32)]
+
+
+class Stack(_Message, tag="stack"):
+    """The training thread's Python stack, the answer to a ``stacks`` command (module docstring)."""
+
+    header: Header
+    command: _Id
+    frames: Annotated[tuple[Frame, ...], msgspec.Meta(max_length=MAX_FRAMES)] = ()
+    in_step_s: float = math.nan
+    waiting: bool = False
+    flight: Annotated[tuple[FlightEntry, ...], msgspec.Meta(max_length=MAX_FLIGHT)] = ()
+    flight_error: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    error: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    v: int = PROTOCOL_VERSION
+
+
+class Ack(_Message, tag="ack"):
+    """An agent's answer to a ``probe``, ``budget`` or ``halt`` command (module docstring)."""
+
+    header: Header
+    command: _Id
+    accepted: bool
+    step: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 63) - 1)] = -1
+    why: _Str64 = ""
+    v: int = PROTOCOL_VERSION
+
+
+Message = Union[Schema, Steps, Report, Heartbeat, Stack, Ack]
 
 
 def schema_hash(params, slots, mesh: Mesh | None = None, shard=()) -> str:
@@ -564,7 +715,12 @@ def encode(msg: Message) -> bytes:
         if msg.nonfinite_slot is not None:
             arrays["nonfinite_slot"] = _bytes(msg.nonfinite_slot, "<i4", (n,))
         msg = msgspec.structs.replace(msg, **arrays)
-    elif not isinstance(msg, (Schema, Heartbeat)):
+    elif isinstance(msg, Command):
+        frame = _ENCODER.encode(msg)
+        if len(frame) > MAX_COMMAND_BYTES:
+            raise ValueError(f"a command is at most {MAX_COMMAND_BYTES} bytes, this one {len(frame)}")
+        return frame
+    elif not isinstance(msg, (Schema, Heartbeat, Stack, Ack)):
         raise TypeError(f"not a wire message: {type(msg).__name__}")
     return _ENCODER.encode(msg)
 
@@ -695,8 +851,14 @@ def _finish_heartbeat(m, limits: Limits, sizes):
     return m
 
 
+def _finish_ack(m, limits: Limits, sizes):
+    if m.why not in ACK_REASONS:
+        return msgspec.structs.replace(m, why="other")  # bounded: the aggregator counts by it
+    return m
+
+
 _FINISH: dict[type, Callable] = {Schema: _finish_schema, Report: _finish_report, Steps: _finish_steps,
-                                 Heartbeat: _finish_heartbeat}
+                                 Heartbeat: _finish_heartbeat, Stack: lambda m, limits, sizes: m, Ack: _finish_ack}
 
 
 _WELL_FORMED = msgspec.msgpack.Decoder(msgspec.Raw)
@@ -740,13 +902,16 @@ class _SchemaHead(msgspec.Struct, frozen=True):
     local_rank: _Nat
     every: _Nat
     hash: _Str64 = ""
+    halt_on: Annotated[tuple[_Str64, ...], msgspec.Meta(max_length=16)] = ()
 
 
 _SCHEMA_HEAD = msgspec.msgpack.Decoder(_SchemaHead)
 
 
 def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None, known_schema=None) -> Message:
-    """Decode one frame into a :class:`Schema`, :class:`Steps`, :class:`Report` or :class:`Heartbeat`.
+    """Decode one frame an agent sent into a :class:`Schema`, :class:`Steps`, :class:`Report`,
+    :class:`Heartbeat`, :class:`Stack` or :class:`Ack` (a :class:`Command` is refused: "direction";
+    agents decode theirs with :func:`decode_command`).
 
     Args:
         frame: the bytes of one ZeroMQ frame.
@@ -774,6 +939,8 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None, known_sch
         v, kind = PROTOCOL_VERSION, None  # not a message at all: the full decode below says why
     if v != PROTOCOL_VERSION:
         raise WireError("version", f"got {v!r:.20}, speak {PROTOCOL_VERSION}")
+    if kind == "command":
+        raise WireError("direction", "a command comes from the aggregator, never to it")
     if kind == "schema" and known_schema is not None:
         known = _known(frame, known_schema)
         if known is not None:
@@ -790,6 +957,44 @@ def decode(frame: bytes, limits: Limits = Limits(), schema_sizes=None, known_sch
     return _FINISH[type(m)](m, limits, schema_sizes)
 
 
+_COMMAND_DECODER = msgspec.msgpack.Decoder(Command)
+
+
+def decode_command(frame: bytes) -> Command:
+    """Decode one frame an agent received from the aggregator: a :class:`Command`.
+
+    Raises:
+        WireError: ``too_large`` over :data:`MAX_COMMAND_BYTES`; ``version``; ``direction`` for a
+            kind agents send (:data:`AGENT_KINDS`); ``unknown_kind``, ``missing_field``,
+            ``bad_field`` (a wrong type, a bound, ``expires`` not within :data:`COMMAND_TTL_S`
+            after ``issued``), ``malformed``...; never anything else.
+    """
+    if len(frame) > MAX_COMMAND_BYTES:
+        raise WireError("too_large", f"{len(frame)} bytes, a command is at most {MAX_COMMAND_BYTES}")
+    try:
+        env = _PEEK.decode(frame)
+        v, kind = env.v, env.kind
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        v, kind = PROTOCOL_VERSION, None
+    if v != PROTOCOL_VERSION:
+        raise WireError("version", f"got {v!r:.20}, speak {PROTOCOL_VERSION}")
+    if kind in AGENT_KINDS:
+        raise WireError("direction", f"{kind!r:.20} comes from an agent, never to one")
+    try:
+        m = _COMMAND_DECODER.decode(frame)
+    except msgspec.ValidationError as e:
+        if "`$.args.kind`" in str(e):
+            raise WireError("unknown_kind", str(e)[:80]) from None
+        raise _rejection(frame, e) from None
+    except msgspec.DecodeError as e:
+        raise _malformed(e) from None
+    except RecursionError:
+        raise WireError("malformed", "nested too deeply") from None
+    if not (math.isfinite(m.issued) and math.isfinite(m.expires)) or not 0 < m.expires - m.issued <= COMMAND_TTL_S:
+        raise WireError("bad_field", f"expires: not within {COMMAND_TTL_S:g} s after issued")
+    return m
+
+
 def _known(frame: bytes, known_schema) -> Optional[Schema]:
     """The schema a resend names by its hash, if ``known_schema`` holds it (see :func:`decode`)."""
     try:
@@ -800,7 +1005,8 @@ def _known(frame: bytes, known_schema) -> Optional[Schema]:
     s = known_schema(head.header, head.hash) if head.hash else None
     if s is None:
         return None
-    return msgspec.structs.replace(s, header=head.header, host=head.host, local_rank=head.local_rank, every=head.every)
+    return msgspec.structs.replace(s, header=head.header, host=head.host, local_rank=head.local_rank, every=head.every,
+                                   halt_on=head.halt_on)
 
 
 def peek(frame: bytes) -> Optional[tuple[str, str]]:

@@ -174,13 +174,13 @@ def records(msg) -> list:
 
 
 class Collector:
-    """A PULL socket bound on loopback (at ``port`` if given) keeping every decoded message
-    (``msgs``, as received: a steps message stays one); :meth:`records` and :meth:`reports` see
-    each step's record, coalesced or not."""
+    """A ROUTER socket bound on loopback (at ``port`` if given), as an aggregator's, keeping every
+    decoded message (``msgs``, as received: a steps message stays one; ``peers``: the routing id
+    each came from); :meth:`records` and :meth:`reports` see each step's record, coalesced or not."""
 
     def __init__(self, port: int | None = None, forward: str | None = None):
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PULL)
+        self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if port is None:
             port = self.sock.bind_to_random_port("tcp://127.0.0.1")
@@ -188,18 +188,20 @@ class Collector:
             self.sock.bind(f"tcp://127.0.0.1:{port}")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.msgs: list = []
+        self.peers: list[bytes] = []
         # a tee: every frame received is also passed on, unchanged, to the aggregator at ``forward``
         self.out = None
         if forward is not None:
-            self.out = self.ctx.socket(zmq.PUSH)
+            self.out = self.ctx.socket(zmq.DEALER)
             self.out.setsockopt(zmq.LINGER, 2000)
             self.out.connect(forward)
 
     def pump(self, timeout_s: float = 0.1) -> None:
         if self.sock.poll(int(timeout_s * 1000)):
             while self.sock.poll(0):
-                frame = self.sock.recv()
+                peer, frame = self.sock.recv_multipart()
                 self.msgs.append(wire.decode(frame))
+                self.peers.append(peer)
                 if self.out is not None:
                     self.out.send(frame)
 
@@ -254,15 +256,30 @@ def collector():
     c.close()
 
 
+class Receiving:
+    """A ROUTER socket read as a PULL socket was: :meth:`recv` gives each frame without the
+    routing id of the agent that sent it."""
+
+    def __init__(self, sock):
+        self.sock = sock
+
+    def recv(self, flags: int = 0) -> bytes:
+        return self.sock.recv_multipart(flags)[-1]
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
 @pytest.fixture
 def pull():
-    """A real ZeroMQ PULL socket on loopback: ``(socket, endpoint)`` for an agent to report to."""
+    """A real ZeroMQ ROUTER socket on loopback, as an aggregator's: ``(socket, endpoint)`` for an
+    agent to report to; ``socket.recv()`` gives each frame without its routing id."""
     import zmq
 
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PULL)
+    sock = ctx.socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
-    yield sock, f"tcp://127.0.0.1:{port}"
+    yield Receiving(sock), f"tcp://127.0.0.1:{port}"
     sock.close(linger=0)
     ctx.term()
 

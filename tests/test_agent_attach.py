@@ -2,7 +2,7 @@
 with a closure, numbering steps from a framework's, and every way attach can fail leaving nothing
 running (no hook, no thread, no ZeroMQ context that blocks the garbage collector).
 
-Real parts: real models and optimizers, the agent's real ZeroMQ socket reporting to a real PULL
+Real parts: real models and optimizers, the agent's real ZeroMQ socket reporting to a real ROUTER
 socket bound here, and fresh interpreters where a hang is what is tested for.
 """
 

@@ -1,7 +1,7 @@
 """Every statistic the agent reports, checked against an independent float64 reference.
 
 Each test trains a small, awkward model with the agent attached (``every=1``: every step is
-probed), receives the real wire messages on a ZeroMQ PULL socket bound here, and compares every
+probed), receives the real wire messages on a ZeroMQ ROUTER socket bound here, and compares every
 number with a reference computed in this file: the same forward pass run again on an identical
 copy of the model *without* the agent, with ``retain_grad`` / ``torch.autograd.grad`` for output
 gradients, and the statistics taken in float64.
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(120)
 RTOL = 1e-5
 
 
-# --- harness: a real PULL socket and a view on the received messages -----------------------------
+# --- harness: a real ROUTER socket and a view on the received messages -----------------------------
 
 
 

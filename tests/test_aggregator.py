@@ -119,7 +119,7 @@ def push():
     ctx = zmq.Context()
 
     def make(endpoint: str):
-        s = ctx.socket(zmq.PUSH)
+        s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 2000)
         s.connect(endpoint)
         return s

@@ -1,5 +1,5 @@
 """CURVE authentication (issue 9): keys made by ``gradwatch keys``, a real aggregator with a CURVE
-PULL socket and a ZAP handler, real agents and real PUSH peers with right, wrong and no keys.
+ROUTER socket and a ZAP handler, real agents and real DEALER peers with right, wrong and no keys.
 Also the plain-TCP defaults: loopback binds, a warning for a wide bind without CURVE.
 """
 
@@ -63,7 +63,7 @@ class Peer:
 
     def __init__(self, endpoint: str, keys: auth.ClientKeys | None, job: str, rank: int = 0, world: int = 1):
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.linger = 0
         if keys is not None:
             keys.apply(self.sock)

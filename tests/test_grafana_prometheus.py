@@ -60,7 +60,7 @@ def stack(tmp_path_factory):
             wait_for(lambda: prom.api("query", query='up{job="gradwatch"} == 1'), 30, what="a first scrape")
             start = time.time()
             ctx = zmq.Context()
-            push = ctx.socket(zmq.PUSH)
+            push = ctx.socket(zmq.DEALER)
             push.setsockopt(zmq.LINGER, 2000)
             push.connect(agg.endpoint)
             for junk in (b"\x00not msgpack", b"\x81\xa1v\x63"):  # rejected input: malformed, unknown version

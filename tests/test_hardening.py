@@ -117,7 +117,7 @@ def agg():
 @pytest.fixture
 def sock(agg):
     ctx = zmq.Context()
-    s = ctx.socket(zmq.PUSH)
+    s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 2000)
     s.connect(agg.endpoint)
     yield s
@@ -813,12 +813,12 @@ def test_memory_under_overload_is_bounded_for_all_agents_together():
     go = threading.Event()
     real_handle = agg.handle
 
-    def slow_handle(frame, key=None):
+    def slow_handle(frame, key=None, peer=None):
         if not go.is_set():
             stalled.set()
             go.wait(60)
         handled[0] += 1
-        real_handle(frame, key)
+        real_handle(frame, key, peer)
 
     agg.handle = slow_handle
     agg.start()
@@ -826,7 +826,7 @@ def test_memory_under_overload_is_bounded_for_all_agents_together():
     peers, sent = [], 0
     try:
         for i in range(16):
-            s = ctx.socket(zmq.PUSH)
+            s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 100_000)
             s.connect(agg.endpoint)
@@ -931,7 +931,7 @@ def test_the_daemon_tells_its_intake_which_jobs_hold_a_slot():
     agg.start()
     ctx = zmq.Context()
     try:
-        s = ctx.socket(zmq.PUSH)
+        s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(agg.endpoint)
         a = Agent(s, "admitted", 0, 1, "")
@@ -1001,16 +1001,16 @@ def test_an_aggregator_without_room_for_a_probed_steps_arrays_shows_every_ranks_
     stalled, blocked, go = threading.Event(), threading.Event(), threading.Event()
     real_handle = agg.handle
 
-    def handle(frame, key=None):
+    def handle(frame, key=None, peer=None):
         if stalled.is_set():
             blocked.set()
             go.wait(60)
-        real_handle(frame, key)
+        real_handle(frame, key, peer)
 
     agg.handle = handle
     agg.start()
     try:
-        sock = ctx.socket(zmq.PUSH)
+        sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(agg.endpoint)
         world = 64
@@ -1064,16 +1064,16 @@ def test_an_intake_too_small_for_a_jobs_probed_step_says_which_settings_would_ho
     stalled, go = threading.Event(), threading.Event()
     real_handle = agg.handle
 
-    def handle(frame, key=None):
+    def handle(frame, key=None, peer=None):
         if stalled.is_set():
             go.wait(60)
-        real_handle(frame, key)
+        real_handle(frame, key, peer)
 
     agg.handle = handle
     caplog.set_level(logging.WARNING, logger="gradwatch.aggregator")
     agg.start()
     try:
-        sock = ctx.socket(zmq.PUSH)
+        sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(agg.endpoint)
         big = [Agent(sock, "big", r, 64, "") for r in range(64)]  # 8 x 64 frames > 200

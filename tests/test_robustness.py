@@ -80,7 +80,7 @@ def test_a_failing_event_log_does_not_stop_the_aggregator(tmp_path):
                            "--publish-interval-s", "0.05")
     try:
         ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
+        push = ctx.socket(zmq.DEALER)
         push.connect(agg.endpoint)
         push.send(wire.encode(wire.Heartbeat(_hdr(rank=0, world=2), step=0, sent=1, drops=0, errors=0)))
         # rank 0 goes silent: rank_silent raises a finding, whose log line cannot be written

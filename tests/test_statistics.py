@@ -159,7 +159,7 @@ def scrape():
     agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=free_port(),
                           publish_interval_s=0.05)).start()
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
+    sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(agg.endpoint)
     try:

@@ -42,7 +42,7 @@ class ToyJob:
 
     def __init__(self, endpoint: str, job: str = JOB, world: int = 2):
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
         self.job, self.world = job, world

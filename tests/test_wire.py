@@ -227,7 +227,7 @@ def test_nan_and_inf_scalars_are_transmitted_as_floats_C32(grad_norm, step_time)
                          ids=["schema", "probe", "report", "steps", "heartbeat"])
 def test_every_message_carries_the_protocol_version_and_header(msg):
     m = raw(msg)
-    assert m["v"] == wire.PROTOCOL_VERSION == 3
+    assert m["v"] == wire.PROTOCOL_VERSION == 4
     assert m["kind"] in ("schema", "steps", "report", "heartbeat")
     assert set(m["header"]) == {"job", "rank", "world", "boot", "seq", "time", "key", "coord"}
 

@@ -1,5 +1,5 @@
 """What the parts of the device check share: the result record, the run's context, a real ZeroMQ
-PULL socket that decodes what the agents send, the models, and float64 references."""
+ROUTER socket that decodes what the agents send, the models, and float64 references."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ class Context:
         return torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
 
 
-# --- a real PULL socket, decoding every message -----------------------------------------------------
+# --- a real ROUTER socket, decoding every message -----------------------------------------------------
 
 
 def step_records(msg) -> list:
@@ -190,7 +190,8 @@ def step_records(msg) -> list:
 
 
 class Capture:
-    """A ZeroMQ PULL socket bound on loopback (random port), drained and decoded by a thread.
+    """A ZeroMQ ROUTER socket (as the aggregator's) bound on loopback (random port), drained and
+    decoded by a thread.
 
     Attributes:
         endpoint: where agents send (``tcp://127.0.0.1:PORT``).
@@ -201,7 +202,7 @@ class Capture:
         import zmq
 
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
@@ -219,7 +220,7 @@ class Capture:
             if not self._sock.poll(50):
                 continue
             while self._sock.poll(0):
-                frame = self._sock.recv()
+                frame = self._sock.recv_multipart()[-1]  # without the agent's routing id
                 try:
                     m = wire.decode(frame)
                 except Exception:

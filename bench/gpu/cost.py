@@ -13,7 +13,7 @@ weights, same batches): ``none``; ``budget`` (``attach`` with its defaults: prob
 ``anchor`` (bench/overhead.py's ``TutorialHooks``: per leaf module mean, std, zero ratio and the
 output-gradient norm with ``.item()``, every step); ``watch`` (:class:`WatchLike`: what
 ``wandb.watch(log="all", log_freq=10)`` computes, wandb itself not being installed on the device).
-The agents report to a real ZeroMQ PULL socket in this process (bench/overhead.py's ``Sink``).
+The agents report to a real ZeroMQ ROUTER socket in this process (bench/overhead.py's ``Sink``).
 
 Time: the variants run in blocks of ``steps`` optimizer steps, round-robin with the order rotated
 every round, after a warm-up (and the agent's background kernel compile; the budget variants run

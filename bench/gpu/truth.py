@@ -4,7 +4,7 @@ A GPT (the demo's model) in DDP over an in-process gloo group of one rank (so th
 and its local norms run; gloo takes CUDA tensors) trains ``STEPS`` optimizer steps in fp32, in bf16
 autocast, and in fp16 autocast with a ``GradScaler`` (one iteration's loss times 2**16 overflows
 float16 in backward: the scaler skips it), each with the fused statistics kernel off and on. The
-agent reports to a real ZeroMQ PULL socket bound here, every second step probed (``every=2``, no
+agent reports to a real ZeroMQ ROUTER socket bound here, every second step probed (``every=2``, no
 bursts), the NaN guard on, and told ``world_size=2`` so it also sends fingerprints and per-parameter
 norms every step. The harness's own hooks capture every leaf module's outputs and their gradients,
 each parameter's gradient before the optimizer step and its value after: the very tensors the
