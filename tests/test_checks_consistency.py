@@ -178,7 +178,7 @@ def sentinel(job: Job, rank: int, step: int, norms=NORMS, digest=None, fp=None) 
     extra = {}
     if fp is not None:
         extra = dict(probe=True, fp_grad=np.asarray(fp, np.uint64), fp_weight=np.zeros(len(PARAMS), np.uint64), **probe())
-    job.send(wire.Report(job.header(rank), digest or job.digest, step, 0.01, 1.0, 0, local_grad_norm=1.0 + rank,
+    job.send(wire.Report(job.header(rank), digest or job.digest[rank], step, 0.01, 1.0, 0, local_grad_norm=1.0 + rank,
                          grad_norms=np.asarray(norms, np.float32), **extra))
 
 
@@ -226,7 +226,7 @@ def test_grad_agreement_never_compares_missing_or_non_finite_norms():
     odd[PIDX["head.weight"]] = np.inf  # the nonfinite check's
     for r in range(3):
         sentinel(job, r, 0, odd if r == 0 else NORMS)
-    job.send(wire.Report(job.header(0), job.digest, 1, 0.01, 1.0, 0))  # an agent without norms
+    job.send(wire.Report(job.header(0), job.digest[0], 1, 0.01, 1.0, 0))  # an agent without norms
     for r in (1, 2):
         sentinel(job, r, 1)
     assert job.events("grad_agreement") == []
@@ -264,7 +264,7 @@ def test_grad_agreement_compares_replicas_of_a_shard_never_the_shards_of_a_group
     digests = {}
     mesh = wire.Mesh(("replicate", "shard"), (3, 2))
     for r in range(world):
-        job.coords[r] = (r // 2, r % 2)
+        job.coord[r] = (r // 2, r % 2)
         s = wire.Schema(job.header(r), "node", r, 10, PARAMS, SLOTS, mesh=mesh, shard=tuple((1,) for _ in PARAMS))
         job.send(s)
         digests[r] = s.hash
@@ -291,9 +291,9 @@ def test_a_mesh_ranks_steps_sent_before_its_schema_are_judged_where_it_is_on_the
     half = {0: NORMS, 1: NORMS * np.float32(0.5)}
     step0 = {r: half[r % 2] * (np.float32([1, 1, 1, 1.01, 1]) if r == 3 else 1) for r in range(world)}  # rank 3 differs
     for r in range(world - 1):
-        job.coords[r] = (r // 2, r % 2)
+        job.coord[r] = (r // 2, r % 2)
         sentinel(job, r, 0, step0[r], digest=digest)  # before any rank's mesh schema
-    job.coords[world - 1] = (2, 1)
+    job.coord[world - 1] = (2, 1)
     for r in range(world):
         s = wire.Schema(job.header(r), "node", r, 10, PARAMS, SLOTS, mesh=mesh, shard=tuple((1,) for _ in PARAMS))
         assert s.hash == digest
@@ -323,7 +323,7 @@ def step_of(job: Job, step: int, desync: bool = False, drift=None, jump: float =
         if drift is not None:
             arrays = probe(param={"head.weight": {1: 1.0 + jump}}) if r == 1 else probe()
             extra = dict(probe=True, fp_grad=FP, fp_weight=DRIFTED if drift and r == 1 else FP, **arrays)
-        job.send(wire.Report(job.header(r), job.digest, step, 0.01, 1.0, 0, local_grad_norm=1.0,
+        job.send(wire.Report(job.header(r), job.digest[r], step, 0.01, 1.0, 0, local_grad_norm=1.0,
                              grad_norms=np.asarray(norms, np.float32), **extra))
 
 

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import collections
 from types import SimpleNamespace
 import concurrent.futures
 import json
@@ -24,31 +23,18 @@ import pytest
 import requests
 
 from gradwatch import wire
-from gradwatch.aggregator.checks import Thresholds
-from gradwatch.aggregator.runner import Event, Runner, json_safe
+from gradwatch.aggregator.runner import Event, json_safe
 from gradwatch.aggregator.checks.nonfinite import HOLD_S
 from gradwatch.aggregator.exporter import SnapshotCollector
 from gradwatch.aggregator.snapshot import snapshot
-from gradwatch.aggregator.state import State
 
 from .conftest import free_port, run_demo, samples, start_aggregator, wait_for
+from .fakejob import HEADED, LocalJob, Model
 
 MINE = ("explosion", "vanishing", "nonfinite", "noise_scale", "dead_units")
 JOB = "unit"
-PARAMS = (
-    ("emb.weight", (16, 4), "float32"),
-    ("fc1.weight", (8, 4), "float32"),
-    ("fc1.bias", (8,), "float32"),
-    ("fc2.weight", (4, 8), "float32"),
-    ("head.weight", (2, 4), "float32"),
-)
-SLOTS = (
-    ("emb", "", "Embedding", "float32"),
-    ("fc1", "", "Linear", "float32"),
-    ("act", "", "ReLU", "float32"),
-    ("fc2", "", "Linear", "float32"),
-    ("head", "", "Linear", "float32"),
-)
+MODEL = HEADED
+PARAMS, SLOTS = MODEL.params, MODEL.slots
 LAYERS = ("emb", "fc1", "act", "fc2", "head")  # forward order
 PIDX = {p[0]: i for i, p in enumerate(PARAMS)}
 NAN, INF = float("nan"), float("inf")
@@ -67,27 +53,15 @@ def probe(**rows) -> dict:
     return {"act": act, "act_grad": act_grad, "param": param}
 
 
-class Job:
-    """A real aggregator State and checks Runner for ``world`` ranks on a fake clock. Messages go
-    through ``wire.encode``/``wire.decode`` as they would over the socket."""
+class Job(LocalJob):
+    """``world`` fake ranks of job :data:`JOB` reporting to a real State and checks Runner on a
+    fake clock (:class:`~tests.fakejob.LocalJob`), every message through ``wire.encode`` and
+    ``wire.decode``; each rank has sent its schema (of ``slots``)."""
 
     def __init__(self, checks=MINE, world: int = 3, slots=SLOTS, **thresholds):
-        self.now = 100.0
-        self.runner = Runner(list(checks), Thresholds(**thresholds), wall=lambda: self.now)  # one fake clock
-        self.state = State(grace_s=10.0, clock=lambda: self.now, runner=self.runner)
-        self.world = world
-        self.seq = collections.Counter()
-        self.coords: dict[int, tuple] = {}  # a rank's place on a device mesh, in its headers
-        self.digest = wire.schema_hash(PARAMS, slots)
-        for r in range(world):
-            self.send(wire.Schema(self.header(r), "node", r, 10, PARAMS, slots))
-
-    def header(self, rank: int) -> wire.Header:
-        self.seq[rank] += 1
-        return wire.Header(JOB, rank, self.world, f"boot{rank}", self.seq[rank] - 1, 0.0, coord=self.coords.get(rank, ()))
-
-    def send(self, msg) -> None:
-        self.state.apply(wire.decode(wire.encode(msg), schema_sizes=self.state.schema_sizes))
+        super().__init__(checks, thresholds, state={"grace_s": 10.0}, job=JOB, world=world, model=Model(PARAMS, slots),
+                         every=10, clock=lambda: 0.0, boots=[f"boot{r}" for r in range(world)])
+        self.schema()
 
     def report(self, rank, step, grad_norm=1.0, local=1.0, nonfinite=0, arrays=None, batch=0, norms=None, guard=None):
         extra = {} if guard is None else {"nonfinite_slot": guard}
@@ -96,8 +70,7 @@ class Job:
             extra = dict(probe=True, fp_grad=np.zeros(n, np.uint64), fp_weight=np.zeros(n, np.uint64), **arrays)
         if norms is not None:  # per-parameter gradient norms (wire grad_norms), PARAMS order
             extra["grad_norms"] = np.asarray(norms, np.float32)
-        self.send(wire.Report(self.header(rank), self.digest, step, 0.01, grad_norm, nonfinite,
-                              local_grad_norm=local, batch=batch, **extra))
+        super().report(rank, step, grad_norm, nonfinite, step_time=0.01, local_grad_norm=local, batch=batch, **extra)
 
     def step(self, step, grad_norm=1.0, locals=None, nonfinite=0, arrays=None, batch=0, ranks=None, norms=None,
              guards=None):
@@ -110,8 +83,7 @@ class Job:
             self.report(r, step, grad_norm, local, nonfinite, a, batch, norms, guards[r] if guards is not None else None)
 
     def tick(self, dt: float = 0.1) -> None:
-        self.now += dt
-        self.state.tick()
+        super().tick(dt)
 
     def events(self, check: str) -> list[tuple]:
         assert not self.runner.errors, self.runner.errors  # a check that raised is only counted

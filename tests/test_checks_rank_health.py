@@ -22,69 +22,36 @@ import numpy as np
 import pytest
 
 from gradwatch import wire
-from gradwatch.aggregator.checks import Outcome, Thresholds
-from gradwatch.aggregator.runner import Runner
+from gradwatch.aggregator.checks import Outcome
 from gradwatch.aggregator.checks.outlier_rank import robust_z
-from gradwatch.aggregator.state import State
 
 from .conftest import children, run_demo, samples, start_aggregator, wait_for
+from .fakejob import TINY, LocalJob
 
 RANK_HEALTH = {"outlier_rank", "straggler", "rank_silent", "training_stalled", "step_skew"}
 
-PARAMS = (("fc.weight", (4, 4), "float32"), ("fc.bias", (4,), "float32"))
-SLOTS = (("fc", "", "Linear", "float32"), ("act", "", "ReLU", "float32"), ("head", "", "Linear", "float32"))
+MODEL = TINY
 
 
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Job:
-    """A job of fake ranks speaking the wire format into a real State + Runner (no sockets)."""
+class Job(LocalJob):
+    """A job of fake ranks speaking the wire format into a real State + Runner on a fake clock
+    (no sockets, messages applied as built); the headers carry that clock (``now``)."""
 
     def __init__(self, checks, world: int = 3, job: str = "j", **thresholds):
-        self.clock = Clock()
-        self.runner = Runner(list(checks), Thresholds(**thresholds), wall=self.clock)
-        self.state = State(grace_s=5.0, clock=self.clock, runner=self.runner)
-        self.job, self.world = job, world
-        self.seq = {r: 0 for r in range(world)}
-        self.boot = {r: f"boot{r}" for r in range(world)}
-
-    def header(self, rank: int) -> wire.Header:
-        h = wire.Header(self.job, rank, self.world, self.boot[rank], self.seq[rank], self.clock.t)
-        self.seq[rank] += 1
-        return h
-
-    def schema(self, rank: int) -> None:
-        self.state.apply(wire.Schema(self.header(rank), "node", rank, 1, PARAMS, SLOTS))
+        super().__init__(checks, thresholds, t0=1000.0, roundtrip=False, state={"grace_s": 5.0}, job=job, world=world,
+                         model=MODEL, every=1, clock=lambda: self.now, boots=[f"boot{r}" for r in range(world)])
 
     def heartbeat(self, rank: int, step: int = -1, waiting: bool = False, closing: bool = False, in_step_s: float = 0.0,
                   run_s: float = math.nan):
-        self.state.apply(wire.Heartbeat(self.header(rank), step, self.seq[rank], 0, 0, closing=closing,
-                                        in_step_s=in_step_s, waiting=waiting, run_s=run_s))
+        super().heartbeat(rank, step, closing=closing, in_step_s=in_step_s, waiting=waiting, run_s=run_s)
 
     def report(self, rank: int, step: int, *, step_time=0.1, compute_time=math.nan, local=math.nan,
                probe=False, act_std=1.0, nonfinite=0.0, compute_wait=math.nan):
-        arrays = {}
+        arrays = None
         if probe:
-            act = np.tile(np.array([0.0, act_std, -1.0, 1.0, 0.1, nonfinite], np.float32), (len(SLOTS), 1))
-            arrays = dict(
-                act=act, act_grad=np.tile(np.array([0.5, 0.0], np.float32), (len(SLOTS), 1)),
-                param=np.tile(np.array([0.3, 2.0, 0.0], np.float32), (len(PARAMS), 1)),
-                fp_grad=np.arange(len(PARAMS), dtype=np.uint64), fp_weight=np.arange(len(PARAMS), dtype=np.uint64),
-            )
-        self.state.apply(wire.Report(
-            self.header(rank), wire.schema_hash(PARAMS, SLOTS), step, step_time, 1.0, 0,
-            probe=probe, local_grad_norm=local, compute_time=compute_time, compute_wait=compute_wait, **arrays,
-        ))
-
-    def tick(self, dt: float = 0.0) -> None:
-        self.clock.t += dt
-        self.state.tick()
+            arrays = MODEL.tile(act=(0.0, act_std, -1.0, 1.0, 0.1, nonfinite), fp=np.arange(len(MODEL.params)))
+        super().report(rank, step, step_time=step_time, arrays=arrays, local_grad_norm=local,
+                       compute_time=compute_time, compute_wait=compute_wait)
 
     def status(self, check: str) -> Outcome:
         return self.runner.status.get((self.job, check))
@@ -651,7 +618,7 @@ def test_training_stalled_names_the_rank_not_waiting_while_its_peers_wait():
         j.heartbeat(0, 0, waiting=True)
         j.heartbeat(1, 0, waiting=True)
         j.heartbeat(2, 0, waiting=False, in_step_s=6)
-        if j.clock.t - 1001 < 4:
+        if j.now - 1001 < 4:
             assert j.status("training_stalled") == Outcome.HEALTHY
     assert j.named("training_stalled") == [2]
     (f,) = j.runner.active[("j", "training_stalled")].values()
@@ -782,14 +749,14 @@ def test_training_stalled_spares_a_rank_still_computing_until_stall_outside_afte
     for _ in range(8):  # 8 s: rank 2 is computing, slowly, its peers wait for it
         j.tick(1)
         for r in range(3):
-            j.heartbeat(r, 0, waiting=r != 2, run_s=j.clock.t * 0.9 if r == 2 else 5.0)
+            j.heartbeat(r, 0, waiting=r != 2, run_s=j.now * 0.9 if r == 2 else 5.0)
     assert j.status("training_stalled") == Outcome.HEALTHY
     (f_state,) = [r for k, r in j.state.jobs["j"].ranks.items() if k == 2]
     assert f_state.runnable == pytest.approx(0.9)
     for _ in range(3):  # past stall_outside_after_s: a rank that long in one step is named anyway
         j.tick(1)
         for r in range(3):
-            j.heartbeat(r, 0, waiting=r != 2, run_s=j.clock.t * 0.9 if r == 2 else 5.0)
+            j.heartbeat(r, 0, waiting=r != 2, run_s=j.now * 0.9 if r == 2 else 5.0)
     assert j.named("training_stalled") == [2]
     (f,) = j.runner.active[("j", "training_stalled")].values()
     assert f.details["runnable"]["2"] == pytest.approx(0.9)
@@ -812,19 +779,19 @@ def test_training_stalled_restarts_its_clock_when_the_aggregator_heard_nothing_o
         j.report(r, 0, step_time=0.05)
     for _ in range(50):
         j.tick(0.1)
-        if j.clock.t - 1000 > 2.0:  # dark: no data, not a stall
+        if j.now - 1000 > 2.0:  # dark: no data, not a stall
             assert j.status("training_stalled") == Outcome.NO_DATA
     for r in range(3):
         j.heartbeat(r, 0, waiting=r != 2)
     for _ in range(20):  # 2 s of heartbeats before the first report: within the bound again
         j.tick(0.1)
-        if round(j.clock.t * 10) % 10 == 0:
+        if round(j.now * 10) % 10 == 0:
             for r in range(3):
                 j.heartbeat(r, 0, waiting=r != 2)
     assert j.named("training_stalled") == [] and j.status("training_stalled") == Outcome.HEALTHY
     for _ in range(6):  # and nothing still: a stall, 2.5 s after the job was heard again
         j.tick(0.1)
-        if round(j.clock.t * 10) % 10 == 0:
+        if round(j.now * 10) % 10 == 0:
             for r in range(3):
                 j.heartbeat(r, 0, waiting=r != 2)
     assert j.named("training_stalled") == [2]
