@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from gradwatch import wire
-from gradwatch.aggregator.checks import Thresholds
-from gradwatch.aggregator.runner import Runner
 from gradwatch.aggregator.snapshot import snapshot
-from gradwatch.aggregator.state import State
 
-PARAMS = tuple((f"l{i}.weight", (8, 8), "float32") for i in range(4))
-SLOTS = tuple((f"l{i}", "", "Linear", "float32") for i in range(4))
+from .fakejob import LocalJob, Model
+
+#: four linear layers
+MODEL = Model(tuple((f"l{i}.weight", (8, 8), "float32") for i in range(4)), tuple((f"l{i}", "", "Linear", "float32") for i in range(4)))
+PARAMS, SLOTS = MODEL.params, MODEL.slots
 CHECKS = ("explosion", "vanishing", "nonfinite", "grad_agreement", "straggler", "training_stalled")
 WORLD, STEPS = 4, 400
 
@@ -56,33 +56,22 @@ def scenario(faults: set, seed: int = 0) -> list[list[wire.Report]]:
     return out
 
 
-class Feed:
-    """A state and runner on a fake clock; messages go through the wire both ways."""
+class Feed(LocalJob):
+    """The job's ranks reporting to a state and runner on a fake clock; messages go through the
+    wire both ways. Each rank has sent its schema."""
 
     def __init__(self, checks=CHECKS, **state):
-        self.now = 100.0
-        self.runner = Runner(list(checks), Thresholds(), wall=lambda: 0.0)
-        self.state = State(clock=lambda: self.now, runner=self.runner, **state)
-        self.seq = collections.Counter()
-        self.digest = ""
-        for r in range(WORLD):
-            sch = wire.Schema(self.header(r), "node", r, 0, PARAMS, SLOTS)
-            self.digest = sch.hash
-            self.send(sch)
-
-    def header(self, rank: int) -> wire.Header:
-        self.seq[rank] += 1
-        return wire.Header("j", rank, WORLD, f"b{rank}", self.seq[rank] - 1, 0.0)
-
-    def send(self, msg) -> None:
-        self.state.apply(wire.decode(wire.encode(msg), schema_sizes=self.state.schema_sizes))
+        super().__init__(checks, wall=lambda: 0.0, state=state, job="j", world=WORLD, model=MODEL, every=0,
+                         clock=lambda: 0.0, boots=[f"b{r}" for r in range(WORLD)])
+        self.schema()
 
     def records(self, reps: list) -> list:
-        return [wire.msgspec.structs.replace(x, header=self.header(x.header.rank), schema=self.digest) for x in reps]
+        """``reps`` as their ranks send them: each with the rank's next header and its schema."""
+        return [wire.msgspec.structs.replace(x, header=self.header(x.header.rank), schema=self.digest[x.header.rank])
+                for x in reps]
 
     def tick(self, dt: float = 0.01) -> None:
-        self.now += dt
-        self.state.tick()
+        super().tick(dt)
 
     def findings(self) -> dict:
         """check -> [(event, step, rank, layer)], in the order raised and resolved."""

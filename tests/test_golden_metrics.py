@@ -25,6 +25,7 @@ import pytest
 from gradwatch import wire
 
 from .conftest import ROOT
+from .fakejob import FakeJob, Model
 
 GOLDEN = ROOT / "tests" / "golden"
 #: (layer_depth, golden file)
@@ -46,6 +47,7 @@ SLOTS = (
     ("blocks.1.act", "", "ReLU", "float32"),
     ("head", "", "Linear", "float32"),
 )
+MODEL = Model(PARAMS, SLOTS)
 
 
 def _probe(rank: int, step: int) -> dict:
@@ -85,19 +87,19 @@ def _probe(rank: int, step: int) -> dict:
 
 def recorded_input() -> list[tuple[float, bytes | None]]:
     """``(aggregator clock, frame)`` in arrival order; a None frame is a tick of the aggregator."""
-    seq = [0] * WORLD
-    boots = [f"boot{r}" for r in range(WORLD)]
     out: list[tuple[float, bytes | None]] = []
+    now = [0.0]  # the aggregator's clock at the next frame; the senders' is T0 ahead of it
+    job = FakeJob(lambda msg: out.append((now[0], wire.encode(msg))), JOB, WORLD, MODEL, every=EVERY,
+                  clock=lambda: T0 + now[0], boots=[f"boot{r}" for r in range(WORLD)])
 
-    def header(rank: int, t: float) -> wire.Header:
-        h = wire.Header(JOB, rank, WORLD, boots[rank], seq[rank], T0 + t)
-        seq[rank] += 1
-        return h
+    def at(t: float) -> FakeJob:
+        now[0] = t
+        return job
 
     t = 0.0
     for r in range(WORLD):
-        out.append((t, wire.encode(wire.Schema(header(r, t), f"node-{r // 2}", r % 2, EVERY, PARAMS, SLOTS))))
-        out.append((t, wire.encode(wire.Heartbeat(header(r, t), -1, seq[r], 0, 0))))
+        at(t).schema(r, host=f"node-{r // 2}", local_rank=lambda r: r % 2)
+        at(t).heartbeat(r)
     out.append((t, b"\x91"))  # a malformed frame: counted by reason, nothing else changes
     for step in range(STEPS):
         t += 0.5
@@ -108,17 +110,13 @@ def recorded_input() -> list[tuple[float, bytes | None]]:
                 grad_norm, nonfinite = float("inf"), 2
                 local = float("inf") if r == 1 else local
             if r == 2 and step == 12:
-                seq[r] += 1  # one message of rank 2 lost in flight
-            probe = _probe(r, step) if step % EVERY == 0 else {}
-            rep = wire.Report(
-                header(r, t + slow), wire.schema_hash(PARAMS, SLOTS), step, 0.5 + slow, grad_norm, nonfinite,
-                micro=1, drops=0, local_grad_norm=local, compute_time=0.2 + slow,
-                loss=2.0 - 0.05 * step, batch=8, **probe,
-            )
-            out.append((t + slow, wire.encode(rep)))
+                job.lose(r)  # one message of rank 2 lost in flight
+            at(t + slow).report(r, step, grad_norm, nonfinite, step_time=0.5 + slow,
+                                arrays=_probe(r, step) if step % EVERY == 0 else None, micro=1, drops=0,
+                                local_grad_norm=local, compute_time=0.2 + slow, loss=2.0 - 0.05 * step, batch=8)
         if step % 5 == 4:
             for r in range(WORLD):
-                out.append((t + 0.4, wire.encode(wire.Heartbeat(header(r, t + 0.4), step, seq[r], 0, 0, in_step_s=0.1))))
+                at(t + 0.4).heartbeat(r, step, in_step_s=0.1)
         out.append((t + 0.45, None))
     out.append((t + 1.0, None))
     return out

@@ -10,6 +10,8 @@ import pytest
 from gradwatch import wire
 from gradwatch.aggregator.shards import combine_params, global_norms
 
+from .fakejob import FakeJob, LocalJob, Model
+
 PP_DP = ("pp", "dp")
 
 
@@ -60,47 +62,29 @@ PP_SLOTS = ((("0", "", "Linear", "float32"), ("1", "", "ReLU", "float32")),
             (("2", "", "Linear", "float32"), ("3", "", "LayerNorm", "float32")))
 
 
-class PipelineFrames:
+class PipelineFrames(LocalJob):
     """A 2-stage x 3-replica pipeline job (mesh ("pp", "dp")) of fake ranks: every message goes
     through ``wire.encode`` and ``wire.decode`` into a real State and Runner (no sockets)."""
 
     def __init__(self, checks: list[str], job: str = "pp"):
-        from gradwatch.aggregator.checks import Thresholds
-        from gradwatch.aggregator.runner import Runner
-        from gradwatch.aggregator.state import State
-
-        self.now = [1000.0]
-        self.runner = Runner(checks, Thresholds(), wall=lambda: self.now[0])
-        self.state = State(grace_s=5.0, clock=lambda: self.now[0], runner=self.runner)
-        self.job, self.world, self.seq = job, 6, [0] * 6
-        self.meshes = [wire.Mesh(PP_DP, (2, 3), (r // 3, r % 3)) for r in range(6)]
-        self.hash = {}
+        super().__init__(checks, t0=1000.0, state={"grace_s": 5.0}, job=job, world=6, every=1, clock=lambda: self.now,
+                         boots=[f"boot{r}" for r in range(6)])
         for r in range(6):
-            s = wire.Schema(self.header(r), "node", r, 1, PP_PARAMS[r // 3], PP_SLOTS[r // 3],
-                            mesh=wire.Mesh(PP_DP, (2, 3)), shard=tuple(() for _ in PP_PARAMS[r // 3]))
-            self.hash[r] = s.hash
-            self.apply(s)
-
-    def header(self, rank: int) -> wire.Header:
-        self.seq[rank] += 1
-        return wire.Header(self.job, rank, self.world, f"boot{rank}", self.seq[rank], self.now[0],
-                           coord=self.meshes[rank].coord)
-
-    def apply(self, msg) -> None:
-        st = self.state
-        self.state.apply(wire.decode(wire.encode(msg), schema_sizes=st.schema_sizes))
+            self.coord[r] = (r // 3, r % 3)
+            self.schema(r, model=Model(PP_PARAMS[r // 3], PP_SLOTS[r // 3]), mesh=wire.Mesh(PP_DP, (2, 3)),
+                        shard=tuple(() for _ in PP_PARAMS[r // 3]))
 
     def step(self, step: int, local: list[float], compute: list[float], grad_sq: list[float],
              frozen: tuple = ()) -> None:
         """Every rank's probed report of ``step``: its local gradient norm, compute time (s), and
         the sum of squares of its stage's gradient (equal within a stage: replicas); its own norm
         the sum's root, as the agent sends, or NaN on the ``frozen`` stages: no gradient there."""
-        self.now[0] += 0.1
+        self.now += 0.1
         for r in range(6):
             n = len(PP_PARAMS[r // 3])
             g = np.float32(local[r] / np.sqrt(n))
-            self.apply(wire.Report(
-                self.header(r), self.hash[r], step, 0.1, math.nan if r // 3 in frozen else math.sqrt(grad_sq[r // 3]), 0, probe=True,
+            self.send(wire.Report(
+                self.header(r), self.digest[r], step, 0.1, math.nan if r // 3 in frozen else math.sqrt(grad_sq[r // 3]), 0, probe=True,
                 act=np.tile(np.array([0.0, 1.0 + r // 3, -1.0, 1.0, 0.1, 0.0], np.float32), (2, 1)),
                 act_grad=np.tile(np.array([0.5, 0.0], np.float32), (2, 1)),
                 param=np.tile(np.array([g, 2.0, 0.0], np.float32), (n, 1)),
@@ -369,35 +353,24 @@ def test_a_jobs_released_steps_share_one_set_of_norm_groups_whatever_order_their
     from gradwatch.aggregator import shards
     from gradwatch.aggregator.state import State
 
-    class Clock:
-        t = 0.0
-
-        def __call__(self):
-            return self.t
-
     dp, tp = 2, 4
-    world, seq = dp * tp, {}
-    msh = wire.Mesh(("dp", "tp"), (dp, tp))
-    slots = (("fc1", "", "Linear", "float32"),)
-
-    def hdr(r):
-        seq[r] = seq.get(r, -1) + 1
-        return wire.Header("j", r, world, f"b{r}", seq[r], 0.0, "k", coord=(r // tp, r % tp))
-
-    st = State(clock=Clock())
-    sch = wire.Schema(hdr(0), "n", 0, 1, (("w", (8, 4), "float32"),), slots, mesh=msh, shard=((1,),))
-    for r in range(world):
-        st.apply(wire.Schema(hdr(r), "n", 0, 1, sch.params, slots, mesh=msh, shard=sch.shard))
+    world = dp * tp
+    st = State(clock=lambda: 0.0)
+    job = FakeJob(st.apply, "j", world, Model((("w", (8, 4), "float32"),), (("fc1", "", "Linear", "float32"),)), every=1,
+                  host="n", clock=lambda: 0.0, boots=[f"b{r}" for r in range(world)], key="k")
+    job.coord = {r: (r // tp, r % tp) for r in range(world)}
+    (sch,) = job.schema(0, local_rank=lambda r: 0, mesh=wire.Mesh(("dp", "tp"), (dp, tp)), shard=((1,),))
+    job.schema(range(1, world), local_rank=lambda r: 0, mesh=sch.mesh, shard=sch.shard)
     shards._NORM_GROUPS.clear()
     rng = np.random.default_rng(3)
     for step in range(6):
         sums = rng.uniform(0.1, 4.0, world)
         for r in rng.permutation(world).tolist():
-            st.apply(wire.Report(hdr(r), sch.hash, step, 0.01, math.sqrt(sums[r]), 0, grad_sq=(((1,), float(sums[r])),)))
-        job = st.jobs["j"]
+            job.report(r, step, math.sqrt(sums[r]), step_time=0.01, grad_sq=(((1,), float(sums[r])),))
+        held = st.jobs["j"]
         for r in range(world):
             group = [k for k in range(world) if k // tp == r // tp]
-            assert job.ranks[r].grad_norm == math.sqrt(sum(float(sums[k]) for k in group))  # summed in rank order
+            assert held.ranks[r].grad_norm == math.sqrt(sum(float(sums[k]) for k in group))  # summed in rank order
     assert len(shards._NORM_GROUPS) == 1
 
 
