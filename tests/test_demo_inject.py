@@ -63,16 +63,22 @@ def test_the_default_faults_fit_the_demos_model(named):
 @pytest.mark.parametrize("args, env, says", [
     (["--inject", "nan@10:layer=nosuch"], {}, "demo.inject: inject 'nan@10:layer=nosuch': no module"),
     (["--aggregator", "foo"], {}, "demo.aggregator"),
-    # the agent's own settings: each spawned rank failed with a traceback (a user's trial)
+    # the agent's own settings, which each spawned rank would otherwise fail on
     ([], {"GRADWATCH_SERVER_KEY": "/nonexistent/server.key"}, "agent.client_key: needed with server_key (GRADWATCH_SERVER_KEY)"),
     ([], {"GRADWATCH_SERVER_KEY": "/nonexistent/server.key", "GRADWATCH_CLIENT_KEY": "/nonexistent/a.key_secret"},
      "agent.server_key (GRADWATCH_SERVER_KEY): '/nonexistent/server.key' names no file"),
 ])
-def test_the_demo_command_exits_naming_the_setting_before_any_rank_starts(args, env, says):
-    run = subprocess.run([sys.executable, "-m", "gradwatch.commands", "demo", "--steps", "20", "--no-progress", *args],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, **env})
-    assert run.returncode == 2 and says in run.stderr, run.stderr
-    assert "Traceback" not in run.stderr and "agent.endpoint" not in run.stderr
+def test_the_demo_command_exits_naming_the_setting_before_any_rank_starts(args, env, says, monkeypatch, capsys):
+    """``gradwatch demo`` (the command's ``main``, in this process: nothing is spawned before the
+    settings are checked) exits 2 with one line naming the setting."""
+    from gradwatch.commands.cli import main
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    status = main(["demo", "--steps", "20", "--no-progress", *args])
+    err = capsys.readouterr().err
+    assert status == 2 and says in err, err
+    assert "Traceback" not in err and "agent.endpoint" not in err
 
 
 @pytest.mark.ddp
@@ -133,9 +139,10 @@ def _silent_rank(seconds: float) -> None:
     Injector([parse(f"silent@3:rank=0:seconds={seconds}", 1)], 0).before_forward(3, None)
 
 
+@pytest.mark.ddp
 def test_a_silent_rank_stops_and_resumes_on_its_own_after_its_seconds():
-    """The user's trial: ``silent@STEP`` stopped the rank for good, so the demo never ended (its
-    peers waited for it in all-reduce). It now stops for ``seconds`` and goes on."""
+    """``silent@STEP`` stops the rank (SIGSTOP) for ``seconds`` and it goes on by itself: a rank
+    stopped for good would keep its peers waiting in all-reduce, and the demo would never end."""
     import multiprocessing as mp
 
     from .conftest import wait_for

@@ -1,10 +1,12 @@
 """The device check (``python -m bench.gpu``, bench/gpu/) on the CPU, so it cannot rot between lent GPUs.
 
-The fast tier runs every part that needs no subprocess at reduced sizes, the fused kernel off (its
-inductor compile on the CPU takes seconds to minutes): the truth checks must pass on the CPU, the
-parts that exist only on CUDA must say so per check, and the JSON and the table must hold what the
-device run's readers rely on. The slow tier runs the distributed part (spawned ranks, a real
-aggregator process) and the truth part with the fused kernel on.
+Each test runs the device check as a command, in a process of its own. The fast tier checks that a
+part that cannot run is recorded as failed. The slow tier runs every part that needs no spawned
+ranks at reduced sizes, the fused kernel off (its inductor compile on the CPU takes seconds to
+minutes): the truth checks must pass on the CPU, the parts that exist only on CUDA must say so per
+check, and the JSON and the table must hold what the device run's readers rely on; and it runs the
+distributed part (spawned ranks, a real aggregator process) and the truth part with the fused
+kernel on.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ def _well_formed(result: dict, parts: list[str], device: str) -> None:
                 assert c["detail"], (name, c)  # a skip says why
 
 
+@pytest.mark.ddp
 def test_device_check_on_the_cpu_passes_its_truth_checks_and_says_what_needs_cuda(tmp_path):
+    """Training runs of every precision in a process of its own (~10 s): the slow tier."""
     parts = ["truth", "nosync", "compiled", "cost", "guard"]
     run, result = _run(tmp_path, "--device", "cpu", "--fused", "off", "--parts", ",".join(parts))
     log = run.stdout[-4000:] + run.stderr[-4000:]
