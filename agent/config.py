@@ -170,7 +170,7 @@ def _env(name: str) -> str:
 
 # GRADWATCH_* variables that belong to the other components, not the agent
 _OTHER_PREFIXES = ("GRADWATCH_AGGREGATOR_", "GRADWATCH_DEMO_", "GRADWATCH_KEYS_", "GRADWATCH_PROMETHEUS_URL", "GRADWATCH_REQUIRE_",
-                   "GRADWATCH_CLI_", "GRADWATCH_CATALOG_")
+                   "GRADWATCH_CLI_", "GRADWATCH_CATALOG_", "GRADWATCH_CONTROL_TOKEN", "GRADWATCH_STACKS_", "GRADWATCH_PROBE_")
 
 
 def job_key(cfg: AgentConfig, job: str, world: int) -> str:

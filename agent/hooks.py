@@ -22,6 +22,7 @@ calls ``.item()``, ``.cpu()`` or any other host synchronisation (case C22).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
 import time
 import weakref
@@ -200,6 +201,7 @@ class ProbeRecorder:
         self._leaf_handles: list = []
         self._in_forward = False  # a training forward of the root is running
         self.compiled = False  # torch.compile traced the root: hooks stay as they are until close
+        self.only_layers: Optional[tuple[str, ...]] = None  # fnmatch patterns of the leaves hooked (only())
 
     def reset(self) -> None:
         self.act = []
@@ -252,10 +254,24 @@ class ProbeRecorder:
             h.remove()
         self._handles = []
 
+    def only(self, patterns: Optional[tuple[str, ...]]) -> None:
+        """Hook only the leaf modules whose path matches one of ``patterns`` (fnmatch; None: every
+        leaf), from now on: hooks in place are put back on the leaves chosen (a compiled model's
+        stay as they are, see the class doc)."""
+        if patterns == self.only_layers:
+            return
+        self.only_layers = patterns
+        if self._leaf_handles and not self.compiled:
+            self._leaves_off()
+            self._leaves_on()
+
     def _leaves_on(self) -> None:
         if self._leaf_handles or self.compiled:
             return
+        only = self.only_layers
         for path, ref in self._leaves:
+            if only is not None and not any(fnmatch.fnmatchcase(path, p) for p in only):
+                continue
             m = ref()
             if m is None:
                 continue

@@ -8,9 +8,13 @@ probed steps and switches the module hooks of :class:`.hooks.ProbeRecorder`; :cl
 sees buckets before all-reduce (case C13); :class:`.amp.ScalerWatch` counts steps the loss scaler
 skips (case C10). At the end of a step :func:`.frame.pack` concatenates it all into one flat device
 tensor copied to the host once, non-blocking; the sender thread builds the report from it
-(:func:`.report.build`) and sends unprobed steps' reports coalesced (:mod:`.transport`). The
-training thread never synchronises with the device and never sees an exception from the agent:
-every part reports failures to one :class:`.failures.Failures`.
+(:func:`.report.build`) and sends unprobed steps' reports coalesced (:mod:`.transport`); it also
+takes the aggregator's commands and carries them out (:mod:`.control`). The training thread never
+synchronises with the device and never sees an exception from the agent (every part reports
+failures to one :class:`.failures.Failures`), with two opt-in exceptions: ``on_critical="halt"``,
+where the step pre-hook raises :class:`gradwatch.Halt` at the step the aggregator named, and
+``on_nonfinite="skip"``, where it reads whether the gradients are finite (one host read a step)
+and takes them away when they are not, so the optimizer step changes nothing.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ from typing import Callable, Optional
 import torch
 
 from gradwatch import wire
-from gradwatch.errors import warn_user
+from gradwatch.errors import Halt, warn_user
 
 from . import frame, measure, parallel, report, targets
 from .amp import UNSCALE_BELOW, UNSCALE_FROM, ScalerWatch, Unscale
 from .config import AgentConfig, job_key, resolve_identity
+from .control import Control, HaltAt, Training
 from .failures import Failures
 from .ddp import CommHook, allreduce_mean, unwrap  # noqa: F401  (re-exported)
 from .fingerprint import Fingerprints, fingerprint  # noqa: F401  (re-exported)
@@ -40,7 +45,7 @@ from .hooks import ProbeRecorder
 from .null import NullMonitor  # noqa: F401  (re-exported)
 from .schedule import ProbeSchedule
 from .stats import Reducer
-from .transport import Sender
+from .transport import Identity, Sender
 
 log = logging.getLogger("gradwatch.agent")
 
@@ -63,9 +68,11 @@ class Monitor:
 
     A context manager: leaving it (or :meth:`close`) removes every hook, stops the sender thread
     and closes the socket; the goodbye says ``finished`` when the block ended normally, ``other``
-    when an exception left it, ``closed`` after :meth:`close`, ``exit`` at interpreter exit. Attributes ``step`` (optimizer steps completed), ``probes`` (probed
-    steps submitted), ``errors``, ``disabled`` (parts switched off) and ``not_instrumented``
-    (modules that refused hooks, case C17) are for inspection.
+    when an exception left it, ``closed`` after :meth:`close`, ``exit`` at interpreter exit,
+    ``halted`` when it raised :class:`gradwatch.Halt`. Attributes ``step`` (optimizer steps
+    completed), ``probes`` (probed steps submitted), ``errors``, ``disabled`` (parts switched off),
+    ``not_instrumented`` (modules that refused hooks, case C17) and ``nonfinite_skipped`` (steps
+    the breaker skipped) are for inspection.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: AgentConfig, scaler=None, mesh=None):
@@ -113,12 +120,21 @@ class Monitor:
         self._slots: tuple = ()
         self._schema: Optional[wire.Schema] = None
         self._guard_memory = report.GuardMemory()  # the sender thread's, in step order
+        # the aggregator's commands: where the training thread is, the halt it may ask for
+        comm = self.comm
+        self.training = Training(waiting=lambda: comm.first_bucket is not None and comm.backward_end is None)
+        self.halt = HaltAt()
+        self.nonfinite_skipped = 0  # steps the breaker skipped (on_nonfinite="skip")
+        self._skipped_now = 0  # 1 while the step being taken was skipped by it
+        self.control = Control(self.training, self.schedule, self.halt, cfg.stack_source,
+                               cfg.halt_on if cfg.on_critical == "halt" else None)
+        self.identity = Identity(self.job, self.rank, self.world_size, self.boot, self.job_key, self._coord)
         # the socket first: if it cannot be made, attach fails before any hook is in place
         self.sender = Sender(
-            cfg.endpoint, header=self._header, schema=self._schema_msg, heartbeat=self._heartbeat_msg,
+            cfg.endpoint, header=self.identity.header, schema=self._schema_msg, heartbeat=self._heartbeat_msg,
             queue_size=cfg.queue_size, send_hwm=cfg.send_hwm, heartbeat_s=cfg.heartbeat_s,
             schema_every_s=cfg.schema_every_s, world=self.world_size, coalesce_s=cfg.coalesce_s, watch=self._watch,
-            errors=lambda: self.failures.errors, keys=cfg.curve_keys(),
+            errors=lambda: self.failures.errors, keys=cfg.curve_keys(), identity=self.identity, control=self.control,
         )
         self._step_handles: list = []
         self._at_close: list[Callable[[], None]] = []
@@ -245,7 +261,7 @@ class Monitor:
         self._number = source
         first = self._numbered(-1)
         if first >= 0:
-            self.step = first
+            self.step = self.training.step = first
             self.schedule.advance(first)
 
     def _numbered(self, previous: int) -> int:
@@ -304,14 +320,11 @@ class Monitor:
 
     # --- wire messages (called from the sender thread) -----------------------------------------
 
-    def _header(self, seq: int) -> wire.Header:
-        return wire.Header(self.job, self.rank, self.world_size, self.boot, seq, time.time(), self.job_key, self._coord)
-
     def _schema_msg(self, h: wire.Header) -> Optional[wire.Schema]:
         s = self._schema
         if s is None:
             return None
-        return wire.Schema(h, s.host, s.local_rank, s.every, s.params, s.slots, s.hash, s.mesh, s.shard)
+        return wire.Schema(h, s.host, s.local_rank, s.every, s.params, s.slots, s.hash, s.mesh, s.shard, s.halt_on)
 
     def _heartbeat_msg(self, h: wire.Header) -> wire.Heartbeat:
         return wire.Heartbeat(
@@ -319,7 +332,7 @@ class Monitor:
             errors=self.errors + self.sender.errors, closing=self._closed,
             in_step_s=time.perf_counter() - self._last_step_end,
             # in DDP's all-reduce: between the step's first bucket and its backward's end
-            waiting=self.comm.first_bucket is not None and self.comm.backward_end is None,
+            waiting=self.training.waiting(),
             reason=self._close_reason if self._closed else "", run_s=measure.thread_run_s(self._train_tid),
             schema=self._schema.hash if self._schema is not None else "",
         )
@@ -356,20 +369,37 @@ class Monitor:
             self.schedule.advance(self.step)
 
     def _pre_step(self, optimizer, args, kwargs):
-        if not self.active or "sentinel" in self.disabled:
+        if not self.active:
+            return None
+        if self.halt.step >= 0:  # the aggregator asked for a halt (on_critical="halt" only)
+            self._maybe_halt()
+        if "sentinel" in self.disabled:
             return None
         # ``args`` holds the optimizer, then step's own arguments
         closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
         if callable(closure):
             # the closure computes this step's gradients (Lightning, LBFGS): measured after it runs
-            wrapped = functools.partial(self._run_closure, closure)
+            wrapped = functools.partial(self._run_closure, closure, optimizer)
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
-        self._take_sentinel()
+        self._take_sentinel(optimizer)
         return None
 
-    def _run_closure(self, closure, *args, **kwargs):
+    def _maybe_halt(self) -> None:
+        """Raise :class:`gradwatch.Halt` (once: the monitor closes first, goodbye ``halted``) when
+        the step about to be taken is at or past the step the aggregator named; its optimizer step
+        is not taken."""
+        h = self.halt
+        step = self._numbered(self._last_step) if self._number is not None else self.step
+        if step < h.step:
+            return
+        check, summary = h.check, h.summary
+        log.warning("gradwatch: halting before step %d on the aggregator's %s finding: %s", step, check, summary)
+        self.close("halted")
+        raise Halt(step, check, summary)
+
+    def _run_closure(self, closure, optimizer, *args, **kwargs):
         """The user's closure (forward and backward), then the sentinel over the gradients it
         left; its loss is the step's unless ``observe_loss`` gave one. An optimizer calling it
         several times (LBFGS) gets the sentinel of the last call."""
@@ -377,10 +407,10 @@ class Monitor:
         if self.active and not self._losses and isinstance(loss, torch.Tensor):
             self.observe_loss(loss)
         if self.active and "sentinel" not in self.disabled:
-            self._take_sentinel()
+            self._take_sentinel(optimizer)
         return loss
 
-    def _take_sentinel(self) -> None:
+    def _take_sentinel(self, optimizer) -> None:
         t0 = time.perf_counter()
         try:
             scale = self.scaler.scale() if self.scaler is not None else None  # get_scale() would sync
@@ -389,7 +419,24 @@ class Monitor:
         except Exception as e:
             self._pre = None
             self.failures("sentinel", e)
+        if self.cfg.on_nonfinite == "skip" and self._pre is not None:
+            self._breaker(optimizer)
         self._pre_s += time.perf_counter() - t0
+
+    def _breaker(self, optimizer) -> None:
+        """``on_nonfinite="skip"``: when the gradients the optimizer would apply are not finite
+        (the sentinel's chunk norms: one host read), every parameter's gradient goes, so the
+        optimizer's step changes nothing (optimizers skip parameters without a gradient; an LR
+        scheduler still advances, as after a loss scaler's skipped step). Under DDP the
+        all-reduced gradient is the same on every rank: every rank skips the same step."""
+        norms = self._pre[1].get("grad_norm")
+        if norms is None or not len(norms) or bool(torch.isfinite(norms).all()):
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        self._skipped_now = 1
+        self.nonfinite_skipped += 1
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         if not self.active:
@@ -397,6 +444,7 @@ class Monitor:
         step = self._numbered(self._last_step) if self._number is not None else self.step
         now = time.perf_counter()
         self._train_tid = threading.get_native_id()
+        self.training.ident = threading.get_ident()  # the thread whose stack the aggregator may ask for
         first, end = self.comm.first_bucket, self.comm.backward_end
         compute_time = (first - self._last_step_end) if first is not None else float("nan")
         # the CPU wait over the same interval: both readings of the same threads' files (follow()
@@ -419,6 +467,7 @@ class Monitor:
         # one more, or as many more as the framework's numbers moved last time
         stride = step - self._last_step if self._number is not None and self._last_step >= 0 else 1
         self.step, self._last_step = step + max(stride, 1), step
+        self.training.step, self.training.step_end = self.step, now
         self.recorder.reset()
         self.comm.reset()
         self._unscale.reset()
@@ -438,15 +487,17 @@ class Monitor:
     def _submit(self, step: int, step_time: float, compute_time: float, waits: Optional[tuple[bytes, ...]] = None) -> None:
         pre, self._pre = self._pre, None
         present, sections, rows, split = pre if pre is not None else ([], {}, (), 0)
+        breaker, self._skipped_now = self._skipped_now, 0  # this step's: in its layout below
         probe, rec = self.recorder.probing, self.recorder
         if probe:
             if self._schema is None or len(rec.slots) != len(self._slots):
                 self._slots = tuple(rec.slots)
                 mesh = self.layout.mesh  # the schema has the mesh's shape; the rank's place is in its headers
-                self._schema = wire.Schema(self._header(0), self.host, self.local_rank, self.cfg.every or 0,
+                self._schema = wire.Schema(self.identity.header(0), self.host, self.local_rank, self.cfg.every or 0,
                                            self._param_meta, self._slots,
                                            mesh=None if mesh is None else wire.Mesh(mesh.names, mesh.sizes),
-                                           shard=self.layout.dims)
+                                           shard=self.layout.dims,
+                                           halt_on=self.cfg.halt_on if self.cfg.on_critical == "halt" else ())
                 self.sender.request_schema()
             sections.update(measure.probe(self._params, rec, self.fingerprints))
             self.probes += 1
@@ -459,7 +510,7 @@ class Monitor:
         # training thread several microseconds a step, a partial about one
         layout = functools.partial(
             report.StepLayout, step=step, step_time=step_time, compute_time=compute_time,
-            skipped=self.scaler.take_skipped() if self.scaler is not None else 0,
+            skipped=self.scaler.take_skipped() if self.scaler is not None else 0, nonfinite_skipped=breaker,
             schema=self._schema.hash if self._schema is not None else "", present=tuple(present), rows=rows, split=split, unscaled=self._unscale.applied, counts=counts,
             probe=probe, burst=probe and not self.schedule.on_cadence(step), batch=batch if probe else 0,
             micro=rec.micro if probe else 0, n_params=len(self._params), n_slots=len(self._slots),

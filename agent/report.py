@@ -40,6 +40,7 @@ class StepLayout(msgspec.Struct, frozen=True):
             first bucket, then at the end of backward and at this step's end, for the wire's
             ``compute_wait`` (:func:`waited_s`); () when unknown.
         skipped: steps the loss scaler skipped since the previous report.
+        nonfinite_skipped: 1 when the agent's breaker took this step's gradients away (not finite).
         schema: hash of the schema the report refers to.
         present: indices (into the model's parameters) of the parameters that had a gradient, in
             the order of the frame's ``grad_norm``, ``grad_nonfinite`` and ``grad_fp`` sections.
@@ -96,6 +97,7 @@ class StepLayout(msgspec.Struct, frozen=True):
     shard_dims: tuple[tuple[int, ...], ...] = ()
     norms: bool = False
     guard: Optional[tuple[int, ...]] = None
+    nonfinite_skipped: int = 0
 
 
 def waited_s(*readings: bytes) -> float:
@@ -197,7 +199,7 @@ def build(h: wire.Header, L: StepLayout, host: np.ndarray, drops: int, guard: Op
         grad_sq=grad_sq(sq, L.present, L.shard_dims) if L.shard_dims else None, grad_norms=grad_norms,
         drops=drops, local_grad_norm=local_norm, compute_time=L.compute_time,
         compute_wait=waited_s(*L.waits) if L.waits else math.nan, loss=loss,
-        loss_scale=loss_scale, skipped=L.skipped,
+        loss_scale=loss_scale, skipped=L.skipped, nonfinite_skipped=L.nonfinite_skipped,
         agent_cost=L.agent_cost, probe_interval=L.probe_interval, over_budget=L.over_budget,
     )
     if not L.probe:

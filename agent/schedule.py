@@ -18,6 +18,14 @@ regardless of cadence. Bursts are outside the budget. The request is a plain int
 thread reads at its next step boundary, so it arrives a step or two after the faulty step and
 never costs a host synchronisation.
 
+The aggregator's commands (:mod:`.control`, on the sender thread) change the schedule for a
+bounded time only: a probe *window* (:meth:`ProbeSchedule.window`) probes the steps ``[start,
+start + steps)`` whatever the cadence or the budget says, like a burst, optionally only the leaf
+modules whose path matches given fnmatch patterns (:meth:`.hooks.ProbeRecorder.only`), and ends
+:data:`WINDOW_S` after it was asked for at the latest; a budget *override*
+(:meth:`ProbeSchedule.override`) replaces the budget for some seconds, then the agent's own is back.
+Both are one tuple the training thread reads at its step boundaries.
+
 At each step boundary :meth:`ProbeSchedule.advance` switches the recorder's module hooks on or off,
 so hooks exist only while a probed step runs, unless the NaN guard keeps them (:mod:`.hooks`).
 The guard's cost is part of the every-step cost the budget sees; with ``nan_guard="auto"`` it is
@@ -34,6 +42,7 @@ import collections
 import logging
 import math
 import statistics
+import time
 from typing import Callable, Optional
 
 from gradwatch.errors import warn_user
@@ -54,6 +63,7 @@ CLIP = 4.0  # a probed step's wall-time excess counts as at most this many times
 # process on a busy machine) is not the agent's cost
 GUARD_SHARE = 0.25  # nan_guard="auto": the guard stays on while it costs at most this share of the budget
 GUARD_STEPS = 32  # nan_guard="auto": unprobed steps measured before the guard is judged
+WINDOW_S = 600.0  # a probe window asked for by the aggregator ends this long after it was asked for, at the latest
 
 log = logging.getLogger("gradwatch.agent")
 
@@ -154,6 +164,7 @@ class ProbeSchedule:
         guard: the NaN guard, ``"on"``, ``"off"`` or ``"auto"`` (on while it costs at most
             :data:`GUARD_SHARE` of the budget, module docstring; with a fixed ``every`` too, against
             ``budget``); switched on the recorder by :meth:`advance`, off when its part failed.
+        clock: monotonic clock, seconds (a window's and an override's end).
 
     Attributes:
         interval: the probe interval in use, steps.
@@ -165,13 +176,20 @@ class ProbeSchedule:
 
     def __init__(self, every: Optional[int], burst: int, spike_factor: float, recorder: ProbeRecorder,
                  on_error: Callable[[str, BaseException], None], history: int = 32, *,
-                 budget: float = 0.01, max_interval_s: float = 60.0, guard: str = "off"):
+                 budget: float = 0.01, max_interval_s: float = 60.0, guard: str = "off",
+                 clock: Callable[[], float] = time.monotonic):
         self.every = every
         self.burst = burst
         self.spike_factor = spike_factor
         self.recorder = recorder
         self.on_error = on_error
-        self.budget = budget
+        self.own_budget = budget
+        self.clock = clock
+        # the aggregator's (the sender thread writes each as one tuple, the training thread reads it)
+        self._window: Optional[tuple] = None  # (first, end, layers, until clock) of a probe window
+        self._override: Optional[tuple] = None  # (budget, until clock)
+        self._next = 0  # the step advance() last prepared (the training thread's)
+        self._dirty = False  # the budget changed: choose the interval again at the next step
         self.max_interval_s = max_interval_s
         self.interval = every if every is not None else START_INTERVAL
         self.cost = Cost()
@@ -188,8 +206,47 @@ class ProbeSchedule:
     def fixed(self) -> bool:
         return self.every is not None
 
+    @property
+    def budget(self) -> float:
+        """The budget in use: the aggregator's override while it lasts, else the agent's own."""
+        o = self._override
+        return o[0] if o is not None and self.clock() < o[1] else self.own_budget
+
+    def override(self, budget: float, for_s: float) -> Optional[int]:
+        """Sender thread: use ``budget`` for ``for_s`` seconds (the aggregator's ``budget``
+        command); returns the step it takes effect at (the next one the training thread
+        prepares), or None with a fixed ``every`` (no budget to replace)."""
+        if self.fixed:
+            return None
+        self._override = (budget, self.clock() + for_s)
+        self._dirty = True
+        return self._next + 1
+
+    def window(self, start: int, steps: int, layers: tuple = ()) -> Optional[int]:
+        """Sender thread: probe steps ``[start, start + steps)`` whatever cadence and budget say
+        (the aggregator's ``probe`` command), only the leaf modules matching ``layers`` (fnmatch
+        patterns; none: every one) at the steps only the window probes; the window ends
+        :data:`WINDOW_S` from now at the latest and replaces an earlier one. Returns the first
+        step it covers (the steps the training thread has prepared are past), or None when the
+        whole window is past."""
+        first = max(start, self._next + 1)
+        end = start + steps
+        if first >= end:
+            return None
+        self._window = (first, end, tuple(layers), self.clock() + WINDOW_S)
+        return first
+
+    def _in_window(self, step: int) -> Optional[tuple]:
+        w = self._window
+        if w is None or not w[0] <= step < w[1]:
+            return None
+        if self.clock() >= w[3]:
+            self._window = None
+            return None
+        return w
+
     def is_probe(self, step: int) -> bool:
-        return step % self.interval == 0 or step < self._burst_until
+        return step % self.interval == 0 or step < self._burst_until or self._in_window(step) is not None
 
     def on_cadence(self, step: int) -> bool:
         """``step`` is probed for the cadence, not (only) for a burst."""
@@ -231,6 +288,10 @@ class ProbeSchedule:
                 self._guard_costs.append(guard_s)
                 if len(self._guard_costs) >= GUARD_STEPS:
                     self._judge()
+            if self._override is not None and self.clock() >= self._override[1]:
+                self._override, self._dirty = None, True  # the agent's own budget is back
+            if self._dirty:
+                changed, self._dirty = True, False
             if not changed or self.fixed:
                 return
             c = self.cost
@@ -276,11 +337,19 @@ class ProbeSchedule:
         """Training thread, before ``step`` runs: module hooks on for a probed step, off otherwise
         (but for the NaN guard's: on while it is, off once it failed too often)."""
         try:
+            self._next = step
             if self.guard and "guard" in self.recorder.disabled:
                 self.guard = False
             if self.recorder.guard != self.guard:
                 self.recorder.set_guard(self.guard)
             want = self.is_probe(step)
+            only = None  # the window's layers, at the steps only it probes
+            if self._window is not None:
+                w = self._in_window(step)
+                if w is not None and w[2] and not (self.on_cadence(step) or step < self._burst_until):
+                    only = w[2]
+            if only != self.recorder.only_layers:
+                self.recorder.only(only)
             if want and not self.recorder.probing:
                 self.recorder.install()
             elif not want and self.recorder.probing:

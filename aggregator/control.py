@@ -39,6 +39,7 @@ waits holding it.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import secrets
@@ -241,26 +242,34 @@ class Control:
         with self._lock:
             self._routes.setdefault(job, {})[rank] = (boot, rid)
 
-    def refresh(self, jobs: dict) -> None:
-        """Writer thread: ``jobs`` (label -> ``jobs.JobState``) as they are now: routes of ranks
-        gone (or of another boot) and of jobs gone are forgotten, and each admitted job's highest
-        step, median step time and ``halt_on`` are taken."""
+    def refresh(self, jobs: dict, full: bool = True) -> None:
+        """Writer thread: ``jobs`` (label -> ``jobs.JobState``) as they are now: each admitted
+        job's highest step and median step time (over at most 64 of its ranks); with ``full``
+        also its ``halt_on`` (what every rank's schema allows), and the routes of ranks gone (or
+        of another boot) and of jobs gone are forgotten. The daemon refreshes at every tick, in
+        full once a second."""
         info: dict[str, JobInfo] = {}
         for label, job in jobs.items():
             if not job.admitted:
                 continue
-            ranks = list(job.ranks.values())
-            times = [r.step_time for r in ranks[:64] if r.step_time > 0 and math.isfinite(r.step_time)]
+            times = [r.step_time for r in itertools.islice(job.ranks.values(), 64)
+                     if r.step_time > 0 and math.isfinite(r.step_time)]
             halt = None
-            for r in ranks:
-                h = frozenset(r.halt_on)
-                halt = h if halt is None else halt & h
-                if not halt:
-                    break
+            if full:
+                for r in job.ranks.values():
+                    h = frozenset(r.halt_on)
+                    halt = h if halt is None else halt & h
+                    if not halt:
+                        break
+            else:
+                old = self._jobs.get(label)
+                halt = old.halt_on if old is not None else frozenset()
             info[label] = JobInfo(job.max_step, statistics.median(times) if times else math.nan,
                                   halt or frozenset(), job.name or label)
         with self._lock:
             self._jobs = info
+            if not full:
+                return
             for label in list(self._routes):
                 job = jobs.get(label)
                 if job is None or not job.admitted:

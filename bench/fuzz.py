@@ -20,6 +20,9 @@ Frame families (:func:`frames`), each drawn with equal probability:
   huge       headers that claim huge arrays, maps, strings or bins; deep nesting; schemas over
              the name cap; probe arrays of the wrong size
   random     random bytes
+  control    the control channel's kinds: stacks and acks answering no command asked (under the
+             legitimate job's id, with right and wrong keys), commands sent to the aggregator
+             (refused: "direction"), and each of them with bit flips
 
 The attacker knows what ``/metrics`` shows (ids, world sizes, ranks, steps), not the job's key.
 
@@ -49,7 +52,7 @@ from gradwatch.aggregator.daemon import Aggregator
 JOB, WORLD, KEY = "none", 3, "5f1c0e7d2a9b4c68"
 PARAMS = (("fc1.weight", (8, 4), "float32"), ("fc1.bias", (8,), "float32"), ("fc2.weight", (2, 8), "float32"))
 SLOTS = (("fc1", "", "Linear", "float32"), ("act", "", "ReLU", "float32"), ("fc2", "", "Linear", "float32"))
-FAMILIES = ("flip", "truncate", "types", "forge", "huge", "random")
+FAMILIES = ("flip", "truncate", "types", "forge", "huge", "random", "control")
 
 
 class Clock:
@@ -245,6 +248,27 @@ def _huge(py: random.Random) -> bytes:
     return struct.pack("<Q", py.getrandbits(64)) * py.randrange(1, 64)
 
 
+def _control(py: random.Random) -> bytes:
+    key = py.choice([KEY, "", "0" * 16])
+    h = wire.Header(py.choice([JOB, "victim"]), py.randrange(WORLD), WORLD, py.choice(["legit-boot-0", "x"]), 5, 1.7e9, key)
+    cid = py.getrandbits(63)
+    pick = py.randrange(4)
+    if pick == 0:
+        frames = tuple(wire.Frame("x" * py.choice([1, 512]), py.randrange(1 << 20), "f") for _ in range(py.choice([0, 3, 64])))
+        m = wire.Stack(h, cid, frames, 1.0, py.random() < 0.5, (wire.FlightEntry("gloo:all_reduce", "scheduled", "3"),))
+    elif pick == 1:
+        m = wire.Ack(h, cid, py.random() < 0.5, py.choice([-1, 0, 2**62]), py.choice(wire.ACK_REASONS))
+    else:
+        args = py.choice([wire.StacksArgs(True), wire.ProbeArgs(5, 10, ("a*",)), wire.BudgetArgs(0.1, 60.0),
+                          wire.HaltArgs(7, "nonfinite", "s")])
+        m = wire.Command(cid, JOB, py.choice([-1, 0]), "", 1.7e9, 1.7e9 + 60, args)
+    b = bytearray(wire.encode(m))
+    if pick == 3:  # the aggregator's own kind, mutated
+        for _ in range(py.randrange(1, 5)):
+            b[py.randrange(len(b))] ^= 1 << py.randrange(8)
+    return bytes(b)
+
+
 def frames(n: int, seed: int = 0):
     """``n`` fuzz frames, deterministic for a seed; yields ``(family, frame)``."""
     py = random.Random(seed)
@@ -266,6 +290,8 @@ def frames(n: int, seed: int = 0):
             yield fam, _forge(py, rng)
         elif fam == "huge":
             yield fam, _huge(py)
+        elif fam == "control":
+            yield fam, _control(py)
         else:
             yield fam, py.randbytes(py.randrange(0, 200))
 

@@ -28,6 +28,7 @@ from gradwatch.errors import ConfigError, GradwatchError
 from gradwatch.grafana import GrafanaCommand
 from gradwatch.settings import describe
 
+from .control import ProbeCommand, StacksCommand
 from .demo.run import DemoConfig, run as run_demo
 from .errors import CommandError
 from .keys import KeysCommand
@@ -69,8 +70,12 @@ class Gradwatch(BaseSettings):
         description="Generate the dashboards, or push folder, datasource and dashboards to Grafana.")
     keys: CliSubCommand[KeysCommand] = Field(
         description="Make CURVE keys: a server pair for the aggregator, client pairs for the agents.")
+    probe: CliSubCommand[ProbeCommand] = Field(
+        description="Make every rank of a job probe its next N steps now (needs the aggregator's control token).")
     stack: CliSubCommand[StackCommand] = Field(
         description="Run a local Prometheus and Alertmanager with the shipped alert rules against an aggregator.")
+    stacks: CliSubCommand[StacksCommand] = Field(
+        description="Every rank's training-thread stack now, grouped by identical stacks (needs the control token).")
     top: CliSubCommand[TopCommand] = Field(
         description="Watch a running aggregator live in the terminal: jobs, ranks, findings (pip install 'gradwatch[top]').")
 
