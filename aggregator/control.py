@@ -25,7 +25,9 @@ the connection a rank's frames come on. This room keeps:
 * **halts**: for a job whose every rank's schema announces the check (``halt_on``, the agents'
   ``on_critical="halt"``), a critical finding of that check sends ``halt`` to every rank of the
   job, once per finding, at step ``H`` = the job's highest latest step + :func:`margin`; the
-  finding's details record it (``details["halt"]``), and the log says so;
+  finding's details record it (``details["halt"]``: ``step``, ``ranks``), and the log says so. A
+  finding raised while an earlier one's halt stands (:data:`COMMAND_TTL_S`) sends none: its
+  details name the same step (``sent`` false), so every rank stops at one step;
 * **on demand** (the HTTP API, :mod:`.web`): :meth:`Control.stacks` (every rank's stack, or one
   rank's, grouped by identical frames), :meth:`Control.probe` and :meth:`Control.budget` (a probe
   window, or another budget, at every rank of a job, from the same start step).
@@ -230,6 +232,8 @@ class Control:
         self._requests: dict[int, Request] = {}
         self._tokens: dict[str, tuple[float, float]] = {}  # job -> (tokens, clock of the last refill)
         self._halted: dict[str, set] = {}  # job -> keys of the findings that halted it
+        self._halting: dict[str, tuple] = {}  # job -> (step, ranks, clock until which it stands) of its halt
+        self._due: list = []  # (job, check, key, details) to annotate at the next tick (the writer's)
 
     # --- what the writer hears ------------------------------------------------------------------
 
@@ -276,6 +280,7 @@ class Control:
                     del self._routes[label]
                     self._tokens.pop(label, None)
                     self._halted.pop(label, None)
+                    self._halting.pop(label, None)
                     continue
                 routes = self._routes[label]
                 for rank in [k for k, (boot, _) in routes.items() if (r := job.ranks.get(k)) is None or r.boot != boot]:
@@ -321,6 +326,10 @@ class Control:
                         del self._requests[k]
         for req in closed:
             self._update_finding(req)
+        due, self._due = self._due, []
+        for job, check, key, details in due:
+            if self.annotate is not None:
+                self.annotate(job, check, key, details)
 
     # --- findings -------------------------------------------------------------------------------
 
@@ -371,6 +380,7 @@ class Control:
             self.annotate(req.job, check, key, {"stacks": stacks})
 
     def _maybe_halt(self, e) -> None:
+        now = self.clock()
         with self._lock:
             info = self._jobs.get(e.job)
             if info is None or e.check not in info.halt_on:
@@ -382,13 +392,24 @@ class Control:
             if len(done) >= HALTED_MAX:
                 done.clear()
             done.add(key)
-            step = info.max_step + margin(info.step_s)
-        req = self._request(e.job, wire.HaltArgs(step, e.check, e.summary[:512]), None, MAX_WAIT_S, rated=False)
-        self.counts["halts"] += 1
-        log.warning("gradwatch aggregator: halting job %r at step %d on %s: %s (%d ranks asked)", e.job, step, e.check,
-                    e.summary, len(req.asked))
-        if self.annotate is not None:
-            self.annotate(e.job, e.check, (e.rank, e.layer), {"halt": {"step": step, "ranks": sorted(req.asked)}})
+            under_way = self._halting.get(e.job)
+            if under_way is not None and now < under_way[2]:
+                # another finding halted the job a moment ago: the ranks stop at that step, once
+                step, ranks = under_way[0], under_way[1]
+                req = None
+            else:
+                step = info.max_step + margin(info.step_s)
+        if under_way is None or now >= under_way[2]:
+            req = self._request(e.job, wire.HaltArgs(step, e.check, e.summary[:512]), None, MAX_WAIT_S, rated=False)
+            ranks = sorted(req.asked)
+            with self._lock:
+                self._halting[e.job] = (step, ranks, now + COMMAND_TTL_S["halt"])
+            self.counts["halts"] += 1
+            log.warning("gradwatch aggregator: halting job %r at step %d on %s: %s (%d ranks asked)", e.job, step,
+                        e.check, e.summary, len(ranks))
+        # recorded at the next tick: the runner is still raising the finding now
+        self._due.append((e.job, e.check, (e.rank, e.layer), {"halt": {"step": step, "ranks": ranks,
+                                                                       **({"sent": False} if req is None else {})}}))
 
     # --- requests -------------------------------------------------------------------------------
 

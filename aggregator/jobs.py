@@ -118,10 +118,11 @@ class RankColumns:
 
 
 #: goodbyes (wire.CLOSE_REASONS) of an agent whose process ended: training finished, the
-#: interpreter exited, an exception left the monitored loop, or the script closed its monitor (the
+#: interpreter exited, an exception left the monitored loop, the agent halted training at the
+#: aggregator's word (gradwatch.Halt), or the script closed its monitor (the
 #: end of README's snippet: every rank of a job closing its agent is that job ending; an agent
 #: switched off after errors, ``disabled``, is not)
-ENDED = frozenset({"finished", "exit", "other", "closed"})
+ENDED = frozenset({"finished", "exit", "other", "closed", "halted"})
 
 #: epochs of :attr:`JobState.epoch`: one count for every job and incarnation, so no two states share one
 _EPOCHS = itertools.count(1)

@@ -14,8 +14,9 @@ at step ``--at`` of rank ``--rank`` (or of every rank):
 Each rank writes ``--out.<rank>.json``: the steps it completed, the step at which it raised
 ``gradwatch.Halt`` (None if it did not), the steps it probed (read in a step pre-hook registered
 after the agent's), the agent's counters, and the weights (``--out.<rank>.pt``): after each of
-the last ``--keep`` completed steps, at the halt, and the checkpoint rank 0 writes after every
-completed step (``torch.save`` of the model's state, as a training loop would).
+the last two completed steps and of the steps ``--keep`` lists, and at the halt. With
+``--checkpoint`` rank 0 saves the model's state after every completed step, as a training loop
+would.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def worker(rank: int, a) -> None:
     def snapshot():
         return {n: p.detach().clone() for n, p in model.module.named_parameters()}
 
+    keep = {int(k) for k in a.keep.split(",") if k}
     weights["start"] = snapshot()
     try:
         while step < a.steps:
@@ -114,7 +116,8 @@ def worker(rank: int, a) -> None:
             opt.zero_grad()
             step += 1
             weights[f"after{step - 1}"] = snapshot()
-            weights.pop(f"after{step - 1 - a.keep}", None)
+            if step - 3 not in keep:  # the last two completed steps, and those asked for
+                weights.pop(f"after{step - 3}", None)
             if rank == 0 and a.checkpoint:
                 torch.save(model.module.state_dict(), a.checkpoint)  # the loop's checkpoint of its last step
             if a.fault == "nan-weight" and rank == a.rank and step - 1 == a.at:
@@ -157,7 +160,7 @@ def main() -> None:
     p.add_argument("--server-key", default="")
     p.add_argument("--client-key", default="")
     p.add_argument("--checkpoint", default="", help="rank 0 saves the model's state here after every step")
-    p.add_argument("--keep", type=int, default=3, help="weights kept of the last completed steps")
+    p.add_argument("--keep", default="", help="steps whose weights after them are kept, comma-separated (and the last two)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="the process group's timeout")
     p.add_argument("--out", required=True)
     a = p.parse_args()

@@ -35,9 +35,9 @@ def source_line(function: str, text: str) -> int:
 class Job:
     """tests/controljob.py running in its own session (killed whole at the end)."""
 
-    def __init__(self, tmp_path: Path, endpoint: str, *args: str):
-        self.out = tmp_path / "job"
-        self.log = tmp_path / "job.log"
+    def __init__(self, tmp_path: Path, endpoint: str, *args: str, name: str = "job"):
+        self.out = tmp_path / name
+        self.log = tmp_path / f"{name}.log"
         self.proc = subprocess.Popen(
             [sys.executable, str(JOB_FILE), "--endpoint", endpoint, "--port", str(free_port()), "--out", str(self.out),
              *args], stdout=self.log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
