@@ -52,7 +52,6 @@ import multiprocessing as mp
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,6 +63,10 @@ import torch
 import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if os.path.dirname(HERE) not in sys.path:
+    sys.path.insert(0, os.path.dirname(HERE))
+
+from bench.harness import AggregatorProcess, free_port  # noqa: E402
 STEPS_AT = (30, 35)  # injection steps: 30 is probed at the agent's default cadence (10), 35 is not
 HOLD_S = 6.0  # hang and silent last this long, then the rank resumes and the job ends normally
 EVERY = 10  # the agents' fixed probe cadence here (the agent's default lets its budget pick one)
@@ -226,12 +229,6 @@ def _rank_main(rank: int, run: Run, port: int, endpoint: str, progress, out_dir:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Outcome:
     run: Run
@@ -246,7 +243,7 @@ def run_job(run: Run, endpoint: str, events_path: str, out_dir: str, digits, tim
     """Run one job to its end (a stopped rank resumes itself after HOLD_S) and collect its findings."""
     ctx = mp.get_context("fork")  # torch is imported once, here; the ranks start at once
     progress = ctx.Array("i", run.world, lock=False)
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, run, port, endpoint, progress, out_dir, digits), daemon=True)
              for r in range(run.world)]
     t0 = time.time()
@@ -473,23 +470,13 @@ def load(paths: list[str]) -> tuple[list[Outcome], dict[str, Fault]]:
     return outcomes, fault_of
 
 
-def start_aggregator(events_path: str, log_path: str, extra=()) -> tuple[subprocess.Popen, str]:
+def start_aggregator(events_path: str, log_path: str, extra=()) -> AggregatorProcess:
     """The real aggregator process at default thresholds; ranks forgotten 20 s after their goodbye
     so the matrix's many jobs never fill ``max_jobs``."""
-    port = _free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gradwatch.aggregator", "--listen", f"tcp://127.0.0.1:{port}", "--metrics-port", "0",
-         "--events-path", events_path, "--rank-ttl-s", "20", *extra],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    time.sleep(1.0)
-    deadline = time.time() + 30
-    while not os.path.exists(events_path) and time.time() < deadline:
-        time.sleep(0.1)
-    if proc.poll() is not None:
-        raise SystemExit(f"aggregator exited: {open(log_path).read()}")
-    return proc, f"tcp://127.0.0.1:{port}"
+    try:
+        return AggregatorProcess("--events-path", events_path, "--rank-ttl-s", "20", *extra, log=log_path)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
 def hogs(n: int) -> list[subprocess.Popen]:
@@ -558,7 +545,8 @@ def main(argv=None) -> int:
     digits = _digits() if "cnn" in models else None
     tmp = tempfile.mkdtemp(prefix="faultmatrix-")
     events = os.path.join(tmp, "events.jsonl")
-    agg, endpoint = start_aggregator(events, os.path.join(tmp, "aggregator.log"), a.aggregator_arg)
+    agg = start_aggregator(events, os.path.join(tmp, "aggregator.log"), a.aggregator_arg)
+    endpoint = agg.endpoint
     print(f"gradwatch fault matrix: {len(runs)} runs; aggregator {endpoint}; events {events}", flush=True)
     outcomes: list[Outcome] = []
     spinning: list[subprocess.Popen] = []
@@ -581,8 +569,7 @@ def main(argv=None) -> int:
     finally:
         for h in spinning:
             h.kill()
-        agg.terminate()
-        agg.wait(10)
+        agg.stop()
     scores = score(outcomes, fault_of)
     print()
     print(table(scores))

@@ -53,8 +53,6 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -69,6 +67,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench.harness import AggregatorProcess  # noqa: E402
 from gradwatch import wire  # noqa: E402
 from gradwatch.agent.transport import SCHEMA_BACKOFF, SCHEMA_JITTER, schema_spread  # noqa: E402  (no torch)
 
@@ -306,12 +305,6 @@ def sender_main(idx: int, args, endpoint: str, t0: float, out, parent: int) -> N
 # --- the aggregator process and its /metrics ----------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})? (\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -383,41 +376,22 @@ def rss_mib(pid: int) -> float:
     return math.nan
 
 
-def start_aggregator(args, logf):
-    zport, mport = free_port(), free_port()
-    cmd = [sys.executable, "-m", "gradwatch.aggregator", "--listen", f"tcp://127.0.0.1:{zport}",
-           "--metrics-host", "127.0.0.1", "--metrics-port", str(mport), "--layer-depth", str(args.layer_depth),
-           *(["--rank-series-max", str(args.rank_series_max)] if args.rank_series_max else []), *args.agg_arg]
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            preexec_fn=functools.partial(die_with_parent, os.getpid()))
-    base = f"http://127.0.0.1:{mport}"
-    for _ in range(400):
-        if proc.poll() is not None:
-            raise SystemExit(f"aggregator exited with {proc.returncode}")
-        try:
-            if json.loads(urllib.request.urlopen(base + "/healthz", timeout=1).read())["ok"]:
-                break
-        except OSError:
-            time.sleep(0.05)
-    return proc, f"tcp://127.0.0.1:{zport}", base
-
-
 def pct(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else math.nan
 
 
 def run_socket(args) -> dict:
-    logpath = args.log or os.devnull
-    with open(logpath, "w") as logf:
-        proc, endpoint, base = start_aggregator(args, logf)
-        try:
-            return _drive(args, proc, endpoint, base)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    settings = ["--layer-depth", str(args.layer_depth),
+                *(["--rank-series-max", str(args.rank_series_max)] if args.rank_series_max else []), *args.agg_arg]
+    try:
+        agg = AggregatorProcess(*settings, log=args.log or os.devnull,
+                                preexec_fn=functools.partial(die_with_parent, os.getpid()))
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+    try:
+        return _drive(args, agg.proc, agg.endpoint, agg.base_url)
+    finally:
+        agg.stop()
 
 
 def _drive(args, proc, endpoint: str, base: str) -> dict:

@@ -61,8 +61,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 import zmq
 
-from gradwatch import agent as gw
-from gradwatch import wire
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import harness  # noqa: E402
+from gradwatch import agent as gw  # noqa: E402
+from gradwatch import wire  # noqa: E402
 
 VARIANTS = ("none", "budget", "every10", "every1", "anchor", "tensorboard", "wandb", "none+busy", "budget+busy")
 ALL_VARIANTS = ("none", "budget", "guard", *VARIANTS[2:])  # guard: by --variants only
@@ -152,54 +154,25 @@ class Sink:
 # --------------------------------------------------------------------------------------------
 
 
-class AggregatorProcess:
+class AggregatorProcess(harness.AggregatorProcess):
     """A real aggregator (``python -m gradwatch.aggregator``) in another process on loopback; the
     agents report to it as in production. :meth:`close` reads its message counters from /metrics."""
 
     def __init__(self):
-        import socket
-
-        def free() -> int:
-            with socket.socket() as sk:
-                sk.bind(("127.0.0.1", 0))
-                return sk.getsockname()[1]
-
-        zport, self.mport = free(), free()
-        self.endpoint = f"tcp://127.0.0.1:{zport}"
         os.makedirs(LOGDIR, exist_ok=True)
-        self.log = open(os.path.join(LOGDIR, "aggregator.log"), "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gradwatch.aggregator", "--listen", self.endpoint, "--metrics-host", "127.0.0.1",
-             "--metrics-port", str(self.mport)], stdout=self.log, stderr=subprocess.STDOUT,
-        )
-        deadline = time.perf_counter() + 60
-        while not self._get("/healthz"):
-            if self.proc.poll() is not None or time.perf_counter() > deadline:
-                raise SystemExit(f"the aggregator did not start; see {self.log.name}")
-            time.sleep(0.2)
-
-    def _get(self, path: str) -> str:
-        import urllib.request
-
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.mport}{path}", timeout=2) as r:
-                return r.read().decode()
-        except Exception:
-            return ""
+            super().__init__(log=os.path.join(LOGDIR, "aggregator.log"))
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from None
 
     def close(self) -> dict:
         time.sleep(0.5)  # let the agents' final flushes land
         received = {}
-        for line in self._get("/metrics").splitlines():
+        for line in self.get("/metrics").splitlines():
             if line.startswith("gradwatch_messages_received_total{"):
                 kind = line.split('kind="')[1].split('"')[0] if 'kind="' in line else "?"
                 received[kind] = float(line.rsplit(" ", 1)[1])
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        self.stop()
         return {"endpoint": self.endpoint, "received": received, "messages": int(sum(received.values()))}
 
 

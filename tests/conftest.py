@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,8 @@ import requests
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import harness
+from bench.harness import free_port
 from gradwatch import wire
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,12 +29,6 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if any(item.get_closest_marker(m) for m in SLOW):
             item.add_marker(pytest.mark.slow)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children(pid: int) -> dict[int, bytes]:
@@ -81,16 +75,9 @@ def samples(text: str, name: str) -> dict[tuple, float]:
     return out
 
 
-@dataclass
-class AggregatorProcess:
-    proc: subprocess.Popen
-    endpoint: str
-    metrics_url: str
-    log: Path
-
-    @property
-    def base_url(self) -> str:
-        return self.metrics_url.rsplit("/", 1)[0]
+class AggregatorProcess(harness.AggregatorProcess):
+    """A real aggregator process on loopback (:class:`bench.harness.AggregatorProcess`), read as
+    the tests read it."""
 
     def findings(self, job: str | None = None, active: bool = False) -> list[dict]:
         """Events from /api/findings, newest first (or the active findings with ``active``)."""
@@ -106,33 +93,16 @@ class AggregatorProcess:
         r.raise_for_status()
         return r.text
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
-
-def start_aggregator(tmp_path: Path, *args: str, port: int | None = None) -> AggregatorProcess:
-    """Start ``python -m gradwatch.aggregator`` on loopback and wait until /healthz answers."""
-    zport, mport = port or free_port(), free_port()
-    log = tmp_path / f"aggregator-{zport}.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gradwatch.aggregator", "--listen", f"tcp://127.0.0.1:{zport}",
-         "--metrics-host", "127.0.0.1", "--metrics-port", str(mport), *args],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    agg = AggregatorProcess(proc, f"tcp://127.0.0.1:{zport}", f"http://127.0.0.1:{mport}/metrics", log)
-
-    def up():
-        if proc.poll() is not None:
-            pytest.fail(f"aggregator exited with {proc.returncode}: {log.read_text()}")
-        return requests.get(f"http://127.0.0.1:{mport}/healthz", timeout=1).json()["ok"]
-
-    wait_for(up, 20, what="aggregator /healthz")
-    return agg
+def start_aggregator(tmp_path: Path, *args: str, port: int | None = None, **kw) -> AggregatorProcess:
+    """``python -m gradwatch.aggregator`` on loopback, once /healthz answers (``args``: more
+    settings; ``port``: its ZeroMQ port; ``kw``: :class:`bench.harness.AggregatorProcess`'s
+    ``command``, ``env``, ...); its output in ``tmp_path``. Fails the test if it does not start."""
+    port = port or free_port()
+    try:
+        return AggregatorProcess(*args, log=tmp_path / f"aggregator-{port}.log", port=port, **kw)
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 def run_demo(endpoint: str, *, ranks: int = 3, steps: int = 40, every: int = 10, inject=(), job: str = "faults",

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from bench.harness import free_port
 
 IN, HID, OUT, BATCH, SEED, LR = 8, 16, 4, 6, 5, 0.05
 
@@ -238,10 +239,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--flip", default="")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_run, args=(args.ranks, port, args), nprocs=args.ranks)
+    mp.spawn(_run, args=(args.ranks, free_port(), args), nprocs=args.ranks)
 
 
 if __name__ == "__main__":

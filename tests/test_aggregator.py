@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gradwatch import wire
 
-from .conftest import ROOT, AggregatorProcess, free_port, samples, start_aggregator, wait_for
+from .conftest import ROOT, free_port, samples, start_aggregator, wait_for
 
 PARAMS = (
     ("emb.weight", (16, 4), "float32"),
@@ -845,21 +845,9 @@ def test_aggregator_runs_without_torch(tmp_path, push):
     blocked = subprocess.run([sys.executable, "-c", NO_TORCH + "import torch"], capture_output=True, text=True, timeout=30)
     assert blocked.returncode != 0 and "torch is blocked" in blocked.stderr  # the blocker works
 
-    zport, mport = free_port(), free_port()
-    log = tmp_path / "aggregator-no-torch.log"
     code = NO_TORCH + "from gradwatch.commands.cli import main\nsys.exit(main(['aggregator', *sys.argv[1:]]))"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, "--listen", f"tcp://127.0.0.1:{zport}", "--metrics-host", "127.0.0.1",
-         "--metrics-port", str(mport), "--publish-interval-s", "0.05"],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    agg = AggregatorProcess(proc, f"tcp://127.0.0.1:{zport}", f"http://127.0.0.1:{mport}/metrics", log)
+    agg = start_aggregator(tmp_path, "--publish-interval-s", "0.05", command=[sys.executable, "-c", code], cwd=ROOT)
     try:
-        def up():
-            assert proc.poll() is None, log.read_text()
-            return requests.get(f"http://127.0.0.1:{mport}/healthz", timeout=1).json()["ok"]
-
-        wait_for(up, 20, what="torch-less aggregator /healthz")
         r = FakeRank(push(agg.endpoint), "notorch", 0, 1)
         r.schema()
         r.report(0, probe=probe_arrays(len(SLOTS), len(PARAMS), 1))
@@ -867,8 +855,8 @@ def test_aggregator_runs_without_torch(tmp_path, push):
         assert value(text, "gradwatch_layer_activation_std", job_id="notorch", layer="fc1", agg="max") is not None
     finally:
         agg.stop()
-    assert proc.returncode == 0, log.read_text()
-    assert "Traceback" not in log.read_text()
+    assert agg.proc.returncode == 0, agg.tail()
+    assert "Traceback" not in agg.log.read_text()
 
 
 # --- (g) promtool lint on a real 2-rank demo run ------------------------------------------------------
