@@ -1,5 +1,5 @@
 """Steps per second of a 2-rank gloo DDP job with and without the agent, no aggregator anywhere,
-and where the agent's time on the training thread goes (issue 9).
+and where the agent's time on the training thread goes.
 
 Runs of ``--steps`` optimizer steps each, one variant at a time on the whole machine, alternating
 the variants' order every round; a run's figure is rank 0's steps/s after a warm-up of 200 steps;

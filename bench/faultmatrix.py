@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Detection quality of gradwatch's checks: a fault matrix over real gloo DDP jobs (issue 12).
+"""Detection quality of gradwatch's checks: a fault matrix over real gloo DDP jobs.
 
 Each run is one job: ``world`` rank processes (forked from this one, gloo on loopback, one torch
 thread each) train a model with the real agent attached, reporting to one real aggregator

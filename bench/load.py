@@ -1,4 +1,4 @@
-"""Load benchmark of the aggregator at fleet scale (issue 14).
+"""Load benchmark of the aggregator at fleet scale.
 
 Sender processes (``multiprocessing``) play many simulated ranks of one or more healthy jobs: each
 builds real wire frames with :func:`gradwatch.wire.encode` as the agent sends them (a schema per
@@ -33,7 +33,7 @@ paces every rank at R steps per second (freshness under a steady load).
 ``--inprocess`` instead feeds pre-encoded frames straight to ``Aggregator.handle`` in this process
 (no sockets; the receive thread's work: decode, state, checks, reconcile; with ``--scrape`` also
 the snapshot and the /metrics text once per step), optionally under cProfile (``--profile``): the
-figures issue 14 quotes per frame. Heartbeats (``--heartbeat-s`` > 0) go one per rank and step.
+figures bench/README.md quotes per frame. Heartbeats (``--heartbeat-s`` > 0) go one per rank and step.
 
 Usage::
 

@@ -533,8 +533,8 @@ def test_c32_sender_survives_failing_builders_and_keeps_sending(collector):
 
 
 def test_c32_fresh_agent_counts_no_errors(collector):
-    """A fresh agent's first heartbeat builds cleanly: no failure counted (the heartbeat once ran
-    before the monitor had its sender and failed on most attaches). Repeated because it was a race.
+    """A fresh agent's first heartbeat builds cleanly: no failure counted (a heartbeat built
+    before the monitor has its sender would fail). Repeated: the order is a race between threads.
     A peer listens: with IMMEDIATE nothing is built or handed over without one."""
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -1,4 +1,4 @@
-"""Issue 14 on the agent's side: a bounded message rate per rank, schema traffic bounded.
+"""The agent's side of a large job: a bounded message rate per rank, schema traffic bounded.
 
 The sender coalesces the records of unprobed steps into ``wire.Steps`` messages (``coalesce_s``),
 sends a probe's report right after the steps before it, flushes at once at an anomaly, sends

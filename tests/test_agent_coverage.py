@@ -1,4 +1,4 @@
-"""Issue 11: what a new user's model does that the agent must cover, each against float64 references.
+"""What a new user's model does that the agent must cover, each against float64 references.
 
 Sparse gradients, activation checkpointing, PyTorch's fused fast paths, torch.compile, large
 tensors' norms, empty / complex / integer outputs, modules called several times, keyword-only

@@ -1,4 +1,4 @@
-"""The agent never slows training, whatever the aggregator does (issue 9): with no aggregator,
+"""The agent never slows training, whatever the aggregator does: with no aggregator,
 one that comes late, one killed with SIGKILL and restarted, one stopped with SIGSTOP.
 
 Deterministic under load: they bound what the sender thread *does* (its CPU time from the
@@ -119,8 +119,8 @@ def test_no_aggregator_the_sender_thread_stays_idle_and_counts_each_lost_report_
 
 def test_an_agent_that_reaches_no_aggregator_says_so_during_the_run_and_again_once_one_answers(tmp_path, caplog,
                                                                                                  monkeypatch):
-    """A wrong endpoint, or an aggregator not started, was said only at close: a multi-day job
-    learned it at its end (a user's trial). Once UNREACHED_WARN_S (1 s here) pass without any
+    """A wrong endpoint, or an aggregator not started, is said during the run, not only at close
+    (a multi-day job would learn it at its end): once UNREACHED_WARN_S (1 s here) pass without any
     connection the agent warns, once, naming the endpoint; when an aggregator then answers, it
     says that too. Training never waits."""
     from gradwatch.agent import transport

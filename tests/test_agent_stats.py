@@ -275,7 +275,7 @@ _containers = seeded(1, Containers)
 def test_c04_dict_list_tuple_dataclass_none_and_float_outputs(collector):
     """C04: every floating tensor leaf of dict / list / nested tuple / dataclass outputs gets
     activation and output-gradient stats under a path suffix; None, floats, ints and bools get
-    no statistics (a module with none of its own only counts its call, issue 11); the user's output objects come back unchanged (asserted inside forward)."""
+    no statistics (a module with none of its own only counts its call); the user's output objects come back unchanged (asserted inside forward)."""
     model = _containers()
     x = torch.randn(7, 5)
     _, probes = train(collector, model, lambda s: model(x).backward(), steps=2)
@@ -297,7 +297,7 @@ def test_c04_dict_list_tuple_dataclass_none_and_float_outputs(collector):
         assert p.slots_of("d") == [".logits", ".aux"]
         assert p.slots_of("l") == ["[0]", "[1][0]", "[1][1]"]
         assert p.slots_of("dc") == [".logits", ".hidden"]
-        # issue 11: a module without a floating output still counts its call, on a slot "" with
+        # a module without a floating output still counts its call, on a slot "" with
         # no statistics (its act row is "not observed")
         assert p.slots_of("none") == [""] and p.slots_of("flt") == [""]
         for m in ("none", "flt"):

@@ -232,9 +232,9 @@ def test_kubernetes_manifests_parse_and_agree_with_the_shipped_files():
 
 
 def test_the_cluster_wide_and_per_job_aggregators_each_select_only_their_own():
-    """An SRE's trial: in one namespace the cluster-wide Service also selected the per-job pods
-    (agents spread over every aggregator, a job's ranks split), and its ServiceMonitor the per-job
-    Services (scraped twice, beside their PodMonitor)."""
+    """In one namespace the cluster-wide Service selects no per-job pod (agents would spread over
+    every aggregator, a job's ranks split), and its ServiceMonitor no per-job Service (scraped
+    twice, beside their PodMonitor)."""
 
     def kinds(path):
         return {d["kind"]: d for d in yaml.safe_load_all(path.read_text()) if d}
@@ -319,8 +319,8 @@ def test_stack_command_is_a_gradwatch_subcommand(tmp_path):
 
 
 def test_runbook_links_can_point_at_your_own_copy_of_the_runbook(tmp_path):
-    """The shipped links name a public repository; a team serves its own RUNBOOK.md (an SRE's
-    trial): --runbook-url moves every alert's link there, in the rendered rules and the
+    """The shipped links name a public repository; a team may serve its own RUNBOOK.md:
+    --runbook-url moves every alert's link there, in the rendered rules and the
     PrometheusRule alike, each keeping its section; a URL that is not http(s), or brings its own
     #fragment, is refused naming the setting."""
     base = "https://wiki.example.com/ml/gradwatch/RUNBOOK.md"

@@ -155,8 +155,8 @@ def test_alertmanager_holds_back_warnings_under_a_critical_of_the_same_job_and_r
 
 def test_a_spike_pages_naming_its_rank_even_if_no_scrape_saw_it_flagged(env):
     """An explosion finding lasts spike_window steps, often less than a scrape interval: its rank's
-    check_rank_flagged may never be scraped, and GradientExplosion then paged for the job alone,
-    without its rank (an SRE trial). gradwatch_rank_finding_raised_timestamp_seconds keeps the
+    check_rank_flagged may never be scraped, and GradientExplosion would page for the job alone,
+    without its rank. gradwatch_rank_finding_raised_timestamp_seconds keeps the
     rank: one alert, naming rank 2, whether or not a scrape caught the flag."""
     agg, ps = env
     run_demo(agg.endpoint, ranks=3, steps=25, every=10, inject=["explode@20:rank=2"], job="spike")

@@ -1,4 +1,4 @@
-"""CURVE authentication (issue 9): keys made by ``gradwatch keys``, a real aggregator with a CURVE
+"""CURVE authentication: keys made by ``gradwatch keys``, a real aggregator with a CURVE
 ROUTER socket and a ZAP handler, real agents and real DEALER peers with right, wrong and no keys.
 Also the plain-TCP defaults: loopback binds, a warning for a wide bind without CURVE.
 """
@@ -221,7 +221,7 @@ def test_only_the_jobs_own_key_marks_it_overloaded():
     """With CURVE on, a job is bound to the key that created it, and so is its overload mark: frames
     of another client claiming the job's id, dropped by the intake, do not mute the job's silence
     checks (rank_silent still names its silent rank); drops of frames of the job's own key do.
-    Without CURVE (no user id) a drop marks the job it claims, as before."""
+    Without CURVE (no user id) a drop marks the job it claims."""
     from gradwatch.aggregator.checks import Thresholds
     from gradwatch.aggregator.runner import Runner
     from gradwatch.aggregator.intake import Intake
@@ -293,9 +293,9 @@ def test_agent_missing_key_file_fails_at_attach_naming_the_setting(keys, tmp_pat
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to run a check as another user")
 def test_a_service_user_reaches_the_client_keys_and_is_told_when_it_cannot():
-    """An SRE's trial: the systemd unit (DynamicUser) could not read DIR/clients of a root-made
-    `gradwatch keys DIR` (0700), and was told the directory "names no file". DIR is now 0711, and a
-    directory on the way it may not search is named as such."""
+    """A service user (the systemd unit's DynamicUser) reads DIR/clients of a root-made
+    `gradwatch keys DIR`: DIR is 0711, searchable by others; a directory on the way that it may not
+    search is named as such (not as a path that "names no file")."""
     import shutil
     import tempfile
 
@@ -326,7 +326,7 @@ def test_a_service_user_reaches_the_client_keys_and_is_told_when_it_cannot():
             return out
 
         assert as_nobody() == "1"
-        os.chmod(base / "keys", 0o700)  # as before
+        os.chmod(base / "keys", 0o700)  # not searchable by others
         said = as_nobody()
         assert "permission denied to this process (uid 65534)" in said and "0711" in said, said
     finally:
@@ -349,7 +349,7 @@ def test_aggregator_key_errors_fail_at_start_naming_the_setting(keys, tmp_path):
         (dict(server_key=str(tmp_path / "nope.key_secret"), client_keys=str(keys / "clients")), r"aggregator\.server_key: .*nope"),
         (dict(server_key=str(keys / "server.key_secret"), client_keys=str(tmp_path)), r"aggregator\.client_keys: .*no \.key file"),
         (dict(server_key=str(keys / "server.key_secret")), r"aggregator\.client_keys: needed with server_key .*--client-keys"),
-        # one secret file as the admitted key (a user's trial: accepted, it admitted the server's own pair)
+        # one secret file as the admitted key: accepted, it would admit the server's own pair
         (dict(server_key=str(keys / "server.key_secret"), client_keys=str(keys / "server.key_secret")),
          r"aggregator\.client_keys: .*holds a secret key: give the client's public \.key file"),
         # gradwatch keys' own directory: its server.key would be the one client admitted
@@ -447,9 +447,9 @@ def test_a_refused_agent_says_so_once_and_at_close(keys, curve_aggregator, caplo
 @pytest.mark.parametrize("where", ["curve", "http"])
 def test_an_agent_whose_handshake_never_completes_says_so(where, curve_aggregator, caplog, monkeypatch):
     """A keyless agent pointed at an aggregator with CURVE on, or at its HTTP port: TCP connects,
-    no ZMTP handshake completes, nothing arrives. The agent took the TCP connection for one and
-    said nothing at all; it now counts the failed handshakes, warns once they have lasted
-    HANDSHAKE_WARN_S (2 s here) naming the settings to check, and again at close."""
+    no ZMTP handshake completes, nothing arrives. A TCP connection is no handshake: the agent
+    counts the failed handshakes, warns once they have lasted HANDSHAKE_WARN_S (2 s here) naming
+    the settings to check, and again at close."""
     from gradwatch.agent import transport
 
     monkeypatch.setattr(transport, "HANDSHAKE_WARN_S", 2.0)

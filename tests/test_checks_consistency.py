@@ -68,10 +68,9 @@ def test_replica_drift_reads_weight_fingerprints():
 @pytest.mark.parametrize("cls", [GradientAgreement, ReplicaDrift])
 def test_a_round_too_small_to_judge_leaves_the_findings_standing(cls):
     """A burst of probes on the one rank whose own gradient norm spiked makes rounds of that rank
-    alone. Such a round cannot judge agreement; it answered no_data, the runner dropped the active
-    finding, and the next full round raised the same fault again: two findings for one fault
-    (false-finding helper: a 2-rank TP job, 3 of 3 runs). It now changes nothing; a check that
-    never judged the job still says no_data."""
+    alone. Such a round cannot judge agreement and changes nothing (answering no_data would drop
+    the active finding, and the next full round would raise the same fault again: two findings for
+    one fault); a check that never judged the job says no_data."""
     check = cls(Thresholds())
     assert check.on_round(JOB, _round([[1, 2]], ranks=(2,))).outcome == Outcome.NO_DATA  # nothing judged yet
     full = _round([[1, 2], [1, 2], [8, 2]], step=10)
@@ -306,7 +305,7 @@ def test_a_mesh_ranks_steps_sent_before_its_schema_are_judged_where_it_is_on_the
     assert job.events("grad_agreement") == [("raised", 0, 3, None), ("resolved", 0, 3, None)]
 
 
-# --- knock-ons: a desync's drift is its own fault's (issue 12) -------------------------------------
+# --- knock-ons: a desync's drift is its own fault's ----------------------------------------------
 
 FP = np.arange(1, len(PARAMS) + 1, dtype=np.uint64)
 DRIFTED = FP.copy()
@@ -451,7 +450,7 @@ def test_desync_after_all_reduce_is_named_with_rank_step_and_parameter(agg):
     run_demo(agg.endpoint, ranks=3, steps=25, every=10, inject=["desync@20:rank=2"], job="desync")
     _settled(agg, "desync", [0, 10, 20])
     # the perturbed gradient is seen at step 20, and the replica it updates drifts from then on:
-    # the drift is the desync's knock-on, folded into its finding (issue 12: one fault, one finding)
+    # the drift is the desync's knock-on, folded into its finding (one fault, one finding)
     assert _raised(agg, "desync") == [("grad_agreement", 2, 20)]
     grad = next(e for e in agg.findings("desync") if e["check"] == "grad_agreement")
     assert grad["details"]["params"] == ["head.weight"] and grad["severity"] == "critical"
@@ -579,8 +578,8 @@ def _tp_rank(rank: int, endpoint: str, master_port: int) -> None:
 def test_a_one_rank_burst_does_not_raise_a_persistent_drift_twice(tmp_path):
     """A 2-rank tensor-parallel job; rank 1's loss x 1e6 at step 25 leaves its replicated head's
     weights different for good. Only rank 1's sentinel sees its spike, so only it bursts (probes
-    26-29: rounds of one rank). replica_drift names rank 1 once for the whole run; before, each
-    burst round dropped the finding and the next full round raised it again."""
+    26-29: rounds of one rank). replica_drift names rank 1 once for the whole run: a burst round
+    keeps the finding, so the next full round does not raise it again."""
     import torch.multiprocessing as mp
 
     from .conftest import free_port, samples

@@ -144,7 +144,7 @@ def test_explosion_spike_is_a_factor_of_the_rolling_median(history, norm, kinds)
 
 def test_under_gradient_clipping_a_blow_up_is_found_from_the_local_norms_naming_its_rank():
     """clip_grad_norm_ caps the global norm the agent measures at the optimizer step: a rank's 1e6x
-    loss blow-up read as a norm at the clip, and no finding (a user's trial). The local norms,
+    loss blow-up reads as a norm at the clip, and would raise no finding. The local norms,
     taken during backward before any clipping, spike: one finding, naming the rank, from the step
     it happened; a healthy job's local norms, jittering and never clipped, raise none."""
     rng = np.random.default_rng(5)
@@ -203,7 +203,7 @@ def test_explosion_per_layer_names_at_most_max_layers_worst_layers():
     job = Job(["explosion"], max_layers=2)
     grads = {"emb.weight": {0: 2e3}, "fc1.weight": {0: 8e3}, "fc2.weight": {0: 5e3}, "head.weight": {0: 1.5e3}}
     job.step(0, 1.0, arrays=probe(param=grads))
-    # one fault, one finding (it was one per layer): named by its worst layer, listing the worst max_layers
+    # one fault, one finding (not one per layer): named by its worst layer, listing the worst max_layers
     assert job.events("explosion") == [("raised", 0, None, "fc1")]
     (f,) = job.active("explosion")
     assert list(f.details["layers"]) == ["fc1", "fc2"]
@@ -528,7 +528,7 @@ def test_dead_units_named_after_dead_probes_consecutive_probes_median_over_ranks
                                          ("ELU", False), ("Hardtanh", False), ("Dropout", False)])
 def test_dead_units_judges_the_activations_whose_tails_round_to_exact_zeros(typ, judged):
     """GELU, SiLU and Mish round to an exact 0 far in their negative tails (the transformers'
-    activations: before, a dead GELU layer was no_data); activations with a negative slope or
+    activations: a dead GELU layer is judged, not no_data); activations with a negative slope or
     constant, Hardtanh and Dropout are not judged."""
     slots = tuple((m, o, typ if t == "ReLU" else t, d) for m, o, t, d in SLOTS)
     job = Job(["dead_units"], slots=slots, dead_probes=1)
@@ -684,7 +684,7 @@ def test_explosion_explode_at_23_on_rank_1_of_3_named_from_local_norms(demos):
 @pytest.mark.ddp
 def test_explosion_under_gradient_clipping_found_from_the_local_norms_naming_rank_1(demos):
     """The same blow-up with the gradient norm clipped before the step: the global norm reads at
-    the clip (a user's trial: no finding at all); the local norms, before clipping, name it."""
+    the clip (no finding from it); the local norms, before clipping, name it."""
     (e,) = wait_for(lambda: raised(demos, "clipped", "explosion"), 10, what="an explosion finding under clipping")
     assert (e["step"], e["rank"], e["layer"]) == (23, 1, None), e
     assert e["details"]["kinds"] == ["spike"] and e["details"]["grad_norm"] <= 0.5 * (1 + 1e-5), e

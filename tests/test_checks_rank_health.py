@@ -143,7 +143,7 @@ def test_outlier_rank_a_named_rank_gone_for_good_does_not_keep_its_finding():
 
 
 def test_the_log_line_of_a_finding_names_its_job(caplog):
-    """One aggregator serves many jobs: its raised and resolved lines say whose (SRE helper)."""
+    """One aggregator serves many jobs: its raised and resolved lines say whose."""
     import logging
 
     caplog.set_level(logging.INFO, logger="gradwatch")
@@ -242,7 +242,7 @@ def test_straggler_starts_a_restarted_rank_over_though_its_peer_groups_are_kept_
 def test_a_job_every_rank_of_which_said_goodbye_is_marked_ended(reason, ends):
     """A straggler named until the job's end: every rank's goodbye says its process ended, and
     grace_s later (its last rounds judged) the job is ended (gradwatch_job_ended: the alert rules
-    leave it alone; its StragglerRank had fired on for rank_ttl_s after it finished, SRE helper).
+    leave it alone, or StragglerRank would fire on for rank_ttl_s after it finished).
     The finding stays, the truth about the job's end. An agent switched off after errors (training
     may go on) ends nothing; a rank heard again makes the job live again."""
     from gradwatch.aggregator.checks import CHECKS
@@ -552,7 +552,7 @@ def test_a_forgotten_or_restarted_jobs_active_findings_are_resolved_saying_why()
 
 
 def test_silence_while_the_intake_drops_the_jobs_frames_names_no_rank():
-    """Overload (issue 9/14): the aggregator's intake dropped frames of this job. A rank it did
+    """Overload: the aggregator's intake dropped frames of this job. A rank it did
     not hear from may have spoken: rank_silent, step_skew and training_stalled name nobody new for
     silent_after_s after the last drop; then they judge again. Another job's drops change nothing."""
     j = Job(["rank_silent", "step_skew", "training_stalled"], silent_after_s=5, stall_after_s=4)
@@ -573,10 +573,10 @@ def test_silence_while_the_intake_drops_the_jobs_frames_names_no_rank():
 
 
 def test_a_job_whose_goodbyes_the_intake_dropped_is_not_named_silent_after_the_overload():
-    """Issue 14: a large job ends in a burst (its final reports and goodbyes) that the intake
+    """A large job ends in a burst (its final reports and goodbyes) that the intake
     drops in part. Some goodbyes came through near the drop: the ranks last heard then are not
     named silent after the overload window. A rank silent since well before stays named, and a
-    job whose ranks all stop at a drop without any goodbye is named as before."""
+    job whose ranks all stop at a drop without any goodbye is named."""
     j = Job(["rank_silent"], world=4, silent_after_s=5)
     for r in range(4):
         j.heartbeat(r)
@@ -797,7 +797,7 @@ def test_training_stalled_restarts_its_clock_when_the_aggregator_heard_nothing_o
     assert j.named("training_stalled") == [2]
 
 
-# --- knock-ons: one stopped rank, one finding (issue 12) ------------------------------------------
+# --- knock-ons: one stopped rank, one finding ---------------------------------------------------
 
 
 def test_a_silent_ranks_stall_is_folded_into_its_rank_silent_finding():
@@ -936,8 +936,8 @@ def test_step_skew_has_no_data_with_one_live_rank():
 
 # --- real DDP runs -------------------------------------------------------------------------------
 
-# rank_silent and training_stalled run at their defaults (issue 12: named within seconds, and never
-# in a clean run, at default settings)
+# rank_silent and training_stalled run at their defaults (named within seconds, and never in a clean
+# run, at default settings)
 SHORT = (
     "--round-grace-s", "3", "--publish-interval-s", "0.05",
     # the demo's tiny model on shared CPUs: compute times of 5-30 ms that jitter by 10 ms between

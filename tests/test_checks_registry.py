@@ -193,7 +193,7 @@ def test_runner_skips_on_tick_of_a_check_judging_silence_while_its_job_is_overlo
 
 def test_knock_on_of_names_only_registered_checks_one_level_deep():
     """Every check's ``knock_on_of`` (the checks whose finding explains its own, folded by the
-    Runner) names registered checks, never itself nor another knock-on; the two of issue 12."""
+    Runner) names registered checks, never itself nor another knock-on."""
     knock = {n: c.knock_on_of for n, c in CHECKS.items() if c.knock_on_of}
     assert knock == {"training_stalled": ("rank_silent",), "replica_drift": ("grad_agreement",)}
     for name, causes in knock.items():

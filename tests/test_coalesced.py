@@ -1,7 +1,7 @@
 """Coalesced records (wire ``steps``) against one report per step: the aggregator draws the same
 conclusions from both.
 
-Issue 14: the agent sends its per-step records in batches, a few per second; the checks must raise
+The agent sends its per-step records in batches, a few per second; the checks must raise
 exactly what they raise when every step comes on its own. Each scenario below is one job's
 traffic, fed to a real :class:`State` and checks :class:`Runner` twice, through ``wire.encode`` and
 ``wire.decode``: once as one report per rank per step (in step order), once as ``steps`` batches of
@@ -179,7 +179,7 @@ def with_probes(traffic, every: int = 5, seed: int = 0) -> list[list[wire.Report
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rounds_reconciled_in_slices_raise_exactly_what_rounds_reconciled_at_once_do(seed):
-    """Issue 14: a large job's probed step is reconciled in slices between the writer's batches
+    """A large job's probed step is reconciled in slices between the writer's batches
     of frames (round_slice_ranks). The same traffic with every round reconciled at once and with
     every round sliced, slices run at random between messages (often none until later steps
     have come), raises and resolves the same findings and leaves the same latest round."""

@@ -95,8 +95,8 @@ def test_a_demo_with_its_agents_switched_off_does_not_read_their_settings():
 
 @pytest.mark.ddp
 def test_stopping_the_demo_with_sigterm_stops_its_ranks():
-    """A scheduler or a user stopping the demo (SIGTERM) left its rank processes training, orphaned
-    (SRE helper): they now stop with it, and the demo exits as killed by the signal would."""
+    """A scheduler or a user stopping the demo (SIGTERM) stops its rank processes with it (none
+    left training, orphaned), and the demo exits as killed by the signal would."""
     from .conftest import children, wait_for
 
     demo = subprocess.Popen([sys.executable, "-m", "gradwatch.commands", "demo", "--steps", "100000", "--no-progress",

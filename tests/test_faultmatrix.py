@@ -1,4 +1,4 @@
-"""The fault matrix's CI slice (bench/faultmatrix.py, issue 12): real 2-rank gloo DDP jobs on the
+"""The fault matrix's CI slice (bench/faultmatrix.py): real 2-rank gloo DDP jobs on the
 CNN against a real aggregator at default thresholds, one fault each, injected into the job's own
 tensors at step 30 (probed) or 35 (not: the rotation puts explode and the forward NaN there, which
 the NaN guard locates); each fault must be found by its check, naming the injected rank (and

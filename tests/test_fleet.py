@@ -1,4 +1,4 @@
-"""Beyond one job (issue 14): one aggregator per job, found by Prometheus, and a fleet's view.
+"""Beyond one job: one aggregator per job, found by Prometheus, and a fleet's view.
 
 - ``--file-sd-path``: the aggregator writes its Prometheus target file atomically (0644, the port
   it bound), once it serves /metrics, and removes it when it stops, not another aggregator's; bad

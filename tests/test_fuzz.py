@@ -1,4 +1,4 @@
-"""Issue 9: 100,000 malformed, mutated and forged frames through the aggregator's receive path
+"""100,000 malformed, mutated and forged frames through the aggregator's receive path
 (``Aggregator.handle``: decode and apply) beside a legitimate job: no exception escapes or is
 swallowed as ``internal``, state and memory stay bounded, and the legitimate job's every exported
 series equals that of the same job without the fuzz. ``bench/fuzz.py`` runs a million."""

@@ -116,8 +116,8 @@ def test_committed_files_match_the_generator():
 
 
 def test_generate_writes_where_it_is_told(tmp_path, capsys):
-    """An SRE's trial: from an installed package, `gradwatch grafana generate` wrote into
-    site-packages (its own folder), saying `wrote grafana/...` as if into the working directory."""
+    """From an installed package, `gradwatch grafana generate` writes where it is told (never
+    into site-packages, its own folder) and says where it wrote."""
     before = {p: p.stat().st_mtime_ns for p in generate.ROOT.rglob("*") if p.is_file()}
     assert generate.main(["--out", str(tmp_path / "g")]) == 0
     wrote = [line.removeprefix("wrote ") for line in capsys.readouterr().out.splitlines()]
@@ -243,7 +243,7 @@ def test_provisioning_files_point_at_the_datasource_and_folder():
     for d in DASHBOARDS.values():  # the dashboards preselect the provisioned datasource
         assert d["templating"]["list"][0]["current"]["value"] == source["uid"]
     # Grafana's $__rate_interval is 4x the datasource's timeInterval: at 5s against the shipped
-    # 15s scrape a rate window held one sample, and the rate panels had gaps (SRE helper)
+    # 15s scrape a rate window would hold one sample, and the rate panels would have gaps
     prom = yaml.safe_load((generate.PROVISIONING_DIR.parents[1] / "deploy" / "prometheus" / "prometheus.yml").read_text())
     assert source["jsonData"]["timeInterval"] == prom["global"]["scrape_interval"]
 

@@ -1,4 +1,4 @@
-"""Issue 14: bench/load.py in small (64 ranks x 20 layers, a few seconds) as a correctness test of
+"""bench/load.py in small (64 ranks x 20 layers, a few seconds) as a correctness test of
 the aggregator under load: real sender processes, real ZeroMQ, the real aggregator process. Every
 message sent is counted by the aggregator, received by kind or rejected by reason (none lost
 silently); the healthy simulated job raises no finding; /metrics shows every rank at the newest

@@ -142,7 +142,8 @@ def test_attach_with_an_endpoint_without_port_fails_naming_it_and_leaves_no_hook
     ("tcp://127.0.0.1:99999", True, "port 99999 is out of range (1-65535, or 0 for any free one)"),
 ])
 def test_an_endpoint_says_what_is_wrong_with_its_port(v, bind, says):
-    """A user's trial: port 99999 was refused as "needs a port", though one was given."""
+    """An endpoint's error says what is wrong with its port: missing, or out of range (for a bind,
+    0 is any free one)."""
     from gradwatch.settings import endpoint
 
     with pytest.raises(ValueError) as e:
@@ -265,7 +266,7 @@ def test_a_live_ranks_boot_cannot_be_taken_over():
 
 def test_state_stays_bounded_whatever_job_ids_and_world_sizes_peers_claim():
     """Jobs that never sent a schema and a step take no slot: at most max_pending_jobs of them are
-    held, the least recently heard evicted (issue 9: invented job ids cannot squat slots); jobs
+    held, the least recently heard evicted (invented job ids cannot squat slots); jobs
     that did hold one of max_jobs slots, and further ones are rejected."""
     st = State(clock=Clock(), max_jobs=3, max_world=8, max_pending_jobs=3)
     for i in range(10):
@@ -370,9 +371,8 @@ def test_an_intake_smaller_than_the_largest_message_fails_at_start_naming_it():
 
 
 def test_the_agents_warnings_point_at_the_users_line():
-    """A user's trial: a warning at the end of ``with attach(...)`` named gradwatch's own
-    monitor.py (where close() noticed), not the user's code: it now names the first frame outside
-    gradwatch and torch."""
+    """A warning at the end of ``with attach(...)`` names the user's line: the first frame
+    outside gradwatch and torch, not gradwatch's own monitor.py where close() noticed."""
     import inspect
     import warnings
 

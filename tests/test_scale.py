@@ -1,5 +1,5 @@
-"""Issue 14: the aggregator's speedups keep its behaviour. Each fast path is compared with the
-straightforward computation it replaces, on inputs chosen to reach its corners (ties, duplicates,
+"""The aggregator's fast paths keep its behaviour. Each fast path is compared with the
+straightforward computation of the same result, on inputs chosen to reach its corners (ties, duplicates,
 several schemas in one round, checks without a handler)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Issue 14, probed steps: the round layout cache and the fast paths of reconciliation and of
-the checks keep their behaviour bit for bit. Each is compared with the general
-computation (or the straightforward one it replaced) on random inputs chosen to reach its corners:
+"""Probed steps: the round layout cache and the fast paths of reconciliation and of the checks
+keep their behaviour bit for bit. Each is compared with the general computation (or a
+straightforward one of the same result) on random inputs chosen to reach its corners:
 NaN, Inf, zeros of both signs, ties, several schemas in a round, ranks joining and leaving."""
 
 from __future__ import annotations
