@@ -605,8 +605,8 @@ def test_coalesce_s_0_sends_each_turns_records_at_once(collector):
 
 
 def test_the_last_messages_get_a_bounded_linger_at_close_and_none_without_an_aggregator(collector):
-    """With LINGER 0 at close ZeroMQ dropped what it had taken but not yet written: now and then
-    the goodbye, and a job that closed properly was named silent. A connected sender closes its
+    """With LINGER 0 at close ZeroMQ drops what it has taken but not yet written: now and then the
+    goodbye, and a job that closed properly would be named silent. A connected sender closes its
     socket with CLOSE_LINGER_MS (bounded); one that never connected with none (exit never waits)."""
     from gradwatch.agent.transport import CLOSE_LINGER_MS
 

@@ -273,7 +273,7 @@ def test_agent_missing_key_file_fails_at_attach_naming_the_setting(keys, tmp_pat
     with pytest.raises(agent.ConfigError, match=r"agent\.client_key \(GRADWATCH_CLIENT_KEY\): ") as e:
         agent.attach(model, opt, server_key=good["server_key"])
     assert bad_secret not in str(e.value)
-    # "/" is a Z85 character (in ~38 % of keys): such a secret, cut short, was shown as if a path
+    # "/" is a Z85 character (in ~38 % of keys): such a secret, cut short, must not show as a path
     while b"/" not in (pair := zmq.curve_keypair())[1]:
         pass
     key = pair[1].decode()

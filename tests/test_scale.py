@@ -68,7 +68,8 @@ def _schema(rank, layers, dup=False):
 
 
 def _reference(world, schemas, step, reports, complete):
-    """The per-rank reconciliation this change replaced (fingerprints and rows, one rank at a time)."""
+    """The round reconciled rank by rank (each rank's rows and fingerprints placed one at a time):
+    what the reconciliation grouped by schema must equal."""
     from gradwatch.aggregator import reductions
 
     rr = reconcile(world, schemas, step, reports, complete)
