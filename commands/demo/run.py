@@ -98,7 +98,7 @@ def train_rank(rank: int, cfg: DemoConfig, master_port: int, endpoint: str, resu
         # a DDP's Reducer frees its process group holding the GIL, and gloo's destructor joins worker
         # threads that may need the GIL for a finished collective (pytorch/pytorch#56297): the Reducer
         # must not hold the group's last reference. Free it (cycles too) while the group is registered;
-        # freed after destroy_process_group, it hung a rank now and then (CI, agent switched off)
+        # freed after destroy_process_group, it can hang a rank (seen in CI, with the agent switched off)
         gc.collect()
     finally:
         dist.destroy_process_group()
@@ -153,8 +153,8 @@ def _spawned(rank, cfg, master_port, endpoint, results):
     train_rank(rank, cfg, master_port, endpoint, results)
     # done: results sent (a SimpleQueue writes at once), process group destroyed, agent closed.
     # torch 2.13's gloo teardown at interpreter exit now and then aborts the process ("terminate
-    # called without an active exception", also without the agent), which failed a finished demo:
-    # leave without it
+    # called without an active exception", also without the agent), which would fail a finished
+    # demo: leave without it
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
