@@ -260,3 +260,48 @@ def aggregator(tmp_path):
     agg = start_aggregator(tmp_path, "--round-grace-s", "3", "--publish-interval-s", "0.05")
     yield agg
     agg.stop()
+
+
+def loopback(**settings):
+    """An aggregator's settings (:func:`gradwatch.aggregator.load`) for one in this process: ZeroMQ
+    and HTTP on free loopback ports, a snapshot every 0.05 s, no events file, no Grafana;
+    ``settings`` change any of them."""
+    from gradwatch.aggregator import load
+
+    base = dict(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
+                events_path="", grafana_url="")
+    return load(**{**base, **settings})
+
+
+@pytest.fixture
+def local_aggregator():
+    """``local_aggregator(**settings)``: a real aggregator in this process (its intake thread,
+    writer thread, checks and HTTP server) on loopback (:func:`loopback` ``(**settings)``),
+    started; every one started is stopped after the test."""
+    from gradwatch.aggregator import Aggregator
+
+    started = []
+
+    def start(**settings):
+        started.append(Aggregator(loopback(**settings)).start())
+        return started[-1]
+
+    yield start
+    for agg in reversed(started):
+        agg.stop()
+
+
+@pytest.fixture
+def push():
+    """``push(endpoint)``: a ZeroMQ DEALER socket connected to ``endpoint``, as an agent's (the
+    messages sent on one socket arrive in order); all closed after the test."""
+    ctx = zmq.Context()
+
+    def make(endpoint: str):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 2000)
+        s.connect(endpoint)
+        return s
+
+    yield make
+    ctx.destroy(linger=2000)

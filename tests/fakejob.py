@@ -188,6 +188,49 @@ class FakeJob:
         self.digest[rank] = self.model.digest
 
 
+class Rank:
+    """One rank of a job, reduced to its agent's messages: a :class:`FakeJob` of its own
+    (``job``, here as ``fake``) with the rank bound. ``seq``, ``boot``, ``digest`` (the schema its
+    reports name) and ``coord`` are the rank's; ``world`` its claim of the job's size."""
+
+    def __init__(self, send: Callable, job: str, rank: int, world: int, model: Model = NET, **kw):
+        self.fake = FakeJob(send, job, world, model, **kw)
+        self.job, self.rank = job, rank
+
+    seq = property(lambda self: self.fake.seq[self.rank], lambda self, n: self.fake.seq.__setitem__(self.rank, n))
+    boot = property(lambda self: self.fake.boot[self.rank], lambda self, b: self.fake.boot.__setitem__(self.rank, b))
+    digest = property(lambda self: self.fake.digest[self.rank],
+                      lambda self, d: self.fake.digest.__setitem__(self.rank, d))
+    coord = property(lambda self: self.fake.coord.get(self.rank, ()),
+                     lambda self, c: self.fake.coord.__setitem__(self.rank, c))
+    world = property(lambda self: self.fake.world, lambda self, n: setattr(self.fake, "world", n))
+    model = property(lambda self: self.fake.model)
+
+    def header(self, t: Optional[float] = None) -> wire.Header:
+        return self.fake.header(self.rank, t)
+
+    def schema(self, **kw) -> wire.Schema:
+        return self.fake.schema(self.rank, **kw)[0]
+
+    def record(self, step: int, *args, **kw) -> wire.Report:
+        return self.fake.record(self.rank, step, *args, **kw)
+
+    def report(self, step: int, *args, **kw) -> wire.Report:
+        return self.fake.report(self.rank, step, *args, **kw)
+
+    def heartbeat(self, step: int = -1, **kw) -> wire.Heartbeat:
+        return self.fake.heartbeat(self.rank, step, **kw)
+
+    def goodbye(self, reason: str = "exit", step: int = -1, **kw) -> wire.Heartbeat:
+        return self.fake.goodbye(self.rank, reason, step, **kw)
+
+    def restart(self, boot: Optional[str] = None, model: Optional[Model] = None) -> None:
+        """A new agent instance (:meth:`FakeJob.restart`), of ``model`` if given."""
+        if model is not None:
+            self.fake.model = model
+        self.fake.restart(self.rank, boot)
+
+
 def to_socket(sock) -> Callable:
     """``send`` for :class:`FakeJob`: each message encoded onto ``sock`` (ZeroMQ keeps one
     socket's order)."""
@@ -206,7 +249,9 @@ class InProcess:
     ``checks``: the checks to run (names); ``thresholds``: their settings (``Thresholds``
     fields); ``t0``: the clock's start (s); ``wall``: the runner's wall clock (default the fake
     clock); ``roundtrip``: messages go through ``wire.encode``/``wire.decode`` (else applied as
-    built); ``state``: more :class:`State` arguments (``grace_s``, ...).
+    built); ``state``: more :class:`State` arguments (``grace_s``, ...). Every job is proven as
+    it comes (``proof_steps`` 0: the checks judge its first message) unless ``state`` says
+    otherwise: what a check concludes is tested here, admission in tests/test_admission.py.
     """
 
     def __init__(self, checks=(), thresholds: Optional[dict] = None, *, t0: float = 100.0,
@@ -218,7 +263,7 @@ class InProcess:
         self.now = t0
         self.roundtrip = roundtrip
         self.runner = Runner(list(checks), Thresholds(**(thresholds or {})), wall=wall or self.clock)
-        self.state = State(clock=self.clock, runner=self.runner, **state)
+        self.state = State(clock=self.clock, runner=self.runner, **{"proof_steps": 0, **state})
 
     def clock(self) -> float:
         return self.now

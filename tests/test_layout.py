@@ -258,20 +258,17 @@ def test_importing_the_wire_module_pulls_in_neither_torch_nor_prometheus():
     assert out == "[]"
 
 
-def test_agent_public_surface_is_pinned():
-    import gradwatch.agent as agent
+@pytest.mark.parametrize("pkg, names", [
+    ("agent", ["attach", "AgentConfig", "ConfigError", "Halt", "Monitor", "NullMonitor"]),
+    ("aggregator", ["Aggregator", "AggregatorConfig", "ConfigError", "load", "main"]),
+], ids=["agent", "aggregator"])
+def test_public_surface_is_pinned(pkg, names):
+    import importlib
 
-    assert sorted(agent.__all__) == sorted(["attach", "AgentConfig", "ConfigError", "Halt", "Monitor", "NullMonitor"])
-    for name in agent.__all__:
-        assert getattr(agent, name) is not None, name
-
-
-def test_aggregator_public_surface_is_pinned():
-    import gradwatch.aggregator as aggregator
-
-    assert sorted(aggregator.__all__) == sorted(["Aggregator", "AggregatorConfig", "ConfigError", "load", "main"])
-    for name in aggregator.__all__:
-        assert getattr(aggregator, name) is not None, name
+    mod = importlib.import_module(f"gradwatch.{pkg}")
+    assert sorted(mod.__all__) == sorted(names)
+    for name in mod.__all__:
+        assert getattr(mod, name) is not None, name
 
 
 @pytest.mark.parametrize("pkg", ["agent", "aggregator"])

@@ -3,7 +3,7 @@ headless (textual's ``App.run_test``), its command line.
 
 The aggregator runs in-process (:class:`Aggregator` started on loopback: its real ZeroMQ intake,
 writer thread, checks and HTTP server); a toy job of two ranks, reduced to its wire messages
-(:mod:`gradwatch.wire`, no torch), reports to it over a real PUSH socket. Its gradient norm
+(:mod:`gradwatch.wire`, no torch), reports to it over a real DEALER socket. Its gradient norm
 explodes at one step, rank 1's local norm the largest, so the ``explosion`` check raises a finding
 naming rank 1, which resolves ``spike_window`` (3) clean steps later: within milliseconds, as on a
 fast job.
@@ -13,93 +13,63 @@ from __future__ import annotations
 
 import asyncio
 import math
-import secrets
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
-import zmq
 
-from gradwatch import wire
-from gradwatch.aggregator import Aggregator, load
+from gradwatch.aggregator import Aggregator
 from gradwatch.aggregator.exporter import METRICS
 from gradwatch.commands.cli import main
 from gradwatch.commands.top import DEFAULT_URL, NO_TEXTUAL, TopCommand, model
 
-from .conftest import ROOT, free_port, wait_for
+from .conftest import ROOT, free_port, loopback, wait_for
+from .fakejob import TINY, FakeJob, Model, to_socket
 
-PARAMS = (("fc.weight", (4, 4), "float32"), ("fc.bias", (4,), "float32"))
-SLOTS = (("fc", "", "Linear", "float32"),)
+MODEL = Model(TINY.params, TINY.slots[:1])  # one linear layer
 JOB = "toy"
 #: the toy job's loss at step s
 LOSS = [2.0 - 0.01 * s for s in range(64)]
+#: the aggregator's settings here. silent_after_s 60: the toy job pauses between phases without a
+#: rank_silent finding; spike_window 3: the explosion resolves 3 clean steps after it
+SETTINGS = dict(round_grace_s=0.3, checks={"spike_window": 3, "silent_after_s": 60.0})
 
 
-class ToyJob:
-    """Two ranks of one job reduced to their wire messages, sent over one real PUSH socket."""
+class ToyJob(FakeJob):
+    """Two ranks of one job reduced to their wire messages, sent over one real DEALER socket;
+    each rank has sent its schema."""
 
-    def __init__(self, endpoint: str, job: str = JOB, world: int = 2):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.job, self.world = job, world
-        self.boots = [secrets.token_hex(8) for _ in range(world)]
-        self.seq = [0] * world
-        self.digest = wire.schema_hash(PARAMS, SLOTS)
-        for r in range(world):
-            self.send(wire.Schema(self.header(r), "node-0", r, 100, PARAMS, SLOTS))
-
-    def header(self, rank: int) -> wire.Header:
-        self.seq[rank] += 1
-        return wire.Header(self.job, rank, self.world, self.boots[rank], self.seq[rank] - 1, time.time())
-
-    def send(self, msg) -> None:
-        self.sock.send(wire.encode(msg))
+    def __init__(self, sock, job: str = JOB, world: int = 2):
+        super().__init__(to_socket(sock), job, world, MODEL, every=100, host="node-0")
+        self.schema()
 
     def step(self, s: int, grad_norm: float = 1.0, local: tuple = (1.0, 1.1)) -> None:
         """Every rank reports step ``s``: 50 ms, ``grad_norm`` after all-reduce, ``local[rank]``
         before it, the loss :data:`LOSS` [s]."""
         for r in range(self.world):
-            self.send(wire.Report(self.header(r), self.digest, s, 0.05, grad_norm, 0, local_grad_norm=local[r],
-                                  loss=LOSS[s]))
+            self.report(r, s, grad_norm, local_grad_norm=local[r], loss=LOSS[s])
 
     def explode_then_recover(self, first: int, last: int, at: int) -> None:
         """Steps ``first``..``last``, the global norm 5e3 at ``at`` with rank 1's local norm the largest."""
         for s in range(first, last + 1):
             self.step(s, *((5e3, (2.0, 1.5e4)) if s == at else ()))
 
-    def goodbye(self) -> None:
+    def finish(self) -> None:
         """Every rank says goodbye, as an agent does when training finished."""
         for r in range(self.world):
-            self.send(wire.Heartbeat(self.header(r), -1, self.seq[r], 0, 0, closing=True, reason="finished"))
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
-
-
-def start_aggregator(port: int = 0) -> Aggregator:
-    # silent_after_s 60: the toy job pauses between phases without a rank_silent finding; spike_window 3:
-    # the explosion resolves 3 clean steps after it
-    return Aggregator(load(listen="tcp://127.0.0.1:0", metrics_port=port, publish_interval_s=0.05, round_grace_s=0.3,
-                           checks={"spike_window": 3, "silent_after_s": 60.0}, events_path="", grafana_url="")).start()
+            self.goodbye(r, "finished")
 
 
 @pytest.fixture
-def aggregator():
-    agg = start_aggregator()
-    yield agg
-    agg.stop()
+def aggregator(local_aggregator):
+    return local_aggregator(**SETTINGS)
 
 
 @pytest.fixture
-def toy(aggregator):
-    job = ToyJob(aggregator.endpoint)
-    yield job
-    job.close()
+def toy(aggregator, push):
+    return ToyJob(push(aggregator.endpoint))
 
 
 def url_of(agg: Aggregator) -> str:
@@ -167,7 +137,7 @@ def test_jobs_ranks_and_a_finding_from_a_real_aggregator_while_it_stands_and_aft
     assert model.rank_status(r0, job, v.now, 60, 600) == "ok"
     assert model.rank_status(r1, job, v.now + 700, 800, 600) == "ok"  # past recent_s: no longer said
 
-    toy.goodbye()
+    toy.finish()
     _, v = read_until(aggregator, lambda v: toy_job(v).ended, "the job ended")
     job = toy_job(v)
     assert [model.rank_status(r, job, v.now, 60, 600).split(" ")[0] for r in job.ranks] == ["finished", "finished"]
@@ -325,7 +295,7 @@ def test_the_app_shows_the_job_its_ranks_and_a_finding_that_came_and_went(aggreg
 
             # raised and resolved within milliseconds, between two refreshes; then the job ends
             toy.explode_then_recover(5, 12, at=6)
-            toy.goodbye()
+            toy.finish()
             findings = app.query_one("#findings", DataTable)
             rows = await _until(pilot, lambda: (rows := _rows(findings)) and rows, "a finding listed")
             assert len(rows) == 1
@@ -362,7 +332,7 @@ def test_the_app_waits_for_an_unreachable_aggregator_and_shows_it_once_it_answer
             assert "retrying every 0.2 s" in _text(app) and app.view is None
             await pilot.pause(0.5)  # more refreshes fail the same way, and the app keeps running
             assert "cannot reach" in _text(app) and app.is_running
-            agg = start_aggregator(port)
+            agg = Aggregator(loopback(metrics_port=port, **SETTINGS)).start()
             try:
                 await _until(pilot, lambda: "0 jobs" in _text(app), "the aggregator read")
                 assert app.error is None and app.query_one("#no-jobs")
