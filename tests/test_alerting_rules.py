@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from gradwatch.commands import stack
+from gradwatch.commands import cli, stack
 from gradwatch.aggregator.checks import CHECKS, load_all
 from gradwatch.aggregator.exporter import METRICS
 
@@ -306,7 +306,7 @@ def test_stack_command_is_a_gradwatch_subcommand(tmp_path):
     assert "127.0.0.1:9500" in (tmp_path / "prometheus.yml").read_text()
 
 
-def test_runbook_links_can_point_at_your_own_copy_of_the_runbook(tmp_path):
+def test_runbook_links_can_point_at_your_own_copy_of_the_runbook(tmp_path, capsys):
     """The shipped links name a public repository; a team may serve its own RUNBOOK.md:
     --runbook-url moves every alert's link there, in the rendered rules and the
     PrometheusRule alike, each keeping its section; a URL that is not http(s), or brings its own
@@ -321,16 +321,16 @@ def test_runbook_links_can_point_at_your_own_copy_of_the_runbook(tmp_path):
     assert rendered == want
     c = run(PROMTOOL, "check", "rules", str(r.rule_files[0]))
     assert c.returncode == 0, c.stdout + c.stderr
-    cmd = [sys.executable, "-m", "gradwatch.commands", "stack", "--print-prometheusrule"]
-    out = subprocess.run([*cmd, "--runbook-url", base], capture_output=True, text=True, timeout=60)
+    cmd = ["stack", "--print-prometheusrule"]  # the gradwatch command, its main in this process
+    status, out = cli.main([*cmd, "--runbook-url", base]), capsys.readouterr()
     operator = {x["alert"]: x["annotations"]["runbook_url"]
-                for g in yaml.safe_load(out.stdout)["spec"]["groups"] for x in g["rules"] if "alert" in x}
-    assert out.returncode == 0 and operator == want, out.stderr
+                for g in yaml.safe_load(out.out)["spec"]["groups"] for x in g["rules"] if "alert" in x}
+    assert status == 0 and operator == want, out.err
     for bad, says in (("ftp://wiki.example.com/r.md", "needs an http"), (base + "#top", "no #fragment"),
                       ("RUNBOOK.md", "needs an http")):
-        out = subprocess.run([*cmd, "--runbook-url", bad], capture_output=True, text=True, timeout=60)
-        assert out.returncode == 2 and "stack.runbook_url" in out.stderr and says in out.stderr, out.stderr
-        assert "Traceback" not in out.stderr
+        status, out = cli.main([*cmd, "--runbook-url", bad]), capsys.readouterr()
+        assert status == 2 and "stack.runbook_url" in out.err and says in out.err, out.err
+        assert "Traceback" not in out.err
 
 
 def test_durations_round_trip():
