@@ -148,6 +148,7 @@ FAILURES = textwrap.dedent(
 )
 
 
+@pytest.mark.ddp  # a process of its own
 def test_every_failed_attach_returns_at_once_and_leaves_nothing_running(tmp_path):
     """In a fresh interpreter (a hang there must not hang the suite): each failure after the
     agent's socket exists warns, returns the null monitor within seconds, and leaves no thread
