@@ -583,11 +583,11 @@ def test_sentinel_report_carries_each_parameters_gradient_norm_when_there_are_re
 
 
 def test_a_sparse_or_float64_or_complex_bucket_gives_its_norm(one_rank_group):
-    """A DDP job with nn.Embedding(sparse=True) hands the hook a sparse bucket: the dense norm
-    raised (NotImplementedError for SparseCPU) until the hook was switched off, and the aggregator
-    then took its NaN local norms for a fault. A float64 or complex bucket raised too (a float32
-    norm of them is a narrowing): each now gives its norm (a sparse one over its coalesced values,
-    duplicates summed; complex by magnitude), in a real 1-rank DDP and alone."""
+    """A DDP job with nn.Embedding(sparse=True) hands the hook a sparse bucket (a dense norm
+    raises NotImplementedError for SparseCPU, the hook would be switched off, and the aggregator
+    would take its NaN local norms for a fault); a float64 or complex bucket would be narrowed by
+    a float32 norm. Each gives its norm (a sparse one over its coalesced values, duplicates summed;
+    complex by magnitude), in a real 1-rank DDP and alone."""
     class Bucket:
         def __init__(self, t):
             self.t = t

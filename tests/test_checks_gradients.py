@@ -479,11 +479,11 @@ def test_nonfinite_origin_rank_only_from_local_norms_and_raised_after_hold_witho
 @pytest.mark.parametrize("local", [NAN, INF])
 def test_nonfinite_a_local_norm_beside_a_finite_all_reduced_gradient_is_not_an_event(local):
     """A NaN or Inf spreads through the all-reduce, so a non-finite local norm beside a finite
-    all-reduced gradient is no NaN/Inf in the gradients; both raised a false critical. NaN: a rank's
+    all-reduced gradient is no NaN/Inf in the gradients: neither is an event. NaN: a rank's
     communication hook switched off after errors (a sparse bucket it could not read) leaves its
     local norm NaN from then on, after finite ones: not measured. Inf: a GradScaler whose scale grew
     past ~2^60 on gradients that never overflow (bf16 autocast, float32 master gradients): the DDP
-    hook's float32 sum of squares of the scaled bucket overflows (false-finding helper: 3 of 3 runs).
+    hook's float32 sum of squares of the scaled bucket overflows.
     A real Inf in a rank's gradient still names it (the origin test above)."""
     job = Job(["nonfinite"])
     for s in range(3):

@@ -2,11 +2,11 @@
 aggregator process: bf16 autocast with a GradScaler, whose scale only grows when gradients never
 overflow (float32 master gradients: ~2^64 after ~96,000 steps at the default growth_interval).
 The DDP hook's float32 sum of squares of the scaled bucket then overflows, so the ranks' local
-norms read Inf beside finite gradients; that raised a false critical ``nonfinite`` finding
-(false-finding helper, 3 of 3 runs), and an explosion could not name its rank. The scale starts
-at 2^70 here to get there at once. Now such a norm is no event, and from the step after the
-agent first sees the scale past 2^40 its hook divides each bucket by the scale before norming it:
-the local norms are finite and exact against a float64 reference."""
+norms would read Inf beside finite gradients: a false critical ``nonfinite`` finding, and an
+explosion that cannot name its rank. The scale starts at 2^70 here to get there at once. Such a
+norm is no event, and from the step after the agent first sees the scale past 2^40 its hook
+divides each bucket by the scale before norming it: the local norms are finite and exact against
+a float64 reference."""
 
 from __future__ import annotations
 
