@@ -32,6 +32,27 @@ No foreign or malformed bytes reset, hide or flood a job:
   ``max_pending_ranks`` ranks (``pending_ranks``): the schemas of ranks it has no room for are
   kept for them to use once the job has its slot (:mod:`.schemas`); its step table holds at most
   ``steps.PENDING_CELLS`` cells.
+* **Proof.** A job holding a slot is *proven* once ``proof_rank_share`` of its world's ranks (at
+  least one) have each advanced their step in ``proof_steps`` messages (each a later step than
+  the rank's before: one coalesced batch of many steps counts once, so no single frame proves a
+  job), under its one world size and a schema it holds (:meth:`Admission.prove`); with
+  ``proof_steps`` 0 every job is proven as it comes. Until then it is quiet: no series, no finding, its
+  checks' events held (:mod:`.rounds`). Proven jobs outrank the others: a job that needs a slot
+  when none is free evicts the unproven job least recently heard; when every slot holds a proven
+  job it is refused (``too_many_jobs``), and a proven job leaves its slot only when its ranks have
+  been silent for ``rank_ttl_s``. A frame under a live job's id and another key (a lookalike)
+  makes a job of its own, unproven and quiet like any other.
+* **Sources.** Each job remembers its *source*, the sender of the frame that made it: the CURVE
+  key with CURVE on, else the peer's address. A source holds at most ``max_unproven_per_source``
+  unproven jobs with a slot and ``max_pending_per_source`` pending ones: past either, a new one of
+  its own evicts its own least recently heard (a pending one without a schema first), never
+  another source's, so one sender's invented jobs churn among themselves while its real jobs (a
+  host's jobs, or every job behind one NAT address, share a source) still get in. The counts are
+  read from the jobs held, so at most as many sources are tracked as jobs are held.
+* **Not admitted.** A job refused a slot (``too_many_jobs``) is counted once per identity
+  (:attr:`Admission.refused_total`; the latest :data:`REFUSED_SHOWN` as ``{label: reason}``,
+  :attr:`Admission.refused`), never judged, and logged once with the setting that would admit it
+  (at most :data:`LOG_BURST` lines a minute).
 
 :class:`Admission` gives one verdict per rule, in the order :meth:`.state.State.apply` asks them:
 a reason (one of :data:`.state.REJECT_REASONS`) when the message may not change the state, None
@@ -40,7 +61,9 @@ a reason (one of :data:`.state.REJECT_REASONS`) when the message may not change 
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import logging
 import math
 from typing import Optional, Union
 
@@ -49,6 +72,15 @@ from gradwatch import wire
 from .jobs import JobState, RankState, Registry, identity
 from .limits import Limits
 from .schemas import SchemaStore
+
+log = logging.getLogger("gradwatch.aggregator")
+
+#: refused identities shown by label (``gradwatch_job_not_admitted``), the latest
+REFUSED_SHOWN = 16
+#: refused identities remembered so that each is counted and logged once
+REFUSED_KEPT = 1024
+#: most lines a minute the refusals log (a flood of invented ids is counted, not logged each)
+LOG_BURST = 16
 
 #: :meth:`Admission.room`'s verdict for a schema a pending job keeps for a rank it has no room for
 #: yet: counted as received, nothing else changes
@@ -72,15 +104,30 @@ class Admission:
         limits: ``max_world``, ``max_jobs``, ``max_pending_jobs``, ``max_pending_ranks``,
             ``max_step_jump``, ``restart_grace_s``, ``boot_takeover_s``.
         schemas: the schema store (a pending job's schemas of ranks it has no room for are kept).
+
+    Attributes:
+        refused: ``{job label or id: reason}`` of the latest :data:`REFUSED_SHOWN` identities
+            refused (module docstring: not admitted), oldest first.
+        refused_total: identities refused, each counted once while remembered (the latest
+            :data:`REFUSED_KEPT`).
+        unproven_evicted: unproven jobs evicted for a job that needed a slot.
     """
 
     def __init__(self, registry: Registry, limits: Limits, schemas: SchemaStore):
         self.registry, self.limits, self.schemas = registry, limits, schemas
+        self.refused: collections.OrderedDict = collections.OrderedDict()
+        self.refused_total = 0
+        self.unproven_evicted = 0
+        self._refused_ids: collections.OrderedDict = collections.OrderedDict()  # identity -> None (LRU)
+        self._logged: collections.deque = collections.deque(maxlen=LOG_BURST)  # clocks of the latest lines
 
-    def job_for(self, h: wire.Header, peer_key: Optional[str], now: float) -> Union[JobState, str]:
+    def job_for(self, h: wire.Header, peer_key: Optional[str], now: float,
+                source: Optional[str] = None) -> Union[JobState, str]:
         """The job a message with header ``h`` speaks for (a new pending one for a new identity),
         or why it may not: ``world_too_large``, ``wrong_key`` (CURVE on: only the key that created
-        a job writes to it), ``retired_boot`` (a late message of the job's previous incarnation)."""
+        a job writes to it), ``retired_boot`` (a late message of the job's previous incarnation).
+        ``source``: the sender, whose own oldest pending job a new one past
+        ``max_pending_per_source`` evicts (None: not known, no quota)."""
         if h.world > self.limits.max_world:
             return "world_too_large"
         job = self.registry.of(h)
@@ -93,7 +140,13 @@ class Admission:
             # grace were retired by a restart that did not happen (forged): they are heard again
             job.retired = frozenset()
         if job is None:
+            if source is not None:
+                own = [j for j in self.registry.pending() if j.source == source]
+                if len(own) >= self.limits.max_pending_per_source:  # the source's own churn
+                    self.registry.drop(min(own, key=lambda j: (bool(j.schemas), j.touched)))
+                    self.registry.evicted += 1
             job = self._new_job(h, now, peer_key)
+            job.source = source
         return job
 
     def boot_conflict(self, r: Optional[RankState], h: wire.Header, now: float) -> Optional[str]:
@@ -137,15 +190,76 @@ class Admission:
             return "step_jump"
         return job, r
 
-    def slot(self, job: JobState, msg) -> Optional[str]:
-        """A pending job sending a step under a schema it holds takes a slot, if one of
-        ``max_jobs`` is free (``too_many_jobs`` if not)."""
+    def slot(self, job: JobState, msg, now: float) -> Optional[str]:
+        """A pending job sending a step under a schema it holds takes a slot: a free one of
+        ``max_jobs``, else the slot of the unproven job least recently heard (evicted; its own
+        source's, past ``max_unproven_per_source``); or why not: ``too_many_jobs`` (every slot
+        holds a proven job)."""
         if isinstance(msg, (wire.Steps, wire.Report)) and not job.admitted and msg.schema in job.schemas:
-            if self.registry.holding() >= self.limits.max_jobs:
-                return "too_many_jobs"
+            unproven = [j for j in self.registry.jobs.values() if j.admitted and not j.proven]
+            own = [j for j in unproven if j.source == job.source] if job.source is not None else []
+            if len(own) >= self.limits.max_unproven_per_source:
+                victim = min(own, key=lambda j: j.touched)  # its source's own
+            elif self.registry.holding() >= self.limits.max_jobs:
+                if not unproven:
+                    return self._refuse((job.name, job.key), job.job, job.world, now)
+                victim = min(unproven, key=lambda j: j.touched)
+            else:
+                victim = None
+            if victim is not None:
+                self.registry.drop(victim, "evicted unproven: a job needed its slot")
+                self.unproven_evicted += 1
             job.admitted = True
             self.registry.slots += 1
+            if self._refused_ids.pop((job.name, job.key), 0) is None:  # refused before: no longer shown
+                for label in (job.job, job.name):
+                    self.refused.pop(label, None)
         return None
+
+    def prove(self, job: JobState, r: RankState) -> bool:
+        """A message advanced rank ``r``'s step in ``job``: True when that proves the job (module
+        docstring: ``proof_rank_share`` of its world's ranks with ``proof_steps`` such messages
+        each; a job's ranks all speak under its one world size)."""
+        if job.proven or not job.admitted:
+            return False
+        r.proof += 1
+        if r.proof == self.limits.proof_steps:
+            job.proof_ranks += 1
+        if job.proof_ranks >= max(1, math.ceil(self.limits.proof_rank_share * job.world)):
+            job.proven = True
+            self.registry.version += 1
+            return True
+        return False
+
+    def forgetting(self, job: JobState, r: RankState) -> None:
+        """Rank ``r`` of ``job`` is about to be forgotten: it no longer counts toward the job's proof."""
+        if not job.proven and r.proof >= self.limits.proof_steps:
+            job.proof_ranks -= 1
+
+    def _refuse(self, ident: tuple, label: str, world: int, now: float, reason: str = "too_many_jobs") -> str:
+        """Count the job ``ident`` (labelled ``label``) refused a slot once, show it among the
+        latest refused, log it once (rate-bounded) naming what would admit it; returns
+        ``reason``."""
+        if ident in self._refused_ids:
+            self._refused_ids.move_to_end(ident)
+            return reason
+        self._refused_ids[ident] = None
+        if len(self._refused_ids) > REFUSED_KEPT:
+            self._refused_ids.popitem(last=False)
+        self.refused_total += 1
+        label = label[: self.limits.max_label_len]
+        self.refused.pop(label, None)
+        self.refused[label] = reason
+        if len(self.refused) > REFUSED_SHOWN:
+            self.refused.popitem(last=False)
+        self.registry.version += 1
+        if len(self._logged) == LOG_BURST and now - self._logged[0] < 60:
+            return reason
+        self._logged.append(now)
+        log.warning("gradwatch aggregator: job %r (world %d) not admitted: every one of the %d --max-jobs slots holds "
+                    "a proven job; raise --max-jobs, or it is admitted once a job's ranks are silent for --rank-ttl-s "
+                    "(%g s)", label, world, self.limits.max_jobs, self.limits.rank_ttl_s)
+        return reason
 
     def room(self, job: JobState, r: Optional[RankState], msg) -> Optional[str]:
         """A new rank of a job without a slot, past ``max_pending_ranks``: ``pending_ranks`` (its
@@ -190,7 +304,8 @@ class Admission:
             label = f"{h.job}~{hashlib.blake2b(h.key.encode(), digest_size=8).hexdigest()[:n]}"
         while label in jobs:  # the same key prefix under a job id that looks like a label
             label += "~"
-        return self.registry.add(identity(h), JobState(label, h.world, name=h.job, key=h.key, touched=now, peer_key=peer_key))
+        return self.registry.add(identity(h), JobState(label, h.world, name=h.job, key=h.key, touched=now, peer_key=peer_key,
+                                                       proven=self.limits.proof_steps == 0))
 
     def _vote(self, job: JobState, h: wire.Header, now: float) -> bool:
         """Record rank ``h.rank``'s vote, from a new boot, for restarting the job with world
@@ -242,6 +357,7 @@ class Admission:
         new = JobState(
             job.job, h.world, restarts=job.restarts + 1, retired=frozenset(retired), retired_at=now,
             name=job.name, key=job.key, admitted=job.admitted, touched=job.touched, peer_key=job.peer_key,
+            proven=job.proven, source=job.source,
             schemas=job.schemas,  # content-addressed: the new incarnation's ranks resend the same
             schema_costs=job.schema_costs, schema_bytes=job.schema_bytes,
         )

@@ -40,18 +40,22 @@ class AggregatorConfig(BaseSettings):
         cli_implicit_flags=True,
     )
 
-    listen: str = Field("tcp://127.0.0.1:5555", description="ZeroMQ endpoint the ROUTER socket binds to; agents connect here (and take its commands on the same connection). Binding beyond loopback (tcp://0.0.0.0:5555) without --server-key is warned about: anyone who reaches the port can write.")
+    listen: str = Field("tcp://127.0.0.1:5555", description="ZeroMQ endpoint the ROUTER socket binds to; agents connect here (and take its commands on the same connection). Binding beyond loopback (tcp://0.0.0.0:5555) needs --server-key (CURVE), or --insecure-plaintext to accept anyone who reaches the port.")
     metrics_host: str = Field("127.0.0.1", description="Address the HTTP server (/metrics, /api/*, /healthz) binds to; 0.0.0.0 for every interface. It serves no secrets; its control endpoints (/api/stacks, /api/probe, /api/budget) answer only requests bearing --control-token.")
     metrics_port: int = Field(9400, ge=0, le=65535, description="TCP port of the HTTP server; 0 picks a free one.")
     round_grace_s: float = Field(10.0, gt=0, le=3600, description="Seconds a probed step waits for missing ranks before it is reconciled as incomplete.")
     round_slice_ranks: int = Field(2048, ge=0, description="Probed steps of at least this many reporting ranks are reconciled in slices between the writer's batches of frames (a 16,384-rank step takes ~0.6 s, during which no frame would be handled and /metrics would age); 0: each at once.")
     max_pending_rounds: int = Field(64, ge=1, le=10_000, description="Probed steps per job held while waiting for ranks; the oldest is closed incomplete beyond it.")
-    max_jobs: int = Field(64, ge=1, description="Jobs tracked at once, counting only jobs that sent a schema and a report using it; reports of further jobs are rejected (too_many_jobs) until one goes silent for rank_ttl_s.")
+    max_jobs: int = Field(64, ge=1, description="Jobs holding a slot at once: a job takes one with its first report under a schema it sent, and is exported and judged once proven (--proof-steps); a job that needs a slot when none is free evicts the unproven job least recently heard, never a proven one, and is refused (not admitted: gradwatch_jobs_not_admitted_total) when every slot holds a proven job. A proven job keeps its slot until its ranks are silent for rank_ttl_s.")
+    proof_steps: int = Field(3, ge=0, le=1000, description="Messages, each advancing its step (one coalesced batch of many steps counts once), that each of --proof-rank-share of a job's world must send, under one world size and with a schema, before the job is proven: exported and judged (its steps before that are judged then, a few steps late). Until proven it exports no series and raises no finding, so frames of invented jobs raise no alert. 0: every job is proven as it comes (frames of invented jobs are exported and judged).")
+    proof_rank_share: float = Field(0.5, gt=0, le=1, description="Share of a job's world (at least one rank) that must each report --proof-steps steps for the job to be proven.")
+    max_unproven_per_source: int = Field(4, ge=1, description="Unproven jobs holding a slot that one source (the CURVE key with CURVE on, else the peer's address) holds at once; beyond it a new one of the source's evicts the source's own least recently heard (gradwatch_jobs_unproven_evicted_total), never another source's.")
+    max_pending_per_source: int = Field(8, ge=1, description="Jobs without a slot that one source (the CURVE key with CURVE on, else the peer's address) holds at once (of max_pending_jobs in all); beyond it a new one of the source's evicts the source's own least recently heard, one without a schema first (gradwatch_jobs_evicted_total).")
     max_pending_jobs: int = Field(16, ge=1, description="Jobs held that have not yet sent a schema and a report (they take no max_jobs slot); beyond it the least recently heard is evicted (gradwatch_jobs_evicted_total), one without a schema before one with, so invented job ids cannot squat slots, nor push out a starting job without sending schemas faster than its ranks send frames.")
     max_schema_bytes: int = Field(1 << 30, ge=1 << 20, description="Bytes of schemas (approximate, as held: names, shapes, slots) all jobs together keep; a new schema past it is rejected (schema_limit), after an admitted job's unused ones are dropped. Pending jobs together keep at most a quarter of it, so jobs without a slot cannot crowd out running ones. A 100-layer model's schema is ~70 kB.")
     max_pending_ranks: int = Field(256, ge=1, description="Ranks a job holds before it sent a schema and a report; messages of further ranks are rejected (pending_ranks) until then (each is heard again within a heartbeat).")
     max_series_per_job: int = Field(10_000, ge=0, description="Per-layer series a job's latest probed step may export; the first layers in forward order are kept, the others dropped and counted in gradwatch_job_series_dropped.")
-    max_series_total: int = Field(15_000, ge=0, description="Per-layer series all jobs together may export (keep it under the scrape's sample_limit, 20,000 as shipped); first come, first served, so a new job's schema cannot push running jobs off the scrape. Drops are counted in gradwatch_job_series_dropped.")
+    max_series_total: int = Field(15_000, ge=100, description="Series one scrape of /metrics carries at most, every family together (per-rank, per-job, per-layer, findings' and the aggregator's own); keep it under the scrape's sample_limit (20,000 as shipped). Past it, the jobs with the most per-rank series export job-level series (gradwatch_job_rank_step{agg}, ...) instead, keeping per-rank series for at most 64 ranks findings name, then the newest jobs' per-layer series go; what is left out is counted in gradwatch_series_left_out. Per-layer series are also given first come, first served within it, so a new job's schema cannot push running jobs off the scrape (drops counted in gradwatch_job_series_dropped).")
     max_pending_bytes: int = Field(512 << 20, ge=1 << 20, description="Bytes of probe arrays a job's open rounds, and its rounds being reconciled in slices, may hold; beyond it the oldest open round is closed incomplete, so memory is bounded per job.")
     max_names: int = Field(10_000, ge=1, le=1_000_000, description="Most parameters, and most slots (leaf module outputs), one schema may list; larger schemas are rejected (bad_field).")
     max_label_len: int = Field(200, ge=32, le=4096, description="Longest module path (or host name) exported as a label value, characters; longer ones are cut, keeping a digest of the whole so they stay distinct.")
@@ -72,6 +76,7 @@ class AggregatorConfig(BaseSettings):
         description="Agents' CURVE public keys admitted with --server-key: a directory of .key files (gradwatch keys' "
         "DIR/clients), one .key file, or one 40-character Z85 public key. Read at start-up.",
     )
+    insecure_plaintext: bool = Field(False, description="Accept reports over plain TCP on a --listen address beyond loopback, from anyone who reaches the port (a trusted network only). Without it, such a --listen needs --server-key and --client-keys (gradwatch keys) and the aggregator refuses to start.")
     control_token: SecretStr = Field(
         SecretStr(""),
         description="Bearer token the HTTP control endpoints (/api/stacks, /api/probe, /api/budget; gradwatch stacks and "
@@ -165,10 +170,18 @@ class AggregatorConfig(BaseSettings):
 
         Raises:
             ConfigError: naming ``server_key`` or ``client_keys`` (and the variable it came from):
-                only one of them set, a missing or unreadable file, not a Z85 key.
+                only one of them set, a missing or unreadable file, not a Z85 key; naming
+                ``listen``: an address beyond loopback without keys and without
+                ``insecure_plaintext``.
         """
         secret = self.server_key.get_secret_value()
         if not secret and not self.client_keys:
+            if not self.listen_is_local and not self.insecure_plaintext:
+                raise ConfigError(
+                    f"aggregator.listen{_env('listen')}: {self.listen} is reachable beyond this host, and without CURVE "
+                    "keys anyone who reaches it can write to the aggregator's state; run `gradwatch keys DIR` and pass "
+                    "--server-key DIR/server.key_secret --client-keys DIR/clients (docs/security.md), or pass "
+                    "--insecure-plaintext (GRADWATCH_AGGREGATOR_INSECURE_PLAINTEXT=1) on a network you trust")
             return None
         if not secret or not self.client_keys:
             missing, given = ("client_keys", "server_key") if secret else ("server_key", "client_keys")

@@ -53,6 +53,11 @@ ROUND_SHARE = 0.25
 #: for it (:attr:`.jobs.JobState.deferred`, its job's ticks included: ``rank_silent``,
 #: ``training_stalled``), so its findings come at most about this much later than without the share
 ROUND_WAIT_S = 1.0
+#: seconds between two turns of the writer's loop (it turns at least every 0.1 s, a large round's
+#: reconciliation in slices between them) past which the gap is the aggregator's own pause (the
+#: process stopped, a VM paused, swapping): :meth:`Aggregator._turn` leaves it out of the state's
+#: clock, so no rank is judged silent, nor training stalled, for time the aggregator did not run
+PAUSE_S = 2.0
 #: the cyclic garbage collector's thresholds in the daemon (:meth:`Aggregator.serve_forever`, a
 #: process of its own): a large job's state holds millions of tracked objects (ranks, open rounds'
 #: reports) and the default (700, 10, 10) collected every few hundred frames; at 16,384 ranks
@@ -155,11 +160,12 @@ class Aggregator:
             self.runner = Runner(cfg.check_names, cfg.checks, cfg.events_path, sinks=sinks)
         except OSError as e:
             raise ConfigError(f"aggregator.events_path: cannot open {cfg.events_path!r}: {e}") from None
-        self.state = State(Limits.of(cfg), clock, runner=self.runner)
+        self._paused = 0.0  # seconds of the writer's own pauses (PAUSE_S), left out of the state's clock
+        self.state = State(Limits.of(cfg), self._state_clock, runner=self.runner)
         self._snapshot = Snapshot()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(lambda: self._snapshot, cfg.layer_depth, cfg.rank_detail_max,
-                                                 cfg.rank_series_max))
+                                                 cfg.rank_series_max, cfg.max_series_total))
         self.api = Api(lambda: self._snapshot, self.registry, self._alive, self.control,
                        cfg.control_token.get_secret_value())
         self._stop = threading.Event()
@@ -264,13 +270,15 @@ class Aggregator:
 
     # --- the single writer ----------------------------------------------------------------------
 
-    def handle(self, frame: bytes, peer_key: Optional[str] = None, peer: Optional[bytes] = None) -> None:
+    def handle(self, frame: bytes, peer_key: Optional[str] = None, peer: Optional[bytes] = None,
+               source: Optional[str] = None) -> None:
         """Decode and apply one frame; count it as rejected by reason if it is not valid.
 
         ``peer_key``: the sender's CURVE public key (Z85) with CURVE on; a job is bound to the key
         that created it. ``peer``: the routing id of the connection it came on (the control room
         sends the rank's commands there once the frame is accepted; answers to commands must come
-        on the connection their command went to)."""
+        on the connection their command went to). ``source``: the sender for admission's quotas
+        per source (its CURVE key, else its address; None: no quota)."""
         st = self.state
         t0 = time.perf_counter()
         try:
@@ -283,7 +291,7 @@ class Aggregator:
                     self.control.answer(msg, peer, st.labels.get((msg.header.job, msg.header.key)))
                 else:
                     taken = sum(st.received.values())
-                    st.apply(msg, peer_key=peer_key)
+                    st.apply(msg, peer_key=peer_key, source=source)
                     if peer is not None and sum(st.received.values()) != taken:
                         self._route(msg.header, peer)
             except Exception as e:  # a bug of ours must not let one peer stop the aggregator
@@ -312,12 +320,12 @@ class Aggregator:
         self._announce()
 
     def _announce(self) -> None:
-        """Log a job once when it is admitted (a schema and a step using it: not a pending id a
-        stray or forged frame made) and once when it is gone (every rank silent past rank_ttl_s).
-        At most ``max_jobs`` are admitted at once, and a job's slot frees only after rank_ttl_s
-        of silence: at most 2 x max_jobs lines per rank_ttl_s, whatever peers send."""
+        """Log a job once when it is proven (its ranks showed steps: not a pending or unproven id
+        stray or forged frames made) and once when it is gone (every rank silent past
+        rank_ttl_s). At most ``max_jobs`` hold a slot at once, and a proven job's slot frees only
+        after rank_ttl_s of silence: at most 2 x max_jobs lines per rank_ttl_s, whatever peers send."""
         jobs = self.state.jobs
-        admitted = {label: job.world for label, job in jobs.items() if job.admitted}
+        admitted = {label: job.world for label, job in jobs.items() if job.proven}
         for label in sorted(admitted.keys() - self._announced):
             name = jobs[label].name or label
             if name != label:  # a second identity under a live job's id: say why it is not that id
@@ -330,7 +338,25 @@ class Aggregator:
             log.info("gradwatch aggregator: job %r gone", label)
         self._announced = set(admitted)
 
+    def _state_clock(self) -> float:
+        """The state's clock: ``clock`` less the writer's pauses (:meth:`_turn`), so that time the
+        aggregator did not run counts as no rank's silence nor a stall."""
+        return self.clock() - self._paused
+
+    def _turn(self, last: Optional[float]) -> float:
+        """The writer's loop at a turn: a gap since the ``last`` one (``clock``, seconds) longer
+        than :data:`PAUSE_S` was the aggregator's own pause, left out of the state's clock from now
+        on (every rank's last heard time, its latest report, rounds' and votes' ages move forward
+        by it). Returns this turn's time."""
+        t = self.clock()
+        if last is not None and t - last > PAUSE_S:
+            self._paused += t - last
+            log.warning("gradwatch aggregator: did not run for %.1f s (the process was stopped, or starved of CPU); "
+                        "that time counts as no rank's silence", t - last)
+        return t
+
     def _loop(self) -> None:
+        turn = None
         published = -1
         last_pub = last_tick = last_control = 0.0
         control_slots = -1
@@ -340,6 +366,7 @@ class Aggregator:
         intake = self.intake
         try:
             while not self._stop.is_set():
+                turn = self._turn(turn)
                 if intake.ready.wait(min(interval, 0.1) if not self.state.closing else 0):
                     for item in intake.take(1000):
                         self.handle(*item)
@@ -369,6 +396,7 @@ class Aggregator:
                 if now - last_tick >= tick_wait:
                     last_tick = now
                     t0 = time.perf_counter()
+                    turn = self._turn(turn)  # a pause while frames were handled is no silence either
                     self._guarded(self.state.tick, "tick")
                     # each job's latest step for the commands' start steps; routes and halt_on once a second
                     full = now - last_control >= 1.0 or self.state.slots != control_slots

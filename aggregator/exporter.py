@@ -16,7 +16,7 @@ import bisect
 import collections
 import math
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 import numpy as np
@@ -180,7 +180,8 @@ def _job_total(name: str):
     return lambda s: (((j.job,), dict(j.totals).get(name, 0)) for j in s.jobs)
 
 
-BOUNDED = " Exported for jobs above --rank-series-max ranks, whose per-rank series only the ranks a finding names keep."
+BOUNDED = (" Exported for jobs above --rank-series-max ranks, and jobs whose per-rank series --max-series-total leaves"
+           " out, whose per-rank series only the ranks a finding names keep (64 at most).")
 metric("job_rank_step", "gauge", "Latest optimizer step over the job's ranks (agg=min|median|max)." + BOUNDED,
        ("job_id", "agg"), bounded=True)(_over_ranks("step", ("min", "median", "max")))
 metric("job_rank_last_seen_timestamp_seconds", "gauge", "When the aggregator last heard from the job's ranks, seconds since the epoch (agg=min: the longest silent rank, max)." + BOUNDED,
@@ -211,6 +212,21 @@ metric("job_series_dropped", "gauge", "Per-layer series of the job's latest prob
 )
 metric("jobs_evicted", "counter", "Jobs evicted before they sent a schema and a report (more than --max-pending-jobs such jobs at once).", ())(
     lambda s: (((), s.jobs_evicted),)
+)
+metric("jobs_unproven_evicted", "counter", "Jobs holding a slot but not proven (--proof-steps) evicted for a job that needed the slot, or by a newer job of the same sender past --max-unproven-per-source.", ())(
+    lambda s: (((), s.unproven_evicted),)
+)
+metric("jobs", "gauge", "Jobs the aggregator holds, by stage: proven (exported and judged), unproven (holding a slot, quiet until --proof-rank-share of its ranks advanced their step in --proof-steps messages each), pending (no slot yet).", ("stage",))(
+    lambda s: (((k,), n) for k, n in s.stages)
+)
+metric("jobs_not_admitted", "counter", "Jobs refused a slot because every --max-jobs slot holds a proven job (their reports rejected as too_many_jobs), each counted once; never judged.", ())(
+    lambda s: (((), s.jobs_refused),)
+)
+metric("job_not_admitted", "gauge", "1 for each of the 16 latest jobs not admitted, with why (too_many_jobs: raise --max-jobs); the label goes once the job is admitted.", ("job_id", "reason"))(
+    lambda s: (((label, reason), 1.0) for label, reason in s.not_admitted)
+)
+metric("series_left_out", "gauge", "Samples this scrape left out to stay within --max-series-total, by kind: rank (per-rank series of jobs shown by job-level series instead), layer (per-layer series of the newest jobs), job (every series of the newest jobs).", ("kind",))(
+    lambda s: (((k,), 0.0) for k in ("rank", "layer", "job"))  # the collector writes this scrape's (SnapshotCollector.plan)
 )
 metric("probes_shed", "counter", "Probe reports the aggregator had no room for under overload and kept as their step's record alone: counted as received reports; their rounds lack those ranks' arrays (incomplete).", ())(
     lambda s: (((), s.probes_shed),)
@@ -327,6 +343,14 @@ def _register_check_metrics() -> None:
 _register_check_metrics()
 
 
+def _int(label: str):
+    """A rank label as the int findings name it (a label that is no number stays as it is)."""
+    try:
+        return int(label)
+    except ValueError:
+        return label
+
+
 def _dedupe(samples):
     """Keep the first sample of each label set: a duplicate would make the exposition invalid."""
     seen = set()
@@ -344,9 +368,63 @@ ESSENTIAL_RANK_METRICS = frozenset(PREFIX + n for n in (
 ))
 
 
-#: per-rank series that exist only for the ranks findings name: bounded by the runner, never filtered
+#: per-rank series that exist only for the ranks findings name (bounded by the cap's plan for
+#: jobs whose per-rank series it leaves out)
 RANK_SERIES_OF_FINDINGS = frozenset(PREFIX + n for n in ("check_rank_flagged", "rank_finding_raised_timestamp_seconds",
                                                           "finding_stack_info"))
+
+#: ranks a job whose per-rank series the series cap leaves out (or above ``rank_series_max``)
+#: keeps per-rank series for: the first ones (by rank) an active finding names
+NAMED_RANKS_MAX = 64
+#: samples a scrape holds besides the registered families (decode_seconds' count and sum)
+_UNREGISTERED = 2
+#: the findings' per-rank family bounded by the runner (a job's first ranks per check), not by ranks named now
+TIMED = PREFIX + "rank_finding_raised_timestamp_seconds"
+#: the family of the samples the cap left out (written once the plan is made)
+LEFT_OUT = PREFIX + "series_left_out"
+
+
+def _kind(d: MetricDef) -> str:
+    """How the series cap counts family ``d``: ``rank`` (one sample per rank at most, estimated),
+    ``finding`` (per rank, of findings: counted), ``layer`` (per layer: counted from the round),
+    ``bounded`` (job-level stand-ins), ``job`` or ``global`` (counted)."""
+    if d.bounded:
+        return "bounded"
+    if "rank" in d.labels:
+        return "finding" if d.name in RANK_SERIES_OF_FINDINGS else "rank"
+    if d.labels == ("job_id", "layer", "agg"):
+        return "layer"
+    return "job" if "job_id" in d.labels else "global"
+
+
+def _layer_samples(rr) -> int:
+    """Per-layer samples the ``_layer_stat`` families export for a round (observed statistics)."""
+    if rr is None:
+        return 0
+    return sum(len(stat.aggs) * int(np.count_nonzero(rr.agg[stat.name][1])) for stat in columns.STATISTICS)
+
+
+@dataclass
+class Plan:
+    """What one scrape exports within the series cap (:meth:`SnapshotCollector.plan`).
+
+    Attributes:
+        reduced: ``{job: ranks}`` of the jobs whose per-rank series only these ranks keep (at most
+            :data:`NAMED_RANKS_MAX`, ranks a finding names), job-level stand-ins for the rest; such
+            a job keeps :data:`NAMED_RANKS_MAX` ranks' ``rank_finding_raised_timestamp_seconds``
+            at most, none if in ``untimed``.
+        no_layers: jobs whose per-layer series are left out.
+        dropped: jobs none of whose series are exported.
+        left_out: ``{kind: samples}`` left out (``rank``, ``layer``, ``job``).
+        samples: samples the scrape holds at most.
+    """
+
+    reduced: dict = field(default_factory=dict)
+    untimed: set = field(default_factory=set)
+    no_layers: set = field(default_factory=set)
+    dropped: set = field(default_factory=set)
+    left_out: dict = field(default_factory=lambda: {"rank": 0, "layer": 0, "job": 0})
+    samples: int = 0
 
 
 class SnapshotCollector(Collector):
@@ -362,14 +440,20 @@ class SnapshotCollector(Collector):
         rank_series_max: in jobs with more ranks, every per-rank series is exported only for the
             ranks an active finding names, and the job-level ``bounded`` families stand in for
             the rest (None: never; see README: Scale).
+        max_series_total: most samples a scrape holds, every family together (None: no cap):
+            past it the jobs with the most per-rank series are shown by the ``bounded`` families
+            instead (their per-rank series kept for :data:`NAMED_RANKS_MAX` ranks a finding
+            names), then the newest jobs' per-layer series go, then the newest jobs (:meth:`plan`);
+            the samples left out are counted in ``gradwatch_series_left_out``.
     """
 
     def __init__(self, get_snapshot: Callable[[], Snapshot], layer_depth: int = 0, rank_detail_max: int | None = None,
-                 rank_series_max: int | None = None):
+                 rank_series_max: int | None = None, max_series_total: int | None = None):
         self._get = get_snapshot
         self.layer_depth = layer_depth
         self.rank_detail_max = rank_detail_max
         self.rank_series_max = rank_series_max
+        self.max_series_total = max_series_total
         self._grouped: dict = {}  # job -> (its latest RoundResult, grouped)
 
     def _group(self, snap: Snapshot) -> Snapshot:
@@ -393,46 +477,194 @@ class SnapshotCollector(Collector):
         """Jobs with more than ``limit`` ranks (none when ``limit`` is None)."""
         return set() if limit is None else {j.job for j in snap.jobs if max(j.world, j.n_ranks) > limit}
 
-    def _detail_filter(self, snap: Snapshot, d: MetricDef, samples):
-        """Drop per-rank samples of jobs above ``rank_series_max`` ranks, and non-essential ones of
-        jobs above ``rank_detail_max``, but for the ranks an active finding names."""
-        if "rank" not in d.labels or "job_id" not in d.labels or d.name in RANK_SERIES_OF_FINDINGS:
+    def _named(self, snap: Snapshot) -> dict:
+        """``{job: ranks its active findings name}``."""
+        named: dict = collections.defaultdict(set)
+        for f in (snap.checks.active if snap.checks else ()):
+            if f.rank is not None:
+                named[f.job].add(f.rank)
+        return named
+
+    def plan(self, snap: Snapshot, held: dict) -> Plan:
+        """What this scrape exports (:class:`Plan`): every job's series while the samples stay
+        within ``max_series_total``; past it, in turn, the jobs with the most per-rank series
+        (the newest first among equals) are shown by their job-level stand-ins and the per-rank
+        series of at most :data:`NAMED_RANKS_MAX` ranks a finding names, the named ranks of the
+        newest such jobs go, the newest jobs' per-layer series go, and the newest jobs go whole.
+        Jobs above ``rank_series_max`` ranks are always shown so. ``held``: the samples of every
+        family but the per-rank and per-layer ones, by name (counted as they are); per-rank
+        samples are estimated from above (each per-rank family at most one sample per rank), and
+        per-layer ones counted from the rounds, so the scrape holds at most :attr:`Plan.samples`."""
+        jobs = [j.job for j in snap.jobs]
+        by_job = {j.job: j for j in snap.jobs}
+        rank_fams = [d for d in METRICS.values() if _kind(d) == "rank"]
+        n_rank = len(rank_fams)
+        n_essential = sum(d.name in ESSENTIAL_RANK_METRICS for d in rank_fams)
+        named = self._named(snap)
+        fixed = _UNREGISTERED
+        per_job, bounded, findings, timed = (collections.Counter() for _ in range(4))
+        flagged: dict = collections.defaultdict(collections.Counter)  # job -> rank -> capped findings' samples
+        for name, got in held.items():
+            d = METRICS[name]
+            kind = _kind(d)
+            if "job_id" not in d.labels:
+                fixed += len(got)
+                continue
+            ji = d.labels.index("job_id")
+            ri = d.labels.index("rank") if kind == "finding" else None
+            for lv, _ in got:
+                job = lv[ji]
+                if job not in by_job:
+                    fixed += 1  # a job id of no exported job (the jobs not admitted): the aggregator's own
+                elif kind == "bounded":
+                    bounded[job] += 1
+                elif kind == "finding":
+                    findings[job] += 1
+                    if name == TIMED:
+                        timed[job] += 1
+                    else:
+                        flagged[job][_int(lv[ri])] += 1
+                else:
+                    per_job[job] += 1
+        layers = {j.job: _layer_samples(j.last_round) for j in snap.jobs}
+        huge = self._over(snap, self.rank_series_max)
+        detail = self._over(snap, self.rank_detail_max)
+
+        def kept_ranks(job: str) -> list:
+            return sorted(k for k in named.get(job, ()) if isinstance(k, int))[:NAMED_RANKS_MAX]
+
+        def full(job: str) -> int:
+            n, few = by_job[job].n_ranks, named.get(job, ())
+            per_rank = n * n_rank if job not in detail else n * n_essential + min(len(few), n) * (n_rank - n_essential)
+            return per_rank + findings[job]
+
+        def reduced(job: str, ranks, with_timed: bool = True) -> int:
+            got = flagged.get(job, {})
+            return (bounded[job] + len(ranks) * n_rank + sum(got.get(k, 0) for k in ranks)
+                    + (min(timed[job], NAMED_RANKS_MAX) if with_timed else 0))
+
+        out = Plan(reduced={job: kept_ranks(job) for job in jobs if job in huge})
+        cost = {job: per_job[job] + layers[job] + (reduced(job, out.reduced[job]) if job in out.reduced else full(job))
+                for job in jobs}
+        total = fixed + sum(cost.values())
+        cap = self.max_series_total
+        if cap is not None and total > cap:
+            order = sorted((job for job in jobs if job not in out.reduced), key=lambda job: (full(job), jobs.index(job)),
+                           reverse=True)
+            for job in order:  # the most per-rank series first: they buy the most room
+                if total <= cap:
+                    break
+                ranks = kept_ranks(job)
+                new = per_job[job] + layers[job] + reduced(job, ranks)
+                out.left_out["rank"] += cost[job] - new
+                total += new - cost[job]
+                cost[job], out.reduced[job] = new, ranks
+            for job in reversed(jobs):  # then the named ranks of the newest
+                if total <= cap:
+                    break
+                if job in out.reduced and (out.reduced[job] or timed[job]):
+                    new = per_job[job] + layers[job] + reduced(job, [], with_timed=False)
+                    out.left_out["rank"] += cost[job] - new
+                    total += new - cost[job]
+                    cost[job], out.reduced[job] = new, []
+                    out.untimed.add(job)
+            for job in reversed(jobs):  # then the newest jobs' per-layer series
+                if total <= cap:
+                    break
+                if layers[job]:
+                    out.no_layers.add(job)
+                    out.left_out["layer"] += layers[job]
+                    total -= layers[job]
+                    cost[job] -= layers[job]
+            for job in reversed(jobs):  # and, past every job's own, the newest jobs
+                if total <= cap:
+                    break
+                out.dropped.add(job)
+                out.left_out["job"] += cost[job]
+                total -= cost[job]
+        out.samples = total
+        return out
+
+    def _findings_kept(self, name: str, d: MetricDef, plan: Plan, samples: list) -> list:
+        """The findings' per-rank samples of family ``name`` a reduced job keeps: those of its
+        kept ranks, and (``gradwatch_rank_finding_raised_timestamp_seconds``) its first
+        :data:`NAMED_RANKS_MAX` by check and rank (none once ``untimed``)."""
+        if not plan.reduced:
             return samples
-        big = self._over(snap, self.rank_series_max)
-        if d.name not in ESSENTIAL_RANK_METRICS:
-            big |= self._over(snap, self.rank_detail_max)
-        if not big:
-            return samples
-        named = {(f.job, str(f.rank)) for f in (snap.checks.active if snap.checks else ()) if f.rank is not None}
         ji, ri = d.labels.index("job_id"), d.labels.index("rank")
-        return ((lv, v) for lv, v in samples if lv[ji] not in big or (lv[ji], lv[ri]) in named)
+        kept = {job: {str(k) for k in ranks} for job, ranks in plan.reduced.items()}
+        if name != TIMED:
+            return [(lv, v) for lv, v in samples if lv[ji] not in kept or lv[ri] in kept[lv[ji]]]
+        out, n = [], collections.Counter()
+        for lv, v in sorted(samples, key=lambda x: (x[0][ji] in kept, x[0][:ri], _int(x[0][ri]))):
+            job = lv[ji]
+            if job in kept:
+                if job in plan.untimed or n[job] >= NAMED_RANKS_MAX:
+                    continue
+                n[job] += 1
+            out.append((lv, v))
+        return out
+
+    def _filter(self, snap: Snapshot, d: MetricDef, kind: str, plan: Plan, samples):
+        """``samples`` of family ``d`` within ``plan``: no sample of a dropped job, no per-layer one
+        of a job without layers, per-rank ones of a reduced job for its kept ranks only, and
+        non-essential per-rank ones of jobs above ``rank_detail_max`` for the ranks an active
+        finding names."""
+        if "job_id" not in d.labels:
+            return samples
+        ji = d.labels.index("job_id")
+        gone = plan.dropped | plan.no_layers if kind == "layer" else plan.dropped
+        if kind != "rank":
+            return ((lv, v) for lv, v in samples if lv[ji] not in gone) if gone else samples
+        ri = d.labels.index("rank")
+        keep = {job: {str(k) for k in ranks} for job, ranks in plan.reduced.items()}
+        detail = self._over(snap, self.rank_detail_max) if d.name not in ESSENTIAL_RANK_METRICS else set()
+        detail -= keep.keys()
+        named = {(job, str(k)) for job, ranks in self._named(snap).items() for k in ranks} if detail else set()
+        if not (gone or keep or detail):
+            return samples
+        return ((lv, v) for lv, v in samples
+                if lv[ji] not in gone
+                and (lv[ji] not in keep or lv[ri] in keep[lv[ji]])
+                and (lv[ji] not in detail or (lv[ji], lv[ri]) in named))
 
     def collect(self):
         snap = self._get()
         if self.layer_depth > 0:
             snap = self._group(snap)
-        huge = self._over(snap, self.rank_series_max)
-        few = snap  # per-rank families read the ranks a finding names only, of the huge jobs
-        if huge:
-            named = {(f.job, f.rank) for f in (snap.checks.active if snap.checks else ()) if f.rank is not None}
+        kinds = {name: _kind(d) for name, d in METRICS.items()}
+        # every family but the per-rank and per-layer ones, as they are: the plan counts them
+        held = {name: list(_dedupe(d.samples(snap))) for name, d in METRICS.items()
+                if kinds[name] not in ("rank", "layer") and name != LEFT_OUT}
+        plan = self.plan(snap, held)
+        held[LEFT_OUT] = [((k,), float(n)) for k, n in plan.left_out.items()]
+        few = snap  # per-rank families read the ranks kept only, of the reduced jobs
+        if plan.reduced:
+            kept = {job: frozenset(ranks) for job, ranks in plan.reduced.items()}
             few = replace(snap, jobs=tuple(
-                replace(j, ranks=tuple(r for r in j.ranks if (j.job, r.rank) in named), reporting=j.n_ranks,
-                        only=frozenset(k for job, k in named if job == j.job)) if j.job in huge else j
+                replace(j, ranks=tuple(r for r in j.ranks if r.rank in kept[j.job]), reporting=j.n_ranks,
+                        only=kept[j.job]) if j.job in kept else j
                 for j in snap.jobs))
-        for d in METRICS.values():
-            if d.bounded:  # job-level stand-ins: only for the jobs that need them, else no family
-                samples = [(lv, v) for lv, v in d.samples(snap) if lv[0] in huge] if huge else []
+        for name, d in METRICS.items():
+            kind = kinds[name]
+            if kind == "bounded":  # job-level stand-ins: only for the jobs that need them, else no family
+                samples = [(lv, v) for lv, v in held[name] if lv[0] in plan.reduced]
                 if not samples:
                     continue
-                d = replace(d, samples=lambda _, x=samples: x)
-            src = few if "rank" in d.labels else snap
+            elif kind == "finding":
+                samples = self._findings_kept(name, d, plan, held[name])
+            elif name in held:
+                samples = held[name]
+            else:
+                samples = d.samples(few if kind == "rank" else snap)
+            samples = self._filter(snap, d, kind, plan, samples)
             if d.kind == "gauge":
                 fam = GaugeMetricFamily(d.name, d.help, labels=d.labels, unit=d.unit)
-                for labels, value in _dedupe(self._detail_filter(snap, d, d.samples(src))):
+                for labels, value in _dedupe(samples):
                     fam.add_metric(labels, float(value))
             else:
                 fam = CounterMetricFamily(d.name, d.help, labels=d.labels, unit=d.unit)
-                for labels, value in _dedupe(self._detail_filter(snap, d, d.samples(src))):
+                for labels, value in _dedupe(samples):
                     v = float(value)
                     if math.isfinite(v):  # case C36: a counter never carries NaN/Inf
                         fam.add_metric(labels, v)

@@ -286,6 +286,15 @@ POLL_S = 0.05
 SENDS_PER_PASS = 1000
 
 
+def _address(frame) -> Optional[str]:
+    """The address of the peer a received frame came from (ZeroMQ's Peer-Address: the IP of a TCP
+    peer), or None where the transport has none (ipc, inproc)."""
+    try:
+        return frame.get("Peer-Address") or None
+    except zmq.ZMQError:
+        return None
+
+
 class Receiver:
     """The intake thread and the socket it drains: the aggregator's ROUTER socket bound at
     ``cfg.listen`` (with CURVE keys, a ZAP handler authenticating every peer, and a monitor of
@@ -380,14 +389,17 @@ class Receiver:
                 batch = []
                 for _ in range(1000):
                     try:
-                        parts = sock.recv_multipart(zmq.NOBLOCK, copy=not curve)
+                        parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    if curve:  # the ZAP handler set User-Id to the peer's public key
-                        peer, user = parts[0].bytes, parts[1].get("User-Id") if len(parts) > 1 else None
-                        batch.extend((f.bytes, user, peer) for f in parts[1:])
-                    else:  # a peer's message of several frames gives each (an agent sends one)
-                        batch.extend((f, None, parts[0]) for f in parts[1:])
+                    if len(parts) < 2:
+                        continue
+                    # the sender, for admission's quotas per source: with CURVE the key the ZAP
+                    # handler set as User-Id, else the peer's address
+                    user = parts[1].get("User-Id") if curve else None
+                    source = user if curve else _address(parts[1])
+                    # a peer's message of several frames gives each (an agent sends one)
+                    batch.extend((f.bytes, user, parts[0].bytes, source) for f in parts[1:])
                 intake.put(batch)
         except Exception as e:  # never expected: the writer's /healthz reports a dead intake
             log.exception("gradwatch aggregator: intake thread stopped: %r", e)

@@ -69,6 +69,7 @@ class RankState:
     close_reason: str = ""  # why its agent said goodbye (wire.CLOSE_REASONS)
     prev_boot: str = ""  # the boot before ``boot``
     first_report_at: float = math.nan  # aggregator clock of the rank's first report (its step rate)
+    proof: int = 0  # messages that advanced its step while its job was not proven (admission.Admission.prove)
     halt_on: tuple = ()  # the checks its latest schema says may halt it (wire.Schema.halt_on)
     nonfinite_skipped: int = 0  # steps its agent's breaker skipped (on_nonfinite="skip"): a counter
 
@@ -117,6 +118,12 @@ class RankColumns:
         return cls(*cols[:-1], cols[-1] != 0)
 
 
+#: a job's checks' events (released steps, reconciled rounds) held while it is unproven: the first
+#: ones are kept, so a fault in a job's first steps is found once it is proven (a real job proves
+#: itself within a few steps; an invented one holds at most these)
+HELD_EVENTS = 64
+
+
 #: goodbyes (wire.CLOSE_REASONS) of an agent whose process ended: training finished, the
 #: interpreter exited, an exception left the monitored loop, the agent halted training at the
 #: aggregator's word (gradwatch.Halt), or the script closed its monitor (the
@@ -152,6 +159,16 @@ class JobState:
     name: str = ""  # the job id its ranks send ('' : same as ``job``, the label)
     key: str = ""  # the identity digest its ranks send (wire.Header.key)
     admitted: bool = False  # holds one of max_jobs slots: it sent a schema and a report using it
+    #: its ranks showed steps (admission.Admission.prove): exported and judged from then on; until
+    #: then quiet, its checks' events held (:attr:`held`), and the first evicted for a slot
+    proven: bool = False
+    proof_ranks: int = 0  # ranks that reported at least proof_steps steps (counted until proven)
+    #: who created it (admission's per-source quotas): the CURVE key, else the peer's address; None: not known
+    source: Optional[str] = None
+    #: the checks' step and round events while unproven, in order, judged once it is proven
+    #: (:meth:`.rounds.Rounds.prove`), at most :data:`HELD_EVENTS`; None: none held
+    held: Optional[collections.deque] = None
+    held_dropped: int = 0  # events not held past HELD_EVENTS
     touched: float = 0.0  # aggregator clock of its latest accepted message (pending eviction)
     peer_key: Optional[str] = None  # with CURVE on, the client public key that created the job
     votes: dict = field(default_factory=dict)  # rank -> (boot, world, when): restart votes

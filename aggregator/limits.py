@@ -21,7 +21,9 @@ class Limits:
         rank_ttl_s: seconds after which a silent rank is forgotten.
         max_jobs, max_world, max_pending_jobs, max_pending_ranks, max_schema_bytes,
         max_series_per_job, max_series_total, max_pending_bytes, max_label_len, max_step_jump,
-        restart_grace_s, boot_takeover_s: the aggregator settings of the same name.
+        restart_grace_s, boot_takeover_s, proof_steps, proof_rank_share, max_unproven_per_source,
+        max_pending_per_source: the aggregator settings of the same name (``proof_steps`` 0: every
+        job is proven as it comes, as the checks' own tests take them).
         round_slice_ranks: rounds of at least this many reports are reconciled in slices
             (:mod:`.rounds`); 0: every round at once.
         group_depth: the exporter's ``--layer-depth``: a round reconciled in slices is also merged
@@ -46,6 +48,10 @@ class Limits:
     max_step_jump: int = 1000
     restart_grace_s: float = 30.0
     boot_takeover_s: float = 3.0
+    proof_steps: int = 3
+    proof_rank_share: float = 0.5
+    max_unproven_per_source: int = 4
+    max_pending_per_source: int = 8
     round_slice_ranks: int = 0
     group_depth: int = 0
     rank_view_max: Optional[int] = None

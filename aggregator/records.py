@@ -21,7 +21,7 @@ from .jobs import JobState, RankState
 from .rounds import Rounds
 from .shards import gradless, norms_of, sq_kind
 from .steps import COLUMNS as TABLE_COLUMNS
-from .steps import MAX_CELLS, PENDING_CELLS, StepTable
+from .steps import MAX_CELLS, MIN_ROWS, PENDING_CELLS, StepTable
 
 
 class Records:
@@ -77,10 +77,12 @@ class Records:
         r.last_report_at = now
         table = job.table
         if table is None or table.world != job.world:
-            # a pending job (no schema its records use yet, its world only what its frames claim)
-            # gets a small table: one frame claiming 65,536 ranks took ~240 MB
-            table = job.table = StepTable(job.world, MAX_CELLS if job.admitted else PENDING_CELLS)
-        elif job.admitted and table.max_cells < MAX_CELLS:
+            # a job not proven (its world only what its frames claim) gets a small table: one frame
+            # claiming 65,536 ranks took ~240 MB, and frames of a few invented ranks steps apart
+            # grew a table of an admitted job to MAX_CELLS (~60 MB) each
+            big = job.admitted and job.proven
+            table = job.table = StepTable(job.world, MAX_CELLS if big else min(PENDING_CELLS, max(job.world, 1) * MIN_ROWS))
+        elif job.admitted and job.proven and table.max_cells < MAX_CELLS:
             table.allow(MAX_CELLS)
         norms = None
         if m.grad_norms is not None:
@@ -110,6 +112,12 @@ class Records:
         if not probe:
             return None
         return self.rounds.add(job, r, m, now)
+
+    @staticmethod
+    def proven(job: JobState) -> None:
+        """The job was just proven: its step table may hold MAX_CELLS from now on."""
+        if job.table is not None and job.admitted and job.table.max_cells < MAX_CELLS:
+            job.table.allow(MAX_CELLS)
 
     def released(self, job: JobState, views: list) -> None:
         """Steps the job's table released: sharded ranks' global norms filled in (and their gauges,

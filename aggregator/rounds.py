@@ -11,6 +11,11 @@ bounded per job. A closed round is reconciled (:mod:`.reconcile`): at once, or, 
 (:meth:`Rounds.event`) and run after it in the order they came: the checks see what they would have
 seen had the round been reconciled at once. A reconciled round goes to the job within its series
 allowance (:mod:`.series`) and to the checks.
+
+A job not yet proven (:mod:`.admission`) is not judged: its released steps and reconciled rounds
+are held, in order (at most :data:`.jobs.HELD_EVENTS`, the first ones), and given to the checks
+when it is proven (:meth:`Rounds.prove`), so a fault in its first steps is still found; its ticks
+and heartbeats go nowhere (they judge the job as it is when they come).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, Callable, Optional
 
 from gradwatch import wire
 
-from .jobs import JobState, RankState, Registry
+from .jobs import HELD_EVENTS, JobState, RankState, Registry
 from .limits import Limits
 from .reconcile import RoundResult, reconcile, reconcile_in_slices
 from .series import allowance, cap_series, series_of
@@ -169,9 +174,33 @@ class Rounds:
         if self.runner is None:
             return
         if job.deferred is None:
-            self.runner.dispatch(method, job, *args)
+            self._dispatch(method, job, args)
         elif method != "on_tick" or not job.deferred or job.deferred[-1] != ("on_tick", None):
             job.deferred.append((method, None if method == "on_tick" else args))
+
+    def _dispatch(self, method: str, job: JobState, args: tuple) -> None:
+        """Give the checks the event, once the job is proven; before, hold a step or round event
+        (the first :data:`.jobs.HELD_EVENTS`) and drop the others (module docstring)."""
+        if job.proven:
+            self.runner.dispatch(method, job, *args)
+        elif method in ("on_steps", "on_round"):
+            if job.held is None:
+                job.held = collections.deque()
+            if len(job.held) < HELD_EVENTS:
+                job.held.append((method, args))
+            else:
+                job.held_dropped += 1
+
+    def prove(self, job: JobState) -> None:
+        """The job was just proven: the checks judge the events held for it, in order."""
+        held, job.held = job.held, None
+        if self.runner is None or not held:
+            return
+        for method, args in held:
+            try:
+                self.runner.dispatch(method, job, *args)
+            except Exception:  # a bug of ours: the events after it still run
+                self.reject("internal")
 
     def advance(self) -> bool:
         """Run one slice of the oldest round in :attr:`closing`; once its reconciliation is done,
@@ -235,7 +264,7 @@ class Rounds:
                 method, args = head
                 if method == "on_tick":
                     job.refresh_columns()
-                self.runner.dispatch(method, job, *(args if args is not None else (self.clock(),)))
+                self._dispatch(method, job, args if args is not None else (self.clock(),))
         job.deferred = None
 
     def _finish(self, job: JobState, result: RoundResult) -> None:
@@ -247,4 +276,4 @@ class Rounds:
             job.exported_series = series_of(job.last_round)
         self.registry.version += 1
         if self.runner is not None:
-            self.runner.dispatch("on_round", job, result)
+            self._dispatch("on_round", job, (result,))

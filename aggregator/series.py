@@ -62,6 +62,7 @@ def cap_series(rr: RoundResult, budget: int) -> tuple[RoundResult, int]:
 
 def allowance(jobs, job, limits: Limits) -> int:
     """Per-layer series ``job``'s next round may export: ``max_series_per_job``, and within
-    ``max_series_total`` what the other jobs of ``jobs`` (their ``exported_series``) leave."""
-    others = sum(j.exported_series for j in jobs if j is not job)
+    ``max_series_total`` what the other proven jobs of ``jobs`` (their ``exported_series``) leave
+    (a job not proven exports nothing: an invented one's schema takes no running job's share)."""
+    others = sum(j.exported_series for j in jobs if j is not job and j.proven)
     return min(limits.max_series_per_job, max(0, limits.max_series_total - others))

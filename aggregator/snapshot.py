@@ -2,7 +2,8 @@
 
 The writer thread copies what the exporter and the HTTP API need out of the state
 (:func:`snapshot`) at most every ``publish_interval_s``; the HTTP server's threads only read the
-latest one. A job of more than ``rank_view_max`` ranks keeps views only of the ranks an active
+latest one. It holds the proven jobs only (:mod:`.admission`): a job not proven shows in no
+series and no API answer, only in the counts of jobs by stage and of jobs not admitted. A job of more than ``rank_view_max`` ranks keeps views only of the ranks an active
 finding names, and columns of every rank's fields for its job-level series.
 """
 
@@ -88,6 +89,12 @@ class Snapshot:
     decode_count: int = 0
     jobs_evicted: int = 0  # pending jobs evicted (State.max_pending_jobs)
     probes_shed: int = 0  # probe reports kept as their step's record alone (intake.Intake.shed)
+    #: admission (State.admission_counts): the latest jobs not admitted ((label, reason), ...),
+    #: identities refused, unproven jobs evicted for a slot, jobs held by stage ((stage, n), ...)
+    not_admitted: tuple = ()
+    jobs_refused: int = 0
+    unproven_evicted: int = 0
+    stages: tuple = ()
     control: tuple = ()  # ((what, count), ...) of the control room (control.Control.view)
 
 
@@ -120,11 +127,12 @@ def snapshot(state, wall_now: float) -> Snapshot:
     writer per snapshot, which made snapshots, and so the metrics' freshness, 4x rarer."""
     mono_now = state.clock()
     limit = state.limits.rank_view_max
-    huge = {j.job for j in state.jobs.values() if limit is not None and max(j.world, len(j.ranks)) > limit}
+    proven = [j for j in state.jobs.values() if j.proven]
+    huge = {j.job for j in proven if limit is not None and max(j.world, len(j.ranks)) > limit}
     named = state.runner.named_ranks(huge) if state.runner is not None else dict.fromkeys(huge, set())
     checks = state.runner.view(named or None) if state.runner is not None else None
     jobs = []
-    for job in state.jobs.values():
+    for job in proven:
         order = job.in_order()
         big = job.job in huge
         # every rank's fields in one pass, as float64: the counters' totals, and a huge job's columns
@@ -152,5 +160,14 @@ def snapshot(state, wall_now: float) -> Snapshot:
         state.decode_count,
         getattr(state, "jobs_evicted", 0),
         state.probes_shed,
+        **_admission(state),
     )
+
+
+def _admission(state) -> dict:
+    got = getattr(state, "admission_counts", None)
+    if got is None:
+        return {}
+    return {"not_admitted": got["not_admitted"], "jobs_refused": got["refused"],
+            "unproven_evicted": got["unproven_evicted"], "stages": got["stages"]}
 

@@ -116,6 +116,18 @@ class State:
         return self.registry.evicted
 
     @property
+    def admission_counts(self) -> dict:
+        """What admission did, for the snapshot: ``not_admitted`` (``((label, reason), ...)`` of the
+        latest refused), ``refused`` (identities refused), ``unproven_evicted``, and the jobs held
+        by stage (``stages``: ``((stage, n), ...)``: proven, unproven, pending)."""
+        a = self.admission
+        stages = collections.Counter(("proven" if j.proven else "unproven") if j.admitted else "pending"
+                                     for j in self.jobs.values())
+        return {"not_admitted": tuple(a.refused.items()), "refused": a.refused_total,
+                "unproven_evicted": a.unproven_evicted,
+                "stages": tuple((k, stages.get(k, 0)) for k in ("proven", "unproven", "pending"))}
+
+    @property
     def closing(self):
         """Rounds closed but not reconciled yet (:attr:`.rounds.Rounds.closing`), oldest first."""
         return self.rounds.closing
@@ -166,12 +178,14 @@ class State:
             job.overloaded_at = now
             self.registry.version += 1
 
-    def apply(self, msg: wire.Message, peer_key: Optional[str] = None) -> None:
+    def apply(self, msg: wire.Message, peer_key: Optional[str] = None, source: Optional[str] = None) -> None:
         """Fold one decoded message into state; a message that may not change it is counted in
         ``rejected`` by reason and leaves it as it was. ``peer_key``: the sender's CURVE public
-        key, with CURVE on; a job is bound to the key that created it."""
+        key, with CURVE on; a job is bound to the key that created it. ``source``: who sent it
+        for the per-source quotas (:mod:`.admission`: the CURVE key, else the peer's address;
+        None: no quota)."""
         h, now = msg.header, self.clock()
-        job = self.admission.job_for(h, peer_key, now)  # its job, a new pending one for a new identity
+        job = self.admission.job_for(h, peer_key, now, source)  # its job, a new pending one for a new identity
         if isinstance(job, str):
             return self.reject(job)
         r = job.ranks.get(h.rank)
@@ -182,7 +196,7 @@ class State:
         if isinstance(got, str):
             return self.reject(got)
         job, r = got
-        why = self.admission.slot(job, msg) or self.admission.room(job, r, msg) or self.schemas.keep(job, msg)
+        why = self.admission.slot(job, msg, now) or self.admission.room(job, r, msg) or self.schemas.keep(job, msg)
         if why == HELD:  # a schema kept for a rank the pending job has no room for yet
             self.received["schema"] += 1
             return None
@@ -212,7 +226,11 @@ class State:
             self.rounds.event("on_heartbeat", job, r, msg)
             return None
         self.received["report" if isinstance(msg, wire.Report) else "steps"] += 1
+        before = r.step
         why = self.records.take(job, r, msg, now)
+        if r.step > before and not job.proven and self.admission.prove(job, r):
+            self.records.proven(job)
+            self.rounds.prove(job)  # judged from now on, its first steps first
         return self.reject(why) if why else None
 
     # --- time -----------------------------------------------------------------------------------
@@ -235,6 +253,7 @@ class State:
             if scan:
                 order = job.in_order()
                 for r in [order[i] for i in np.flatnonzero(now - job.columns().last_seen > self.limits.rank_ttl_s).tolist()]:
+                    self.admission.forgetting(job, r)
                     job.forget_rank(r)
                     self.registry.version += 1
                 # the schemas no rank or pending round uses go, looked over at the scan's pace (a mesh

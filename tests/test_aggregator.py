@@ -642,8 +642,8 @@ def test_frames_naming_a_placed_key_or_off_the_mesh_change_nothing():
 
 
 def test_the_daemon_logs_a_job_once_when_admitted_and_once_when_gone(caplog):
-    """On-call sees a job arrive and leave in the aggregator's log: one line when it is admitted
-    (a schema and a step using it), none for a pending id a stray frame made, one when its ranks
+    """On-call sees a job arrive and leave in the aggregator's log: one line when it is proven
+    (its ranks showed steps), none for a pending id a stray frame made, one when its ranks
     went silent past rank_ttl_s."""
     import logging
 
@@ -659,7 +659,8 @@ def test_the_daemon_logs_a_job_once_when_admitted_and_once_when_gone(caplog):
     FakeRank(out, "stray", 0, 2).heartbeat()  # a pending job: never admitted, never logged
     for r in ranks:
         r.schema()
-        r.report(0)
+        for step in range(3):  # proven
+            r.report(step)
     for f in out.frames:
         agg.handle(f)
     agg.publish()
@@ -699,7 +700,8 @@ def test_a_second_job_under_a_live_jobs_id_is_logged_with_its_label_and_why(capl
     for key in ("first-launch", "relaunch"):
         for r in [Keyed(out, "train", k, 2, key=key) for k in range(2)]:
             r.schema()
-            r.report(0)
+            for step in range(3):  # proven
+                r.report(step)
     for f in out.frames:
         agg.handle(f)
     agg.publish()

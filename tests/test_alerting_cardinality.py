@@ -304,7 +304,7 @@ def test_job_totals_count_forgotten_ranks_so_they_never_decrease(rank_view_max):
 
     now = [0.0]
     st = State(rank_ttl_s=10, clock=lambda: now[0], rank_view_max=rank_view_max)
-    job = st.jobs["j"] = JobState("j", 2, admitted=True)
+    job = st.jobs["j"] = JobState("j", 2, admitted=True, proven=True)
     job.ranks = {0: RankState(0, steps=5, last_seen=0.0, agent_drops=1, drops_base=2), 1: RankState(1, steps=7, last_seen=9.0)}
     before = dict(snapshot(st, 0.0).jobs[0].totals)
     now[0] = 12.0
@@ -330,7 +330,7 @@ def test_a_huge_jobs_snapshot_has_the_columns_totals_and_views_of_a_full_one():
     for i, f in enumerate(findings):  # active findings, as the checks would have raised them
         runner.active.setdefault((f.job, f.check), {})[(i,)] = f
     st = State(clock=lambda: 1000.0, runner=runner)
-    job = st.jobs["j"] = JobState("j", 8, admitted=True)
+    job = st.jobs["j"] = JobState("j", 8, admitted=True, proven=True)
     job.ranks = {r: RankState(r, step=int(rng.integers(0, 100)), steps=int(rng.integers(0, 10**6)),
                               nonfinite_steps=int(rng.integers(0, 9)), lost=int(rng.integers(0, 50)),
                               agent_drops=int(rng.integers(0, 20)), drops_base=int(rng.integers(0, 20)),
@@ -364,7 +364,7 @@ def test_the_agents_cost_gauges_follow_its_latest_message_not_only_probed_steps(
     from gradwatch.aggregator.snapshot import snapshot
     from gradwatch.aggregator.state import State
 
-    st = State(clock=lambda: 100.0)
+    st = State(clock=lambda: 100.0, proof_steps=0)  # exported as it comes
     sch = wire.Schema(wire.Header("j", 0, 1, "b", 0, 0.0), "n", 0, 1, (("w", (4,), "float32"),), ())
     st.apply(sch)
     recs = [wire.Report(wire.Header("j", 0, 1, "b", 1 + s, 0.0), sch.hash, s, 0.01, 1.0, 0, agent_cost=0.06,

@@ -526,12 +526,11 @@ def test_a_forgotten_or_restarted_jobs_active_findings_are_resolved_saying_why()
         j.tick(1)
         j.heartbeat(0)
         j.heartbeat(2)
-    for _ in range(25):  # every rank silent; rank 1 forgotten first (its finding resolves), then the job
+    for _ in range(25):  # every rank silent, within seconds: one job-wide finding; then the job is forgotten
         j.tick(1)
     assert "j" not in j.state.jobs and not j.runner.active.get(("j", "rank_silent"))
     assert [(e.event, e.rank, e.details.get("resolved_because")) for e in j.runner.events] == [
-        ("raised", 1, None), ("raised", 0, None), ("raised", 2, None),
-        ("resolved", 1, None), ("resolved", 0, "job forgotten"), ("resolved", 2, "job forgotten")]
+        ("raised", 1, None), ("raised", None, None), ("resolved", 1, None), ("resolved", None, "job forgotten")]
     # a restart: ranks 0 and 2 resume from step 0 under new boots while rank 1 is named silent
     j = Job(["rank_silent"], silent_after_s=5)
     for step in range(3):
@@ -599,7 +598,9 @@ def test_a_job_whose_goodbyes_the_intake_dropped_is_not_named_silent_after_the_o
     k.state.overloaded({(("j", ""), None)})
     for _ in range(12):
         k.tick(1)
-    assert k.named("rank_silent") == [0, 1, 2]
+    assert k.named("rank_silent") == [None]  # every rank at once: one job-wide finding
+    (f,) = k.runner.active[("j", "rank_silent")].values()
+    assert (f.details["count"], f.details["ranks"]) == (3, [0, 1, 2])
 
 
 # --- training_stalled ----------------------------------------------------------------------------

@@ -161,7 +161,7 @@ def test_runner_skips_on_tick_of_a_check_judging_silence_while_its_job_is_overlo
     monkeypatch.setitem(CHECKS, Plain.name, Plain)
     now = [1000.0]
     runner = Runner([Judging.name, Plain.name], Thresholds(silent_after_s=5), wall=lambda: 0.0)
-    st = State(clock=lambda: now[0], runner=runner)
+    st = State(clock=lambda: now[0], runner=runner, proof_steps=0)  # jobs judged as they come
     for job in ("j", "other"):
         st.apply(wire.Heartbeat(wire.Header(job, 0, 1, "b0", 0, 0.0), -1, 0, 0, 0))
     st.tick()

@@ -49,7 +49,7 @@ def test_c28_first_contact_mid_stream_counts_no_loss_but_later_gaps_do():
 
 def test_agent_counters_stay_monotonic_across_agent_restarts():
     clock = Clock()
-    st = State(clock=clock)
+    st = State(clock=clock, proof_steps=0)  # exported as it comes
     st.apply(wire.Heartbeat(_hdr(seq=0, boot="a"), step=3, sent=10, drops=7, errors=2))
     clock.t += st.limits.boot_takeover_s  # the old process died: silent since
     st.apply(wire.Heartbeat(_hdr(seq=0, boot="b"), step=0, sent=1, drops=1, errors=0))
@@ -60,11 +60,13 @@ def test_agent_counters_stay_monotonic_across_agent_restarts():
 def test_a_check_without_data_resolves_its_findings():
     clock = Clock()
     runner = Runner(["rank_silent"], Thresholds(silent_after_s=5))
-    st = State(clock=clock, runner=runner)
-    st.apply(wire.Heartbeat(_hdr(rank=1, world=2), step=0, sent=1, drops=0, errors=0))
+    st = State(clock=clock, runner=runner, proof_steps=0)  # judged as it comes
+    st.apply(wire.Heartbeat(_hdr(rank=1, world=5), step=0, sent=1, drops=0, errors=0))
     clock.t += 1
-    st.apply(wire.Heartbeat(_hdr(rank=0, world=2), step=0, sent=1, drops=0, errors=0))
+    st.apply(wire.Heartbeat(_hdr(rank=0, world=5), step=0, sent=1, drops=0, errors=0))
     clock.t += 5.5
+    for r in (2, 3, 4):  # fewer than half of the ranks silent: each is named
+        st.apply(wire.Heartbeat(_hdr(rank=r, world=5), step=0, sent=1, drops=0, errors=0))
     st.tick()  # rank 1 silent for 6.5 s, rank 0 for 5.5 s: both named
     assert {f.rank for f in runner.view().active} == {0, 1}
     from gradwatch.aggregator.checks import Evaluation
@@ -267,7 +269,8 @@ def test_a_live_ranks_boot_cannot_be_taken_over():
 def test_state_stays_bounded_whatever_job_ids_and_world_sizes_peers_claim():
     """Jobs that never sent a schema and a step take no slot: at most max_pending_jobs of them are
     held, the least recently heard evicted (invented job ids cannot squat slots); jobs
-    that did hold one of max_jobs slots, and further ones are rejected."""
+    that did hold one of max_jobs slots, and further ones take the slot of the least recently
+    heard job not proven (tests/test_admission.py: proven ones keep theirs)."""
     st = State(clock=Clock(), max_jobs=3, max_world=8, max_pending_jobs=3)
     for i in range(10):
         st.apply(wire.Heartbeat(wire.Header(f"job{i}", 0, 2, "b", 0, 0.0), step=0, sent=0, drops=0, errors=0))
@@ -279,8 +282,8 @@ def test_state_stays_bounded_whatever_job_ids_and_world_sizes_peers_claim():
         h = wire.Header(f"run{i}", 0, 1, "b", 0, 0.0)
         st.apply(replace(sch, header=h))
         st.apply(wire.Report(replace(h, seq=1), sch.hash, 0, 0.01, 1.0, 0))
-    assert sorted(j.job for j in st.jobs.values() if j.admitted) == ["run0", "run1", "run2"]
-    assert st.rejected["too_many_jobs"] == 2 and len(st.jobs) <= 3 + 3
+    assert sorted(j.job for j in st.jobs.values() if j.admitted) == ["run2", "run3", "run4"]
+    assert st.admission.unproven_evicted == 2 and st.rejected["too_many_jobs"] == 0 and len(st.jobs) <= 3 + 3
     # a pending job holds few ranks; once it has a slot, all of them
     st = State(clock=Clock(), max_pending_ranks=4)
     for rank in range(8):

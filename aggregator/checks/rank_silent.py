@@ -20,14 +20,33 @@ ends in an overload (the end of a 16,384-rank job is one burst of final reports 
 dropped) is not made silent by its lost goodbyes: when some of its ranks said goodbye within
 ``silent_after_s`` of the job's latest drop, a rank last heard within ``silent_after_s`` before
 that drop, or after it, is not named (one silent since earlier still is, and stays named).
+
+A job-wide silence is one finding. When at least half of the job's ranks, and at least 2, fall
+silent within ``job_wide_window_s`` of each other (a crash, the job killed without goodbyes, a
+partition), the check raises one job-level finding (no rank) whose details give their ``count``
+and the first :data:`RankSilent.LISTED` of them (``ranks``, sorted), and names none of them on its
+own; a rank silent since before (a fault of its own) is still named. Ranks go silent over about a
+heartbeat, so while such a group has fallen quiet (past half of ``silent_after_s``) but fewer than
+half of the ranks are silent yet, the check waits, for ``silent_after_s`` at most, instead of
+naming the first ones. A rank heard again leaves the group; the finding resolves once fewer than
+half are left (the rest are then named each).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 from pydantic import Field
 
 from . import Check, Evaluation, Finding, register
+
+
+@dataclass
+class _Silence:
+    hold: Optional[float] = None  # since when a group that fell quiet together is waited for
 
 
 @register
@@ -46,6 +65,37 @@ class RankSilent(Check):
 
     class Thresholds(Check.Thresholds):
         silent_after_s: float = Field(2.5, gt=0, description="Seconds without any message after which a rank is silent; keep it above the agents' heartbeat_s (1 s) plus scheduling delays.")
+        job_wide_window_s: float = Field(30.0, gt=0, description="Seconds within which at least half of a job's ranks (and at least 2) falling silent are one job-wide event: one job-level finding with their count and the first 16 ranks, instead of one finding per rank.")
+
+    #: ranks a job-wide finding lists (``details["ranks"]``); ``details["count"]`` counts them all
+    LISTED = 16
+
+    per_job = _Silence
+
+    def _job_wide(self, job_id: str, c, silent: np.ndarray, now: float, unsure_from: float):
+        """The ranks (a mask over ``c``) of a job-wide silence (module docstring), None when there
+        is none, or ``False`` while a group falling quiet together is waited for."""
+        st = self.state(job_id)
+        n = len(c.closing)
+        need = max(2, math.ceil(n / 2))
+        quiet = ~c.closing & (now - c.last_seen > self.t.silent_after_s / 2) & (c.last_seen < unsure_from)
+        if quiet.sum() >= need:
+            # the largest group of quiet ranks last heard within job_wide_window_s of each other
+            t = np.sort(c.last_seen[quiet])
+            ends = np.searchsorted(t, t + self.t.job_wide_window_s, side="right")
+            first = int(np.argmax(ends - np.arange(len(t))))
+            group = quiet & (c.last_seen >= t[first]) & (c.last_seen <= t[first] + self.t.job_wide_window_s)
+            if group.sum() >= need:
+                if (group & silent).sum() >= need:
+                    st.hold = None
+                    return group & silent
+                if st.hold is None:
+                    st.hold = now
+                if now - st.hold < self.t.silent_after_s:
+                    return False
+                return None
+        st.hold = None
+        return None
 
     def on_tick(self, job, now):
         if not job.ranks:
@@ -59,9 +109,26 @@ class RankSilent(Check):
         # before a drop, or after, may have said goodbye unheard
         ended = job.ended_in_overload(self.t.silent_after_s)
         unsure_from = ended - self.t.silent_after_s if ended is not None else float("inf")
-        # the ranks the loop below may name: stopped behind their peers, or silent
-        maybe = (c.closing & (lead - c.step > self.t.skew_steps)) | (~c.closing & ~heard & (c.last_seen < unsure_from))
+        silent = ~c.closing & ~heard & (c.last_seen < unsure_from)
+        wide = self._job_wide(job.job, c, silent, now, unsure_from)
+        if wide is False:
+            return None  # a group going silent together: named as one once half of the ranks are
         order = job.in_order()
+        if wide is not None:
+            ranks = [order[i].rank for i in np.flatnonzero(wide).tolist()]  # ascending, as in_order
+            age = float(now - c.last_seen[wide].min())
+            steps = c.step[wide]
+            findings.append(Finding(
+                self.name, job.job, int(steps.max()),
+                f"{len(ranks)} of {len(order)} ranks went silent together (for up to {age:.0f} s; ranks "
+                f"{', '.join(map(str, ranks[:3]))}{', ...' if len(ranks) > 3 else ''}; last steps {int(steps.min())}-"
+                f"{int(steps.max())}) without saying goodbye: the job crashed or was killed, or lost its network",
+                details={"count": len(ranks), "ranks": ranks[: self.LISTED], "of": len(order), "silent_s": age,
+                         "last_step_min": int(steps.min()), "last_step_max": int(steps.max())},
+            ))
+            silent = silent & ~wide
+        # the ranks the loop below may name: stopped behind their peers, or silent
+        maybe = (c.closing & (lead - c.step > self.t.skew_steps)) | silent
         for r in (order[i] for i in np.flatnonzero(maybe).tolist()):
             k = r.rank
             age = now - r.last_seen

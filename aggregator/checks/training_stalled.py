@@ -47,6 +47,10 @@ is that rank's knock-on (``knock_on_of``): the runner folds the new finding into
 (``details["knock_on"]``) instead of raising it, so one stopped rank is one finding, and no peer is
 named as hung for waiting on it. This check's status still says ``finding``. A stall with no
 silent rank is raised as always.
+
+A stall that would name at least half of the job's ranks (and at least 2) is one job-wide event:
+one job-level finding (``reason`` ``job_wide``) whose details give the ``count`` of those ranks and
+the first :data:`TrainingStalled.LISTED` of them (``ranks``, sorted), not one finding per rank.
 """
 
 from __future__ import annotations
@@ -112,6 +116,8 @@ class TrainingStalled(Check):
     #: seconds without any message from the job (every agent sends something at least every second) after which the
     #: aggregator was blind to it and the stall clock starts over
     DARK_S = 2.0
+    #: ranks a job-wide finding lists (``details["ranks"]``); ``details["count"]`` counts them all
+    LISTED = 16
 
     per_job = _Stall
 
@@ -197,6 +203,21 @@ class TrainingStalled(Check):
                 for r in silent
             ]
             findings = sorted(findings, key=lambda f: f.rank)
+            if len(findings) >= max(2, -(-len(job.ranks) // 2)):  # half of the job's ranks: one event
+                ranks = [f.rank for f in findings]
+                findings = [Finding(
+                    self.name, job.job, step,
+                    f"{head}; {len(ranks)} of {len(job.ranks)} ranks are not waiting in all-reduce or are silent while "
+                    f"rank(s) {_ranks(waiting[:3])}{', ...' if len(waiting) > 3 else ''} wait there",
+                    details={"stalled_s": idle, "bound_s": bound, "last_step": step, "reason": "job_wide",
+                             "count": len(ranks), "ranks": ranks[: self.LISTED],
+                             # each list and map bounded: a job of 16,384 ranks gives one finding of a few kB
+                             "waiting": [r.rank for r in waiting][: self.LISTED],
+                             "not_waiting": [r.rank for r in busy][: self.LISTED],
+                             "silent": [r.rank for r in silent][: self.LISTED],
+                             "in_step_s": {str(k): details["in_step_s"][str(k)] for k in ranks[: self.LISTED]
+                                           if str(k) in details["in_step_s"]}},
+                )]
             st.named = (step, tuple(findings))
             return Evaluation.found(*findings)
         named = st.named
