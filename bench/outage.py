@@ -65,8 +65,9 @@ def main() -> int:
     agg_log = (tmp / "aggregator.log").open("a")
 
     def aggregator():
+        # the namespaces' private veth link: plain TCP beyond loopback, said so
         return subprocess.Popen(pair.cmd(pair.agg, sys.executable, "-m", "gradwatch.aggregator", "--listen",
-                                         f"tcp://{netns.AGG_ADDR}:{PORT}", "--metrics-host", "127.0.0.1",
+                                         f"tcp://{netns.AGG_ADDR}:{PORT}", "--insecure-plaintext", "--metrics-host", "127.0.0.1",
                                          "--metrics-port", str(METRICS_PORT)), stdout=agg_log, stderr=subprocess.STDOUT, env=env)
 
     def job(name, endpoint, gloo_port):

@@ -401,15 +401,33 @@ def test_plain_defaults_bind_loopback_only():
     ("tcp://0.0.0.0:0", True), ("tcp://*:0", True), ("tcp://127.0.0.1:0", False), ("tcp://[::1]:0", False),
     ("ipc:///tmp/gw-{}.sock", False),
 ])
-def test_wide_bind_without_curve_warns(listen, wide, caplog):
+def test_wide_bind_without_curve_refuses_to_start_unless_insecure_plaintext(listen, wide, caplog):
+    """Beyond loopback without keys anyone who reaches the port writes to the aggregator's state:
+    it does not start (naming the setting and `gradwatch keys`) unless --insecure-plaintext says
+    so, and then warns."""
     cfg = load(listen=listen.format(os.getpid()), metrics_host="127.0.0.1", metrics_port=0)
     assert cfg.listen_is_local is not wide
     if "[::1]" in listen:
         cfg = cfg.model_copy(update={"listen": "tcp://127.0.0.1:0"})  # the host may lack IPv6
+    if wide:
+        with pytest.raises(ConfigError, match=r"^aggregator\.listen: .*`gradwatch keys DIR`.*--insecure-plaintext"):
+            Aggregator(cfg).start()
+        cfg = cfg.model_copy(update={"insecure_plaintext": True})
     with caplog.at_level(logging.WARNING, logger="gradwatch.aggregator"):
         Aggregator(cfg).start().stop()
     warned = [r for r in caplog.records if "no CURVE" in r.getMessage()]
     assert bool(warned) is wide
+
+
+@pytest.mark.ddp  # an interpreter of its own
+def test_the_aggregator_command_exits_2_on_a_wide_listen_without_keys(tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "gradwatch.aggregator", "--listen", "tcp://0.0.0.0:0", "--metrics-port", "0"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "aggregator.listen" in run.stderr and "gradwatch keys" in run.stderr and "--insecure-plaintext" in run.stderr
 
 
 def test_wide_bind_with_curve_does_not_warn(keys, caplog):
