@@ -38,14 +38,17 @@ No foreign or malformed bytes reset, hide or flood a job:
   job), under its one world size and a schema it holds (:meth:`Admission.prove`); with
   ``proof_steps`` 0 every job is proven as it comes. Until then it is quiet: no series, no finding, its
   checks' events held (:mod:`.rounds`). Proven jobs outrank the others: a job that needs a slot
-  when none is free evicts the unproven job least recently heard; when every slot holds a proven
+  when none is free evicts the unproven job whose proof got least far (its ranks' messages that
+  advanced a step), the least recently heard among equals: a job resending one step however often
+  gets no further, a real one starting beside it does. When every slot holds a proven
   job it is refused (``too_many_jobs``), and a proven job leaves its slot only when its ranks have
   been silent for ``rank_ttl_s``. A frame under a live job's id and another key (a lookalike)
   makes a job of its own, unproven and quiet like any other.
 * **Sources.** Each job remembers its *source*, the sender of the frame that made it: the CURVE
   key with CURVE on, else the peer's address. A source holds at most ``max_unproven_per_source``
   unproven jobs with a slot and ``max_pending_per_source`` pending ones: past either, a new one of
-  its own evicts its own least recently heard (a pending one without a schema first), never
+  its own evicts its own (as above; a pending one without a schema first, the least recently
+  heard), never
   another source's, so one sender's invented jobs churn among themselves while its real jobs (a
   host's jobs, or every job behind one NAT address, share a source) still get in. The counts are
   read from the jobs held, so at most as many sources are tracked as jobs are held.
@@ -192,18 +195,19 @@ class Admission:
 
     def slot(self, job: JobState, msg, now: float) -> Optional[str]:
         """A pending job sending a step under a schema it holds takes a slot: a free one of
-        ``max_jobs``, else the slot of the unproven job least recently heard (evicted; its own
-        source's, past ``max_unproven_per_source``); or why not: ``too_many_jobs`` (every slot
-        holds a proven job)."""
+        ``max_jobs``, else the slot of the unproven job whose proof got least far, the least
+        recently heard among equals (evicted; its own source's, past
+        ``max_unproven_per_source``); or why not: ``too_many_jobs`` (every slot holds a proven
+        job)."""
         if isinstance(msg, (wire.Steps, wire.Report)) and not job.admitted and msg.schema in job.schemas:
             unproven = [j for j in self.registry.jobs.values() if j.admitted and not j.proven]
             own = [j for j in unproven if j.source == job.source] if job.source is not None else []
             if len(own) >= self.limits.max_unproven_per_source:
-                victim = min(own, key=lambda j: j.touched)  # its source's own
+                victim = min(own, key=lambda j: (j.progress, j.touched))  # its source's own
             elif self.registry.holding() >= self.limits.max_jobs:
                 if not unproven:
                     return self._refuse((job.name, job.key), job.job, job.world, now)
-                victim = min(unproven, key=lambda j: j.touched)
+                victim = min(unproven, key=lambda j: (j.progress, j.touched))
             else:
                 victim = None
             if victim is not None:
@@ -223,6 +227,8 @@ class Admission:
         if job.proven or not job.admitted:
             return False
         r.proof += 1
+        if r.proof <= self.limits.proof_steps:
+            job.progress += 1
         if r.proof == self.limits.proof_steps:
             job.proof_ranks += 1
         if job.proof_ranks >= max(1, math.ceil(self.limits.proof_rank_share * job.world)):
@@ -233,8 +239,9 @@ class Admission:
 
     def forgetting(self, job: JobState, r: RankState) -> None:
         """Rank ``r`` of ``job`` is about to be forgotten: it no longer counts toward the job's proof."""
-        if not job.proven and r.proof >= self.limits.proof_steps:
-            job.proof_ranks -= 1
+        if not job.proven:
+            job.progress -= min(r.proof, self.limits.proof_steps)
+            job.proof_ranks -= r.proof >= self.limits.proof_steps
 
     def _refuse(self, ident: tuple, label: str, world: int, now: float, reason: str = "too_many_jobs") -> str:
         """Count the job ``ident`` (labelled ``label``) refused a slot once, show it among the

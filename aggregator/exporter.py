@@ -441,7 +441,7 @@ class SnapshotCollector(Collector):
             ranks an active finding names, and the job-level ``bounded`` families stand in for
             the rest (None: never; see README: Scale).
         max_series_total: most samples a scrape holds, every family together (None: no cap):
-            past it the jobs with the most per-rank series are shown by the ``bounded`` families
+            past it the jobs of the most ranks are shown by the ``bounded`` families
             instead (their per-rank series kept for :data:`NAMED_RANKS_MAX` ranks a finding
             names), then the newest jobs' per-layer series go, then the newest jobs (:meth:`plan`);
             the samples left out are counted in ``gradwatch_series_left_out``.
@@ -487,8 +487,8 @@ class SnapshotCollector(Collector):
 
     def plan(self, snap: Snapshot, held: dict) -> Plan:
         """What this scrape exports (:class:`Plan`): every job's series while the samples stay
-        within ``max_series_total``; past it, in turn, the jobs with the most per-rank series
-        (the newest first among equals) are shown by their job-level stand-ins and the per-rank
+        within ``max_series_total``; past it, in turn, the jobs of the most ranks (the newest
+        first among equals) are shown by their job-level stand-ins and the per-rank
         series of at most :data:`NAMED_RANKS_MAX` ranks a finding names, the named ranks of the
         newest such jobs go, the newest jobs' per-layer series go, and the newest jobs go whole.
         Jobs above ``rank_series_max`` ranks are always shown so. ``held``: the samples of every
@@ -549,9 +549,11 @@ class SnapshotCollector(Collector):
         total = fixed + sum(cost.values())
         cap = self.max_series_total
         if cap is not None and total > cap:
-            order = sorted((job for job in jobs if job not in out.reduced), key=lambda job: (full(job), jobs.index(job)),
-                           reverse=True)
-            for job in order:  # the most per-rank series first: they buy the most room
+            # the jobs of most ranks first (they buy the most room; not by findings, which come and
+            # go: a job's series would flap), the newest first among equals
+            order = sorted((job for job in jobs if job not in out.reduced),
+                           key=lambda job: (by_job[job].n_ranks, jobs.index(job)), reverse=True)
+            for job in order:
                 if total <= cap:
                     break
                 ranks = kept_ranks(job)

@@ -162,7 +162,8 @@ class JobState:
     #: its ranks showed steps (admission.Admission.prove): exported and judged from then on; until
     #: then quiet, its checks' events held (:attr:`held`), and the first evicted for a slot
     proven: bool = False
-    proof_ranks: int = 0  # ranks that reported at least proof_steps steps (counted until proven)
+    proof_ranks: int = 0  # ranks that advanced their step in proof_steps messages (counted until proven)
+    progress: int = 0  # such messages, at most proof_steps per rank: how far its proof got
     #: who created it (admission's per-source quotas): the CURVE key, else the peer's address; None: not known
     source: Optional[str] = None
     #: the checks' step and round events while unproven, in order, judged once it is proven
