@@ -483,7 +483,7 @@ class Inbox:
         return None
 
 
-def refused(h: wire.Header, cmd: wire.Command, why: str) -> wire.Ack:
+def refusal_ack(h: wire.Header, cmd: wire.Command, why: str) -> wire.Ack:
     """The answer to ``cmd`` refused for ``why`` (one of :data:`wire.ACK_REASONS`)."""
     return wire.Ack(h, cmd.id, False, -1, why)
 
@@ -746,14 +746,14 @@ class Sender:
                 continue
             cmd, why = got
             if why or self._control is None:
-                answer: Build = lambda h, c=cmd, w=why or "disabled": refused(h, c, w)
+                answer: Build = lambda h, c=cmd, w=why or "disabled": refusal_ack(h, c, w)
             else:
                 try:
                     answer = self._control(cmd)
                 except Exception as e:  # never expected of the control part: refused, counted
                     self.errors += 1
                     log.debug("gradwatch: a command failed: %r", e)
-                    answer = lambda h, c=cmd: refused(h, c, "other")
+                    answer = lambda h, c=cmd: refusal_ack(h, c, "other")
             self._hand(self._build(answer))
 
     def _send_schema(self, now: float) -> Optional[bool]:

@@ -9,6 +9,7 @@ import math
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -270,6 +271,14 @@ def test_the_stack_of_a_blocked_thread_names_its_function_and_line_and_keeps_the
     th = threading.Thread(target=blocked_in_user_code, args=(ready, go, 100), daemon=True)
     th.start()
     ready.wait(10)
+    line = blocked_in_user_code.__code__.co_firstlineno + 4
+
+    def waiting():  # the thread in go.wait (Condition.wait, called by Event.wait, called there)
+        f = sys._current_frames().get(th.ident)
+        caller = f.f_back.f_back if f is not None and f.f_back is not None else None
+        return caller is not None and caller.f_code is blocked_in_user_code.__code__ and caller.f_lineno == line
+
+    wait_for(waiting, 10, 0.01, what="the thread blocked in go.wait")
     try:
         training = agent_control.Training(ident=th.ident)
         for source in (False, True):
@@ -279,7 +288,6 @@ def test_the_stack_of_a_blocked_thread_names_its_function_and_line_and_keeps_the
             assert len(st.frames) == wire.MAX_FRAMES  # 100 deep: the innermost 64 kept
             inner = [f for f in st.frames if f.function == "blocked_in_user_code"]
             assert len(inner) == wire.MAX_FRAMES - 2  # Event.wait and Condition.wait are the innermost two
-            line = blocked_in_user_code.__code__.co_firstlineno + 4
             assert (inner[-1].file, inner[-1].line) == (__file__, line)
             assert (inner[-1].source == "go.wait(30)  # the line the stack must name") is source
             assert all(f.source == "" for f in st.frames) is not source
@@ -549,7 +557,7 @@ def test_with_curve_forged_oversized_and_replayed_commands_and_answers_change_no
 def test_the_aggregator_stopped_neither_blocks_training_nor_has_a_command_carried_out_twice(tmp_path):
     """An agent training against a real aggregator process: a probe is acked; the aggregator is
     SIGSTOPped for 5 s (its connection times out, the agent reconnects after SIGCONT) while
-    training goes on; a second probe is acked after it. Every command was carried out exactly
+    training goes on; a second probe (gradwatch probe) is acked after it. Every command was carried out exactly
     once: two probes, no replay dropped, no answer lost."""
     agg = start_aggregator(tmp_path, "--control-token", TOKEN, "--publish-interval-s", "0.05")
     t = Training(agg.endpoint, job="away", every=1000)
@@ -568,9 +576,14 @@ def test_the_aggregator_stopped_neither_blocks_training_nor_has_a_command_carrie
         finally:
             os.kill(agg.proc.pid, signal.SIGCONT)
         assert during >= 50, f"{during} steps in 5 s while the aggregator was stopped"  # ~5 ms steps: ~1000
-        wait_for(lambda: mon.sender.connected and requests.post(
-            agg.base_url + "/api/probe", json={"job_id": "away", "steps": 3}, headers=hdr, timeout=30).json()
-            .get("acks"), 30, 0.5, what="a probe acked after the aggregator came back")
+        probe = [sys.executable, "-m", "gradwatch.commands", "probe", "--url", agg.base_url, "--job", "away", "--steps", "3"]
+
+        def acked():  # gradwatch probe, the token from the environment
+            out = subprocess.run(probe, capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "GRADWATCH_CONTROL_TOKEN": TOKEN})
+            return out.returncode == 0 and "; 1 ranks acknowledged from step" in out.stdout
+
+        wait_for(acked, 30, 0.5, what="a probe acked after the aggregator came back")
         time.sleep(1.0)
         done = mon.control.done
         assert done == {"probe": mon.sender.inbox.accepted} and done["probe"] >= 2
