@@ -36,17 +36,19 @@ conductor of small parts, each with explicit inputs:
   :data:`COMMANDS_PER_S` a second; an expired one is refused (an ``ack`` saying so). What a
   command does is the ``control`` input's (:mod:`.control`); its answer goes out at once.
 
+* :class:`Pulse`: a heartbeat goes out only when no message went out for ``heartbeat_s`` (any
+  message says the rank is alive), when the error count changed since the last one (only a
+  heartbeat carries it; at most one per ``heartbeat_s``), after a (re)connection, and always when
+  stopping (the goodbye);
+* :class:`SchemaTimer`: the full schema goes out on demand (it changed), whenever the connection
+  (re)establishes (socket monitor ``EVENT_CONNECTED``), so a late or restarted aggregator learns it
+  (case C24), and again after ``schema_every_s``, the gap doubling after each resend up to ``32 x
+  schema_every_s``, each resend up to its gap late at random (spread further past
+  :data:`SCHEMA_RANKS` ranks, :func:`schema_spread`); the heartbeats carry its hash in between.
+
 The sender itself stamps a per-rank sequence number on each message actually handed to ZeroMQ,
-so the aggregator can count messages lost in flight (case C28); sends a heartbeat only when no
-message went out for ``heartbeat_s`` (any message says the rank is alive), when the error count
-changed since the last one (only a heartbeat carries it; at most one per ``heartbeat_s``), after a
-(re)connection, and always when stopping (the goodbye); sends the full schema on demand (it
-changed), whenever the connection (re)establishes (socket monitor ``EVENT_CONNECTED``), so a late
-or restarted aggregator learns it (case C24), and again after ``schema_every_s``, the gap doubling
-after each resend up to ``32 x schema_every_s``, each resend up to its gap late at random (spread
-further past :data:`SCHEMA_RANKS` ranks, :func:`schema_spread`); the heartbeats carry its hash in
-between; and survives any failure of one message: it is dropped and counted in ``errors`` (case
-C32).
+so the aggregator can count messages lost in flight (case C28), and survives any failure of one
+message: it is dropped and counted in ``errors`` (case C32).
 """
 
 from __future__ import annotations
@@ -241,6 +243,67 @@ class Backoff:
         self.current = self.min_s
         if now is not None:
             self.retry_at = now
+
+
+class SchemaTimer:
+    """When the schema goes out (module docstring): on demand (:attr:`demanded`: a change, a
+    (re)connection), and again after a gap of ``every_s`` doubling after each resend up to
+    ``SCHEMA_BACKOFF x every_s``, each resend up to ``jitter`` of ``min(gap x spread, top)`` late
+    at random (:func:`schema_spread` of the job's ``world``). The sender thread's.
+
+    Raises:
+        ValueError: a negative ``jitter``.
+    """
+
+    def __init__(self, every_s: float, jitter: float = SCHEMA_JITTER, world: int = 1):
+        if jitter < 0:
+            raise ValueError(f"schema_jitter must be >= 0, got {jitter}")
+        self.every_s, self.jitter, self.spread = every_s, jitter, schema_spread(world)
+        self.gap = every_s  # until the next periodic resend; doubles after each
+        self.next = 0.0  # clock of the next periodic resend
+        self.demanded = True
+        self.rng = random.Random()  # the jitter: every agent its own
+
+    def due(self, now: float) -> bool:
+        """Whether the schema is to go out at ``now``: demanded, or the resend timer ran out."""
+        return self.demanded or now >= self.next
+
+    def went(self, now: float, on_demand: bool, sent: bool) -> None:
+        """The schema was handed over (``sent``), or there was none to send, at ``now``: a send on
+        demand restarts the gap, a timed one doubles it; the next resend is drawn."""
+        top = SCHEMA_BACKOFF * self.every_s
+        if sent:
+            self.gap = self.every_s if on_demand else min(2 * self.gap, top)
+        # up to the jitter late, stretched in a large job, but never more than the top gap late
+        late = self.jitter * min(self.gap * self.spread, top) * self.rng.random()
+        self.next = now + self.gap + late
+
+
+class Pulse:
+    """When a heartbeat goes out (module docstring): ``every_s`` after the latest message or
+    heartbeat attempt, at once after a (re)connection (:attr:`due`), and within ``every_s`` of a
+    change of the error count, which only a heartbeat says. The sender thread's."""
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self.due = True  # at the first turn and after each (re)connection
+        self.errors = 0  # the error count the latest heartbeat said
+        self.last_sent = self.last_beat = 0.0  # clock of the latest message, and heartbeat, handed over
+
+    @property
+    def quiet_until(self) -> float:
+        """When a heartbeat falls due: ``every_s`` after the latest message (or the latest
+        heartbeat attempt, so one that fails to build is not retried at every turn)."""
+        return max(self.last_sent, self.last_beat) + self.every_s
+
+    def is_due(self, now: float, errors: Callable[[], int]) -> bool:
+        if self.due or now >= self.quiet_until:
+            return True
+        # only a heartbeat says the error count: a change is said within every_s, steps flowing or not
+        return now >= self.last_beat + self.every_s and errors() != self.errors
+
+    def went(self, now: float, errors: int) -> None:
+        self.due, self.errors, self.last_beat = False, errors, now
 
 
 class Link:
@@ -546,8 +609,6 @@ class Sender:
         identity: Optional[Identity] = None,
         control: Optional[Callable[[wire.Command], Build]] = None,
     ):
-        if schema_jitter < 0:
-            raise ValueError(f"schema_jitter must be >= 0, got {schema_jitter}")
         self._header = header
         self._schema = schema
         self._heartbeat = heartbeat
@@ -562,20 +623,9 @@ class Sender:
         self.flush_s = 0.05
         self._wake = threading.Event()
         self._stop = threading.Event()
-        # the schema: on demand, and resent after a gap doubling up to SCHEMA_BACKOFF x schema_every_s
-        self._schema_due = True
-        self._schema_every_s = schema_every_s
-        self._schema_gap = schema_every_s  # until the next periodic resend; doubles after each
-        self._schema_jitter = schema_jitter
-        self._schema_spread = schema_spread(world)
-        self._rng = random.Random()  # the jitter: every agent its own
-        self._next_schema = 0.0
-        # heartbeats
-        self._heartbeat_s = heartbeat_s
-        self._last_sent = self._last_beat = 0.0  # clock of the latest message, and heartbeat, handed over
-        self._beat_due = True  # a heartbeat at the first turn and after each (re)connect
-        self._beat_errors = 0  # the error count the latest heartbeat said
         # the parts
+        self.schema_timer = SchemaTimer(schema_every_s, schema_jitter, world)
+        self.pulse = Pulse(heartbeat_s)
         self._batch = Batch(coalesce_s)
         self.backoff = Backoff(heartbeat_s)
         self.inbox = Inbox(identity if identity is not None else Identity("", -2, 1, ""), clock=clock)
@@ -620,6 +670,22 @@ class Sender:
 
     def refusal(self) -> str:
         return self.link.refusal()
+
+    @property
+    def _schema_spread(self) -> float:
+        return self.schema_timer.spread
+
+    @property
+    def _schema_jitter(self) -> float:
+        return self.schema_timer.jitter
+
+    @property
+    def _rng(self) -> random.Random:
+        return self.schema_timer.rng
+
+    @_rng.setter
+    def _rng(self, rng) -> None:
+        self.schema_timer.rng = rng
 
     @property
     def _sock(self):
@@ -671,7 +737,7 @@ class Sender:
             self._wake.set()
 
     def request_schema(self) -> None:
-        self._schema_due = True
+        self.schema_timer.demanded = True
         self._wake.set()
 
     @property
@@ -733,7 +799,7 @@ class Sender:
         if ok:
             self.seq += 1
             self.sent += 1
-            self._last_sent = self._clock()
+            self.pulse.last_sent = self._clock()
         return ok
 
     def _commands(self) -> None:
@@ -759,21 +825,17 @@ class Sender:
     def _send_schema(self, now: float) -> Optional[bool]:
         """Send the schema if due (on demand, or the resend timer); False when ZeroMQ refused it
         (it stays due). A resend on demand restarts the resend backoff, a timed one doubles it."""
-        on_demand = self._schema_due
-        if not on_demand and now < self._next_schema:
+        timer = self.schema_timer
+        if not timer.due(now):
             return None
-        self._schema_due = False  # before building: a change requested meanwhile makes it due again
+        on_demand = timer.demanded
+        timer.demanded = False  # before building: a change requested meanwhile makes it due again
         ok = self._hand(self._build(self._schema))
         if not ok and on_demand:
-            self._schema_due = True  # refused, or no schema yet (no probe ran): still due
+            timer.demanded = True  # refused, or no schema yet (no probe ran): still due
         if ok is False:
             return False
-        top = SCHEMA_BACKOFF * self._schema_every_s
-        if ok:
-            self._schema_gap = self._schema_every_s if on_demand else min(2 * self._schema_gap, top)
-        # up to the jitter late, stretched in a large job, but never more than the top gap late
-        late = self._schema_jitter * min(self._schema_gap * self._schema_spread, top) * self._rng.random()
-        self._next_schema = now + self._schema_gap + late
+        timer.went(now, on_demand, bool(ok))
         return ok
 
     def _flush(self) -> Optional[bool]:
@@ -815,18 +877,6 @@ class Sender:
             log.debug("gradwatch: watching a report failed: %r", e)
             return False
 
-    def _beat_is_due(self, now: float) -> bool:
-        if self._beat_due or now >= self._quiet_until:
-            return True
-        # only a heartbeat says the error count: a change is said within heartbeat_s, steps flowing or not
-        return now >= self._last_beat + self._heartbeat_s and self._errors() != self._beat_errors
-
-    @property
-    def _quiet_until(self) -> float:
-        """When a heartbeat falls due: ``heartbeat_s`` after the latest message (or the latest
-        heartbeat attempt, so one that fails to build is not retried at every turn)."""
-        return max(self._last_sent, self._last_beat) + self._heartbeat_s
-
     def _errors(self) -> int:
         try:
             return self._owner_errors() + self.errors
@@ -851,7 +901,7 @@ class Sender:
                 waiting = True
                 break
             # a report never overtakes the schema it names (request_schema() may come any time)
-            if self._schema_due and self._send_schema(now) is False:
+            if self.schema_timer.demanded and self._send_schema(now) is False:
                 self.backoff.refused(now)
                 return False
             try:
@@ -881,29 +931,29 @@ class Sender:
             if self._flush() is False:
                 self.backoff.refused(now)
                 return False
-        if stopping or self._beat_is_due(now):
+        if stopping or self.pulse.is_due(now, self._errors):
             errors = self._errors()
             if self._hand(self._build(self._heartbeat)) is False:
                 self.backoff.refused(now)
                 return False
-            self._beat_due, self._beat_errors, self._last_beat = False, errors, now
+            self.pulse.went(now, errors)
         self.backoff.reset()
         return waiting
 
     def _next_turn(self, now: float, waiting: bool) -> float:
         """Seconds until the next timer (heartbeat, schema, the batch's age) or ``flush_s``."""
-        due = min(self._quiet_until, self._next_schema, self._batch.due_at)
+        due = min(self.pulse.quiet_until, self.schema_timer.next, self._batch.due_at)
         return min(due - now, 0.002 if waiting else self.flush_s)
 
     def _run(self) -> None:
-        self._next_schema = self._clock()
+        self.schema_timer.next = self._clock()
         try:
             while True:
                 self.turns += 1
                 stopping = self._stop.is_set()
                 now = self._clock()
                 if self.link.events():  # a (new) aggregator: schema and heartbeat at once
-                    self._schema_due = self._beat_due = True
+                    self.schema_timer.demanded = self.pulse.due = True
                     self.backoff.reset(now)
                 if not stopping:
                     self._commands()
