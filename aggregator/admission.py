@@ -113,14 +113,12 @@ class Admission:
             refused (module docstring: not admitted), oldest first.
         refused_total: identities refused, each counted once while remembered (the latest
             :data:`REFUSED_KEPT`).
-        unproven_evicted: unproven jobs evicted for a job that needed a slot.
     """
 
     def __init__(self, registry: Registry, limits: Limits, schemas: SchemaStore):
         self.registry, self.limits, self.schemas = registry, limits, schemas
         self.refused: collections.OrderedDict = collections.OrderedDict()
         self.refused_total = 0
-        self.unproven_evicted = 0
         self._refused_ids: collections.OrderedDict = collections.OrderedDict()  # identity -> None (LRU)
         self._logged: collections.deque = collections.deque(maxlen=LOG_BURST)  # clocks of the latest lines
 
@@ -146,8 +144,7 @@ class Admission:
             if source is not None:
                 own = [j for j in self.registry.pending() if j.source == source]
                 if len(own) >= self.limits.max_pending_per_source:  # the source's own churn
-                    self.registry.drop(min(own, key=lambda j: (bool(j.schemas), j.touched)))
-                    self.registry.evicted += 1
+                    self.registry.evict(min(own, key=lambda j: (bool(j.schemas), j.touched)))
             job = self._new_job(h, now, peer_key)
             job.source = source
         return job
@@ -211,8 +208,7 @@ class Admission:
             else:
                 victim = None
             if victim is not None:
-                self.registry.drop(victim, "evicted unproven: a job needed its slot")
-                self.unproven_evicted += 1
+                self.registry.evict(victim, "evicted unproven: a job needed its slot")
             job.admitted = True
             self.registry.slots += 1
             if self._refused_ids.pop((job.name, job.key), 0) is None:  # refused before: no longer shown
@@ -296,8 +292,7 @@ class Admission:
         jobs = self.registry.jobs
         pending = self.registry.pending()
         if len(pending) >= self.limits.max_pending_jobs:
-            self.registry.drop(min(pending, key=lambda j: (bool(j.schemas), j.touched)))
-            self.registry.evicted += 1
+            self.registry.evict(min(pending, key=lambda j: (bool(j.schemas), j.touched)))
         label = h.job
         old = jobs.get(label)
         if old is not None and old.peer_key in (None, peer_key) and old.processes_ended():

@@ -213,7 +213,7 @@ metric("job_series_dropped", "gauge", "Per-layer series of the job's latest prob
 metric("jobs_evicted", "counter", "Jobs evicted before they sent a schema and a report (more than --max-pending-jobs such jobs at once).", ())(
     lambda s: (((), s.jobs_evicted),)
 )
-metric("jobs_unproven_evicted", "counter", "Jobs holding a slot but not proven (--proof-steps) evicted for a job that needed the slot, or by a newer job of the same sender past --max-unproven-per-source.", ())(
+metric("jobs_unproven_evicted", "counter", "Jobs holding a slot but not proven (--proof-steps) evicted: for a job that needed the slot, by a newer job of the same sender past --max-unproven-per-source, or for the schemas of another (jobs not proven hold 1/16 of --max-schema-bytes).", ())(
     lambda s: (((), s.unproven_evicted),)
 )
 metric("jobs", "gauge", "Jobs the aggregator holds, by stage: proven (exported and judged), unproven (holding a slot, quiet until --proof-rank-share of its ranks advanced their step in --proof-steps messages each), pending (no slot yet).", ("stage",))(

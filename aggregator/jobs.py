@@ -334,7 +334,8 @@ class Registry:
         labels: identity ``(job id, key)`` -> label.
         version: bumped on every change a snapshot would show; the publisher compares it.
         slots: bumped whenever a job takes or leaves a slot (:attr:`admitted` changes).
-        evicted: pending jobs evicted to make room for another.
+        evicted: pending jobs evicted to make room for another; ``unproven_evicted``: jobs holding
+            a slot, not proven, evicted (:meth:`evict`).
     """
 
     def __init__(self, runner=None):
@@ -344,6 +345,7 @@ class Registry:
         self.version = 0
         self.slots = 0
         self.evicted = 0
+        self.unproven_evicted = 0
 
     def find(self, ident: tuple[str, str]) -> Optional[JobState]:
         """The job an identity ``(job id, key)`` names, or None."""
@@ -369,6 +371,14 @@ class Registry:
         if self.runner is not None:
             self.runner.forget(job.job, why)
         self.version += 1
+
+    def evict(self, job: JobState, why: str = "evicted: another job needed its room") -> None:
+        """Drop ``job`` (not proven, or pending) to make room for another, counted by its stage."""
+        self.drop(job, why)
+        if job.admitted:
+            self.unproven_evicted += 1
+        else:
+            self.evicted += 1
 
     def replace(self, old: JobState, new: JobState, why: str) -> JobState:
         """Hold ``new`` in ``old``'s place (a new incarnation under the same label and identity);

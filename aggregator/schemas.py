@@ -15,7 +15,9 @@ distinct (:meth:`SchemaStore.short_names`).
   plus :data:`SCHEMAS_MIN`, placed copies included: at the cap those no rank, open round or
   waiting step uses go at once (else at the state's once-a-second scan), past it a new one is
   rejected (``schema_limit``). All jobs' schemas stay within ``max_schema_bytes``
-  (:func:`schema_cost`), pending jobs' within a quarter of it; a pending job holds at most
+  (:func:`schema_cost`); those of jobs not proven (pending, or holding a slot but not proven:
+  :mod:`.admission`) within :data:`WAITING_SHARE` of it (64 MiB as shipped), so frames of invented
+  jobs hold little memory and cannot crowd out running ones; a pending job holds at most
   2 x ``max_pending_ranks`` schemas (its ranks' placed copies among them).
 """
 
@@ -35,6 +37,9 @@ from .shards import fits, place, unplace
 #: schemas an admitted job holds at most, per rank of its world and besides: each rank's placed
 #: one and its stage's own in use, and as many again while a new model's schemas arrive
 SCHEMAS_PER_RANK, SCHEMAS_MIN = 4, 64
+
+#: share of ``max_schema_bytes`` the schemas of every job not proven hold together at most
+WAITING_SHARE = 1 / 16
 
 #: bytes a placed copy of a schema is counted as (a struct and a mesh; the lists are the schema's)
 PLACED_COST = 256
@@ -125,28 +130,29 @@ class SchemaStore:
     def room_for(self, job: JobState, cost: int, keep: str = "") -> bool:
         """Whether ``job`` may keep one more schema (its own or a placed copy) of ``cost`` bytes.
 
-        Counts: an admitted job holds fewer than :data:`SCHEMAS_PER_RANK` per rank of its world
-        plus :data:`SCHEMAS_MIN`; a pending job, whose world is only what its frames claim, fewer
-        than 2 x ``max_pending_ranks`` (kept for its ranks until it is admitted). Bytes: all jobs'
-        schemas within ``max_schema_bytes`` (:func:`schema_cost`), pending jobs' within a quarter
-        of it, so jobs without a slot cannot crowd out the running ones (the least recently heard
-        other pending jobs holding schemas are evicted to make room, as for ``max_pending_jobs``).
-        An admitted job over either drops the schemas no one uses first (else the TTL scan does;
-        ``keep`` is never dropped). Frames under the job's identity cannot make it hold more."""
+        Counts: a job holding a slot holds fewer than :data:`SCHEMAS_PER_RANK` per rank of its
+        world plus :data:`SCHEMAS_MIN`; a pending job, whose world is only what its frames claim,
+        fewer than 2 x ``max_pending_ranks`` (kept for its ranks until it has a slot). Bytes: all
+        jobs' schemas within ``max_schema_bytes`` (:func:`schema_cost`), those of jobs not proven
+        within :data:`WAITING_SHARE` of it, so they cannot crowd out the running ones (other such
+        jobs holding schemas are evicted to make room: pending ones first, then the one whose
+        proof got least far, the least recently heard among equals). A proven job over either
+        drops the schemas no one uses first (else the TTL scan does; ``keep`` is never dropped).
+        Frames under the job's identity cannot make it hold more."""
         limit = self.limits.max_schema_bytes
-        if not job.admitted:
-            if len(job.schemas) >= 2 * self.limits.max_pending_ranks:
-                return False
+        if not job.admitted and len(job.schemas) >= 2 * self.limits.max_pending_ranks:
+            return False
+        if not (job.admitted and job.proven):
             while True:
-                pending = self.registry.pending()
-                if sum(j.schema_bytes for j in pending) + cost <= limit // 4:
+                waiting = [j for j in self.registry.jobs.values() if not (j.admitted and j.proven)]
+                if sum(j.schema_bytes for j in waiting) + cost <= limit * WAITING_SHARE:
                     break
-                others = [j for j in pending if j is not job and j.schema_bytes]
+                others = [j for j in waiting if j is not job and j.schema_bytes]
                 if not others:
                     return False
-                self.registry.drop(min(others, key=lambda j: j.touched))
-                self.registry.evicted += 1
-            return sum(j.schema_bytes for j in self.registry.jobs.values()) + cost <= limit
+                self.registry.evict(min(others, key=lambda j: (j.admitted, j.progress, j.touched)))
+            if not job.admitted:
+                return sum(j.schema_bytes for j in self.registry.jobs.values()) + cost <= limit
         cap = SCHEMAS_PER_RANK * job.world + SCHEMAS_MIN
         others = sum(j.schema_bytes for j in self.registry.jobs.values() if j is not job)
         if len(job.schemas) >= cap or others + job.schema_bytes + cost > limit:

@@ -124,7 +124,7 @@ class State:
         stages = collections.Counter(("proven" if j.proven else "unproven") if j.admitted else "pending"
                                      for j in self.jobs.values())
         return {"not_admitted": tuple(a.refused.items()), "refused": a.refused_total,
-                "unproven_evicted": a.unproven_evicted,
+                "unproven_evicted": self.registry.unproven_evicted,
                 "stages": tuple((k, stages.get(k, 0)) for k in ("proven", "unproven", "pending"))}
 
     @property

@@ -135,7 +135,7 @@ def test_a_real_job_evicts_unproven_ones_holding_every_slot_and_proven_jobs_are_
     real.schema()
     train(real, agg, range(4))
     assert agg.state.jobs["real"].proven and "fake0" not in agg.state.jobs  # the least recently heard went
-    assert agg.state.admission.unproven_evicted == 1
+    assert agg.state.registry.unproven_evicted == 1
     # three more real jobs: every slot proven
     for i in range(3):
         other = Sender(agg, f"10.0.1.{i}").job(f"real{i}", world=1)

@@ -81,7 +81,8 @@ def big_job():
     now = [0.0]
     aggs = {}
     for name, settings in {"grouped": dict(layer_depth=2), "full": dict(layer_depth=0)}.items():
-        agg = Aggregator(load(listen="tcp://127.0.0.1:0", **settings), clock=lambda: now[0])
+        # exported from its first frame (proof_steps 0): two probed steps show its series
+        agg = Aggregator(load(listen="tcp://127.0.0.1:0", proof_steps=0, **settings), clock=lambda: now[0])
         counts = []
         for batch in frames:
             for f in batch:

@@ -105,7 +105,7 @@ class Job:
 def agg():
     cfg = load(
         listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
-        round_grace_s=0.5, boot_takeover_s=2.0, max_series_per_job=120, max_series_total=300, max_pending_jobs=8, max_jobs=4,
+        round_grace_s=0.5, boot_takeover_s=2.0, max_series_per_job=120, max_series_total=1200, max_pending_jobs=8, max_jobs=4,
         # silence only where a test makes it: a loaded machine's pauses between a test's frames
         # and its scrape must not name the real ranks silent
         checks=Thresholds(silent_after_s=30, skew_steps=5, skew_for_s=0),
@@ -222,9 +222,11 @@ def test_forged_frames_with_the_public_job_id_and_world_leave_the_real_job_alone
     assert r.get("retired_boot", 0) == 0
     delta = {k: v - before.get(k, 0) for k, v in r.items() if v != before.get(k, 0)}
     assert delta == {"boot_conflict": 4}  # rank 1 is alive: no other boot may speak for it
-    # the key-less forger's frames made a job of their own, labelled apart from the real one
-    assert sorted(dict(k)["job_id"] for k in m["gradwatch_job_world_size"] if dict(k)["job_id"].startswith("none")) == [
-        "none", label("none", "")]
+    # the key-less forger's frames made a job of their own, labelled apart from the real one, and
+    # not proven (no step advanced): it exports nothing
+    lookalike = agg.state.jobs[label("none", "")]
+    assert lookalike.name == "none" and not lookalike.proven
+    assert [dict(k)["job_id"] for k in m["gradwatch_job_world_size"] if dict(k)["job_id"].startswith("none")] == ["none"]
     active = requests.get(base(agg) + "/api/findings?active=1&job_id=none", timeout=5).json()["findings"]
     assert active == []
 
@@ -351,12 +353,14 @@ def test_cardinality_is_capped_per_job_and_the_other_jobs_scrape_is_whole(agg, s
     params = tuple((f"{'deep.' * 100}m{i}.weight", (2,), "float32") for i in range(50))
     wide = Agent(sock, "wide", 0, 1, "", params=params, slots=slots)
     wide.schema()
-    wide.report(0, probe=True)
+    for step in range(3):  # three steps: proven
+        wide.report(step, probe=True)
     settle(agg, sock)
-    # all jobs together stay under max_series_total (300 here): the running jobs keep theirs
+    # all jobs together stay under max_series_total (1,200 here, every family): the running jobs keep theirs
     wide2 = Agent(sock, "wide2", 0, 1, "", params=params, slots=slots)
     wide2.schema()
-    wide2.report(0, probe=True)
+    for step in range(3):
+        wide2.report(step, probe=True)
     job.steps(5)
     settle(agg, sock)
     m = scrape(agg)
@@ -372,7 +376,8 @@ def test_cardinality_is_capped_per_job_and_the_other_jobs_scrape_is_whole(agg, s
     small = [k for n, s in m.items() if n.startswith("gradwatch_layer_") for k in s if ("job_id", "small") in k]
     assert len(small) == 3 * 24 + 2 * 9  # 3 slots x 8 stats x 3 aggs (no call counts from this agent), 2 modules x 3 stats x 3 aggs
     wide2 = [k for n, s in m.items() if n.startswith("gradwatch_layer_") for k in s if ("job_id", "wide2") in k]
-    assert len(wide2) <= 300 - len(small) - len(layer_series)
+    assert len(wide2) <= 1200 - len(small) - len(layer_series)
+    assert sum(len(series) for series in m.values()) <= 1200
     assert m["gradwatch_job_series_dropped"][(("job_id", "wide2"),)] == total - agg.state.jobs["wide2"].exported_series
 
 
@@ -612,11 +617,11 @@ def test_placed_copies_count_toward_the_schema_cap_and_a_pending_job_keeps_its_r
 def test_a_pending_jobs_step_table_is_small_whatever_world_its_frames_claim():
     """A record without a schema, under an invented id claiming 65,536 ranks, made a step table
     of 64 x 65,536 cells (~240 MB, four times MAX_CELLS) for a frame of ~300 bytes; sixteen such
-    ids held ~3.8 GB. A pending job's table holds PENDING_CELLS; once admitted, MAX_CELLS, and
+    ids held ~3.8 GB. A job's table holds PENDING_CELLS until it is proven; then MAX_CELLS, and
     its records from before the schema are still judged (tests/test_checks_consistency.py)."""
     from gradwatch.aggregator.steps import MAX_CELLS, PENDING_CELLS
 
-    st = State(clock=Clock())
+    st = State(clock=Clock(), proof_rank_share=0.001)  # proven by two ranks of 1,024
     for i in range(16):
         st.apply(wire.Report(wire.Header(f"ghost{i}", 0, 65536, "b", 0, 0.0, ""), "nope", 0, 0.01, 1.0, 0))
     tables = [j.table for j in st.jobs.values()]
@@ -624,15 +629,19 @@ def test_a_pending_jobs_step_table_is_small_whatever_world_its_frames_claim():
     held = sum(t.have.nbytes + sum(a.nbytes for a in t.cols.values()) for t in tables)
     assert all(t.max_rows * t.world <= PENDING_CELLS for t in tables) and held < 16 * 5 * 2**20
     # a job of 1,024 ranks: its records before its schema wait in a small table, which takes the
-    # full size once the job is admitted
+    # full size once the job is proven
     sch = wire.Schema(wire.Header("big", 0, 1024, "b0", 0, 0.0, "k"), "n", 0, 1, (("w", (4,), "float32"),), SLOTS)
     st.apply(wire.Report(wire.Header("big", 1, 1024, "b1", 0, 0.0, "k"), sch.hash, 0, 0.01, 1.0, 0))
     job = st.jobs["big"]
     assert job.table.max_rows == PENDING_CELLS // 1024
     st.apply(sch)
     st.apply(wire.Report(wire.Header("big", 0, 1024, "b0", 1, 0.0, "k"), sch.hash, 0, 0.01, 1.0, 0))
-    assert job.admitted and job.table.max_rows == MAX_CELLS // 1024 and job.table.pending == 1
+    assert job.admitted and job.table.max_rows == PENDING_CELLS // 1024 and job.table.pending == 1
     assert job.table.count[0] == 2  # both ranks' records of step 0 wait together
+    for step in (1, 2, 3):
+        for r in (0, 1):
+            st.apply(wire.Report(wire.Header("big", r, 1024, f"b{r}", 1 + step, 0.0, "k"), sch.hash, step, 0.01, 1.0, 0))
+    assert job.proven and job.table.max_rows == MAX_CELLS // 1024 and job.table.count[0] == 2
 
 
 def test_records_of_steps_sent_before_count_once():
@@ -813,12 +822,12 @@ def test_memory_under_overload_is_bounded_for_all_agents_together():
     go = threading.Event()
     real_handle = agg.handle
 
-    def slow_handle(frame, key=None, peer=None):
+    def slow_handle(frame, *sender):
         if not go.is_set():
             stalled.set()
             go.wait(60)
         handled[0] += 1
-        real_handle(frame, key, peer)
+        real_handle(frame, *sender)
 
     agg.handle = slow_handle
     agg.start()
@@ -1001,11 +1010,11 @@ def test_an_aggregator_without_room_for_a_probed_steps_arrays_shows_every_ranks_
     stalled, blocked, go = threading.Event(), threading.Event(), threading.Event()
     real_handle = agg.handle
 
-    def handle(frame, key=None, peer=None):
+    def handle(frame, *sender):
         if stalled.is_set():
             blocked.set()
             go.wait(60)
-        real_handle(frame, key, peer)
+        real_handle(frame, *sender)
 
     agg.handle = handle
     agg.start()
@@ -1064,10 +1073,10 @@ def test_an_intake_too_small_for_a_jobs_probed_step_says_which_settings_would_ho
     stalled, go = threading.Event(), threading.Event()
     real_handle = agg.handle
 
-    def handle(frame, key=None, peer=None):
+    def handle(frame, *sender):
         if stalled.is_set():
             go.wait(60)
-        real_handle(frame, key, peer)
+        real_handle(frame, *sender)
 
     agg.handle = handle
     caplog.set_level(logging.WARNING, logger="gradwatch.aggregator")
@@ -1236,46 +1245,47 @@ print(repr((before, seen[0], kept)))
 
 
 
-def test_schemas_of_all_jobs_stay_within_max_schema_bytes_and_pending_ones_within_a_quarter():
-    """Schemas are counted as held (schemas.schema_cost): strangers' pending jobs keep at most a
-    quarter of max_schema_bytes, evicting each other least recently heard first; a running job
-    keeps its schema, a new real job still gets its own kept and admitted, and an admitted job's
-    changes of model drop its unused schemas to stay within the total."""
-    from gradwatch.aggregator.schemas import schema_cost
+def test_schemas_of_all_jobs_stay_within_max_schema_bytes_and_those_not_proven_within_a_sixteenth():
+    """Schemas are counted as held (schemas.schema_cost): strangers' jobs, not proven, keep at most
+    a sixteenth of max_schema_bytes together (WAITING_SHARE), evicting each other least recently
+    heard first; a running job keeps its schema, a new real job still gets its own kept and
+    proven, and a running job's changes of model drop its unused schemas to stay within the total."""
+    from gradwatch.aggregator.schemas import WAITING_SHARE, schema_cost
 
     clock = Clock()
-    limit = 1 << 20
+    limit = 4 << 20
     st = State(clock=clock, max_schema_bytes=limit)
 
     def schema(job, rank, n, world=2, tag=""):
         params = tuple((f"{tag}layer{i}.{'x' * 150}.weight", (64, 64), "float32") for i in range(n))
         return wire.Schema(wire.Header(job, rank, world, f"{job}{rank}", 0, 0.0, "k"), "node", 0, 1, params, SLOTS)
 
-    def held(pending=None):
-        return sum(j.schema_bytes for j in st.jobs.values() if pending is None or j.admitted != pending)
+    def held(waiting=None):
+        return sum(j.schema_bytes for j in st.jobs.values() if waiting is None or (j.admitted and j.proven) != waiting)
 
-    def admit(job, sch):
+    def prove(job, sch):
         for r in range(2):
             st.apply(msgspec.structs.replace(sch, header=wire.Header(job, r, 2, f"{job}{r}", 0, 0.0, "k")))
-            st.apply(wire.Report(wire.Header(job, r, 2, f"{job}{r}", 1, 0.0, "k"), sch.hash, 0, 0.01, 1.0, 0))
-        assert st.jobs[job].admitted
+            for step in range(3):
+                st.apply(wire.Report(wire.Header(job, r, 2, f"{job}{r}", 1 + step, 0.0, "k"), sch.hash, step, 0.01, 1.0, 0))
+        assert st.jobs[job].proven
 
     real = schema("real", 0, 100)
-    admit("real", real)
+    prove("real", real)
     assert st.jobs["real"].schema_bytes == schema_cost(real) > 30_000
     for i in range(200):  # invented ids, each a ~80 kB schema
         clock.t += 0.01
         st.apply(schema(f"fake{i}", 0, 200))
-        assert held(pending=True) <= limit // 4 and held() <= limit
+        assert held(waiting=True) <= limit * WAITING_SHARE and held() <= limit
     assert st.jobs_evicted > 150 and st.jobs["real"].schemas == {real.hash: st.jobs["real"].schemas[real.hash]}
     late = schema("late", 0, 100, tag="late")
-    admit("late", late)  # its schema evicted the least recently heard stranger
+    prove("late", late)  # its schema evicted the least recently heard stranger
     assert st.jobs["late"].schema_bytes == schema_cost(late)
-    for i in range(40):  # the running job changes its model again and again: its unused ones go
-        st.apply(msgspec.structs.replace(schema("real", 0, 300, tag=f"v{i}"), header=wire.Header("real", 0, 2, "real0", 2 + i, 0.0, "k")))
+    for i in range(160):  # the running job changes its model again and again: its unused ones go
+        st.apply(msgspec.structs.replace(schema("real", 0, 300, tag=f"v{i}"), header=wire.Header("real", 0, 2, "real0", 4 + i, 0.0, "k")))
         assert held() <= limit
     assert st.rejected["schema_limit"] == 0 and st.jobs["real"].ranks[0].schema in st.jobs["real"].schemas
-    st.apply(schema("big", 0, 4000))  # one schema past the pending quarter on its own: refused
+    st.apply(schema("big", 0, 2000))  # one schema past the share of jobs not proven on its own: refused
     assert st.rejected["schema_limit"] == 1 and ("big" not in st.jobs or not st.jobs["big"].schemas)
 
 

@@ -283,7 +283,7 @@ def test_state_stays_bounded_whatever_job_ids_and_world_sizes_peers_claim():
         st.apply(replace(sch, header=h))
         st.apply(wire.Report(replace(h, seq=1), sch.hash, 0, 0.01, 1.0, 0))
     assert sorted(j.job for j in st.jobs.values() if j.admitted) == ["run2", "run3", "run4"]
-    assert st.admission.unproven_evicted == 2 and st.rejected["too_many_jobs"] == 0 and len(st.jobs) <= 3 + 3
+    assert st.registry.unproven_evicted == 2 and st.rejected["too_many_jobs"] == 0 and len(st.jobs) <= 3 + 3
     # a pending job holds few ranks; once it has a slot, all of them
     st = State(clock=Clock(), max_pending_ranks=4)
     for rank in range(8):
