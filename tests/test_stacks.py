@@ -163,7 +163,7 @@ def test_a_probe_burst_on_demand_reaches_every_rank_at_the_same_steps(tmp_path, 
     try:
         wait_for(lambda: samples(agg.scrape(), "gradwatch_rank_step").get((("job_id", "probe"), ("rank", "2")), 0) >= 30,
                  90, what="the job at step 30")
-        r = requests.post(agg.base_url + "/api/probe", json={"job_id": "probe", "steps": 6},
+        r = requests.post(agg.base_url + "/api/probe", json={"job_id": "probe", "steps": 6, "wait_s": 10},
                           headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
         assert r.status_code == 200, r.text
         got = r.json()
