@@ -1,8 +1,8 @@
-"""The aggregator as a black box: a real process on loopback, real ZeroMQ PUSH sockets, /metrics.
+"""The aggregator as a black box: a real process on loopback, real ZeroMQ DEALER sockets, /metrics.
 
 Fake ranks are built from :mod:`gradwatch.wire` messages alone (no torch): a :class:`FakeRank`
 keeps a rank's header (job, rank, world, boot id, sequence number) and sends encoded frames.
-Frames that must arrive in order share one PUSH socket (ZeroMQ keeps a socket's order).
+Frames that must arrive in order share one socket (ZeroMQ keeps a socket's order).
 Cases: C28 (sequence gaps), C30 (malformed input), C34 (label cardinality), C36 (NaN/Inf), C38
 (start-up errors, one exporter).
 """
@@ -13,7 +13,6 @@ import collections
 import math
 import os
 import re
-import secrets
 import shutil
 import socket
 import subprocess
@@ -25,80 +24,54 @@ import msgpack
 import numpy as np
 import pytest
 import requests
-import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from gradwatch import wire
 
 from .conftest import ROOT, free_port, samples, start_aggregator, wait_for
+from .fakejob import NET, Model, Rank, to_socket
 
-PARAMS = (
-    ("emb.weight", (16, 4), "float32"),
-    ("fc1.weight", (8, 4), "float32"),
-    ("fc1.bias", (8,), "float32"),
-    ("fc2.weight", (4, 8), "float32"),
-    ("fc2.bias", (4,), "float32"),
-)
-SLOTS = (
-    ("emb", "", "Embedding", "float32"),
-    ("fc1", "", "Linear", "float32"),
-    ("act", "", "ReLU", "float32"),
-    ("fc2", "", "Linear", "float32"),
-    ("lstm", "[0]", "LSTM", "float32"),
-)
-LAYERS = [m + o for m, o, _, _ in SLOTS]
+PARAMS, SLOTS = NET.params, NET.slots
+LAYERS = list(NET.layers)
 MODULES = ["emb", "fc1", "fc2"]
 OWNER = [0, 1, 1, 2, 2]  # index into MODULES of each parameter's module
 
 
-class FakeRank:
-    """One rank's agent reduced to its wire messages: header bookkeeping plus a PUSH socket."""
+class FakeRank(Rank):
+    """One rank's agent reduced to its wire messages (:class:`~tests.fakejob.Rank`), each sent
+    encoded on ``sock``; ``key``: the job key in its headers."""
 
-    def __init__(self, sock, job: str, rank: int, world: int, params=PARAMS, slots=SLOTS, every: int = 5):
-        self.sock, self.job, self.rank, self.world = sock, job, rank, world
-        self.params, self.slots, self.every = params, slots, every
-        self.boot = secrets.token_hex(8)
-        self.seq = 0
-        self.schema_hash = wire.schema_hash(params, slots)
-        self.coord = ()  # its place on a device mesh, in every header
-
-    def header(self) -> wire.Header:
-        h = wire.Header(self.job, self.rank, self.world, self.boot, self.seq, time.time(), coord=self.coord)
-        self.seq += 1
-        return h
+    def __init__(self, sock, job: str, rank: int, world: int, params=PARAMS, slots=SLOTS, every: int = 5,
+                 key: str = ""):
+        super().__init__(to_socket(sock), job, rank, world, Model(params, slots), every=every, host="node-0", key=key)
+        self.sock = sock
 
     def send(self, msg) -> None:
-        self.sock.send(wire.encode(msg))
+        self.fake.send(msg)
 
     def schema(self) -> None:
-        self.send(wire.Schema(self.header(), "node-0", self.rank % 8, self.every, self.params, self.slots))
+        super().schema(local_rank=lambda r: r % 8)
 
     def mesh_schema(self, mesh: wire.Mesh, shard: tuple) -> None:
         """Its schema on ``mesh`` (its place: :attr:`coord`), whose hash its reports then name."""
-        msg = wire.Schema(self.header(), "node-0", self.rank, 5, self.params, self.slots, mesh=mesh, shard=shard)
-        self.schema_hash = msg.hash
-        self.send(msg)
+        super().schema(local_rank=lambda r: r, every=5, mesh=mesh, shard=shard)
 
     def heartbeat(self, step: int = -1) -> None:
-        self.send(wire.Heartbeat(self.header(), step, self.seq, 0, 0))
+        super().heartbeat(step)
 
     def report(self, step: int, grad_norm: float = 1.0, grad_nonfinite: int = 0, probe: dict | None = None,
                probe_interval: int = 0) -> None:
-        arrays = {}
+        arrays = None
         if probe is not None:
-            n = len(self.params)
+            n = len(self.model.params)
             arrays = dict(probe=True, fp_grad=np.zeros(n, np.uint64), fp_weight=np.zeros(n, np.uint64), **probe)
-        self.send(wire.Report(self.header(), self.schema_hash, step, 0.05, grad_norm, grad_nonfinite,
-                              probe_interval=probe_interval, **arrays))
+        super().report(step, grad_norm, grad_nonfinite, arrays=arrays, probe_interval=probe_interval)
 
-    def restart(self, **kw) -> None:
+    def restart(self, params=None, slots=None) -> None:
         """A new agent instance: the old one says goodbye (as at process exit), then a new boot id,
-        sequence numbers from 0 again."""
-        self.send(wire.Heartbeat(self.header(), -1, self.seq, 0, 0, closing=True, reason="exit"))
-        for k, v in kw.items():
-            setattr(self, k, v)
-        self.schema_hash = wire.schema_hash(self.params, self.slots)
-        self.boot, self.seq = secrets.token_hex(8), 0
+        sequence numbers from 0 again; of another model with ``params`` or ``slots``."""
+        self.goodbye("exit")
+        super().restart(model=Model(params or self.model.params, slots or self.model.slots))
 
 
 def probe_arrays(n_slots: int, n_params: int, seed: int) -> dict:
@@ -111,21 +84,6 @@ def probe_arrays(n_slots: int, n_params: int, seed: int) -> dict:
     param = np.abs(rng.standard_normal((n_params, 3))).astype(np.float32)
     param[:, 2] = rng.integers(0, 2, n_params)
     return {"act": act, "act_grad": act_grad, "param": param}
-
-
-@pytest.fixture
-def push():
-    """``push(endpoint)`` -> a connected PUSH socket; all closed after the test."""
-    ctx = zmq.Context()
-
-    def make(endpoint: str):
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 2000)
-        s.connect(endpoint)
-        return s
-
-    yield make
-    ctx.destroy(linger=2000)
 
 
 def value(text: str, name: str, **labels) -> float | None:
@@ -161,7 +119,7 @@ def malformed_burst(good: FakeRank, limits: wire.Limits) -> list[tuple[bytes, st
     base_hb = msgpack.unpackb(wire.encode(wire.Heartbeat(bad.header(), 3, 3, 0, 0)))
     arrays = probe_arrays(len(SLOTS), len(PARAMS), 0)
     base_rep = msgpack.unpackb(
-        wire.encode(wire.Report(bad.header(), good.schema_hash, 0, 0.1, 1.0, 0, probe=True,
+        wire.encode(wire.Report(bad.header(), good.digest, 0, 0.1, 1.0, 0, probe=True,
                                 fp_grad=np.zeros(len(PARAMS), np.uint64), fp_weight=np.zeros(len(PARAMS), np.uint64), **arrays))
     )
 
@@ -208,7 +166,7 @@ def malformed_burst(good: FakeRank, limits: wire.Limits) -> list[tuple[bytes, st
         except wire.WireError as e:
             frames.append((rnd, e.reason))
 
-    known = {good.schema_hash: (len(PARAMS), len(SLOTS))}
+    known = {good.digest: (len(PARAMS), len(SLOTS))}
     for frame, want in frames:
         with pytest.raises(wire.WireError) as e:
             wire.decode(frame, limits, lambda h, d: known.get(d, (None, None)))
@@ -507,8 +465,8 @@ def test_a_round_closes_once_every_missing_rank_went_past_its_step():
 def test_a_round_only_some_ranks_probe_by_their_interval_is_partial_not_incomplete():
     """Ranks choose their probe intervals within the budget each, powers of two: one at 64 probes
     step 64, which its peers at 128 skip. That round is partial (no report lost), not incomplete:
-    counted as such it made a healthy job's incomplete share 40 % and fired IncompleteRounds (a
-    user's trial). A round a rank's interval does include, or one missing a rank of an older agent
+    counted as such it would make a healthy job's incomplete share 40 % and fire IncompleteRounds.
+    A round a rank's interval does include, or one missing a rank of an older agent
     (interval 0) or one never heard, stays incomplete."""
     from gradwatch.aggregator.state import State
 
@@ -575,13 +533,13 @@ def test_mesh_ranks_share_one_schema_and_are_placed_by_their_headers():
     out.feed(st)
     job = st.jobs["mesh"]
     assert st.rejected == {} and job.admitted
-    assert ranks[0].schema_hash == ranks[1].schema_hash == ranks[2].schema_hash != ranks[3].schema_hash
+    assert ranks[0].digest == ranks[1].digest == ranks[2].digest != ranks[3].digest
     placed = [job.schemas[job.ranks[r.rank].schema] for r in ranks]
     assert [s.mesh.coord for s in placed] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert [s.hash for s in placed] == [f"{r.schema_hash}@{r.rank // 2},{r.rank % 2}" for r in ranks]
-    assert placed[0].params is placed[1].params is placed[2].params is job.schemas[ranks[0].schema_hash].params
+    assert [s.hash for s in placed] == [f"{r.digest}@{r.rank // 2},{r.rank % 2}" for r in ranks]
+    assert placed[0].params is placed[1].params is placed[2].params is job.schemas[ranks[0].digest].params
     assert placed[3].params == other
-    assert sorted(job.schemas) == sorted([ranks[0].schema_hash, ranks[3].schema_hash] + [s.hash for s in placed])
+    assert sorted(job.schemas) == sorted([ranks[0].digest, ranks[3].digest] + [s.hash for s in placed])
     # a report whose header is off the mesh: rejected, nothing changes
     ranks[1].coord = (0, 2)
     before = (job.ranks[1].steps, job.ranks[1].received, dict(job.schemas))
@@ -602,7 +560,7 @@ def test_mesh_ranks_share_one_schema_and_are_placed_by_their_headers():
     out.feed(st)
     st.tick()
     assert sorted(job.ranks) == [0, 1, 2]
-    assert sorted(job.schemas) == sorted([ranks[0].schema_hash] + [s.hash for s in placed[:3]])  # rank 3's went
+    assert sorted(job.schemas) == sorted([ranks[0].digest] + [s.hash for s in placed[:3]])  # rank 3's went
 
 
 def test_frames_naming_a_placed_key_or_off_the_mesh_change_nothing():
@@ -624,10 +582,10 @@ def test_frames_naming_a_placed_key_or_off_the_mesh_change_nothing():
     out.feed(st)
     job = st.jobs["mesh"]
     key = job.ranks[1].schema
-    assert key == f"{ranks[1].schema_hash}@1" and st.rejected == {}
+    assert key == f"{ranks[1].digest}@1" and st.rejected == {}
     assert st.known_schema(ranks[1].header(), key) is None and st.schema_sizes(ranks[1].header(), key) == (None, None)
     held = (sorted(job.schemas), job.ranks[1].schema, job.ranks[1].steps)
-    ranks[1].schema_hash = key  # a report, and a heartbeat, naming the placed key
+    ranks[1].digest = key  # a report, and a heartbeat, naming the placed key
     ranks[1].report(1)
     ranks[1].send(wire.Heartbeat(ranks[1].header(), 1, 9, 0, 0, schema=key))
     out.feed(st)
@@ -635,7 +593,7 @@ def test_frames_naming_a_placed_key_or_off_the_mesh_change_nothing():
     assert (sorted(job.schemas), job.ranks[1].schema, job.ranks[1].steps) == held  # nothing nested, nothing moved
     # a new boot of another world, off the mesh: no vote, no restart
     ghost = FakeRank(out, "mesh", 3, 4)  # a rank the job has not heard (rank 1 would be a boot_conflict)
-    ghost.coord, ghost.schema_hash = (5,), ranks[0].schema_hash
+    ghost.coord, ghost.digest = (5,), ranks[0].digest
     ghost.report(0)
     out.feed(st)
     assert st.rejected["bad_coord"] == 1 and job.votes == {} and st.jobs["mesh"] is job and job.world == 2
@@ -677,28 +635,18 @@ def test_the_daemon_logs_a_job_once_when_admitted_and_once_when_gone(caplog):
 
 def test_a_second_job_under_a_live_jobs_id_is_logged_with_its_label_and_why(caplog):
     """A relaunch after a crash (no goodbye, a new key) or another job with the same id reports as
-    ID~xxxx: its admission line said only the label, never why (a user's trial). It now warns,
-    naming the id, the label and GRADWATCH_JOB_KEY."""
+    ID~xxxx: its admission line warns, naming the id, the label and GRADWATCH_JOB_KEY (the label
+    alone would not say why)."""
     import logging
-
-    import msgspec
 
     from gradwatch.aggregator.config import load
     from gradwatch.aggregator.daemon import Aggregator
-
-    class Keyed(FakeRank):
-        def __init__(self, *a, key: str):
-            super().__init__(*a)
-            self.key = key
-
-        def header(self):
-            return msgspec.structs.replace(super().header(), key=self.key)
 
     agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0), clock=lambda: 100.0)
     out = _Kept()
     caplog.set_level(logging.INFO, logger="gradwatch.aggregator")
     for key in ("first-launch", "relaunch"):
-        for r in [Keyed(out, "train", k, 2, key=key) for k in range(2)]:
+        for r in [FakeRank(out, "train", k, 2, key=key) for k in range(2)]:
             r.schema()
             for step in range(3):  # proven
                 r.report(step)
@@ -712,6 +660,7 @@ def test_a_second_job_under_a_live_jobs_id_is_logged_with_its_label_and_why(capl
     assert "GRADWATCH_JOB_KEY" in said[1][1] and len(said) == 2
 
 
+@pytest.mark.ddp  # a process of its own
 def test_the_daemon_says_which_signal_stopped_it(tmp_path):
     agg = start_aggregator(tmp_path)
     agg.stop()  # SIGTERM, as systemd and Kubernetes stop it
@@ -727,40 +676,25 @@ def run_aggregator(*args: str, timeout: float = 30) -> subprocess.CompletedProce
 
 
 @pytest.mark.ddp
-def test_out_of_range_port_fails_at_start_naming_metrics_port():
-    run = run_aggregator("--metrics-port", "70000", "--listen", f"tcp://127.0.0.1:{free_port()}")
-    assert run.returncode == 2
-    assert "metrics_port" in run.stderr and "Traceback" not in run.stderr
-
-
-@pytest.mark.ddp
-def test_C38_http_port_in_use_fails_at_start_naming_metrics_port():
+@pytest.mark.parametrize("args, says, not_said", [
+    (["--metrics-port", "70000", "--listen", "tcp://127.0.0.1:{free}"], ["metrics_port"], ["Traceback"]),
+    # C38: the HTTP port in use; the error says how to pick another
+    (["--metrics-host", "127.0.0.1", "--metrics-port", "{taken}", "--listen", "tcp://127.0.0.1:{free}"],
+     ["metrics_port", "--metrics-port"], ["Traceback"]),
+    # 192.0.2.1: TEST-NET-1 (RFC 5737), never this host's: the host is named, not the port
+    (["--metrics-host", "192.0.2.1", "--metrics-port", "{free}", "--listen", "tcp://127.0.0.1:{free}"],
+     ["aggregator.metrics_host"], ["metrics_port", "Traceback"]),
+    (["--listen", "tcp://127.0.0.1:{taken}", "--metrics-host", "127.0.0.1", "--metrics-port", "{free}"],
+     ["listen"], ["Traceback"]),
+], ids=["metrics-port-out-of-range", "C38-metrics-port-in-use", "metrics-host-not-this-hosts", "listen-in-use"])
+def test_start_up_errors_name_the_setting(args, says, not_said):
+    """``{free}``: a free port; ``{taken}``: a port another socket listens on."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        port = taken.getsockname()[1]
-        run = run_aggregator("--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--listen", f"tcp://127.0.0.1:{free_port()}")
+        run = run_aggregator(*(a.format(free=free_port(), taken=taken.getsockname()[1]) for a in args))
     assert run.returncode == 2, run.stderr
-    assert "metrics_port" in run.stderr and "--metrics-port" in run.stderr  # says how to pick another
-    assert "Traceback" not in run.stderr
-
-
-@pytest.mark.ddp
-def test_an_address_not_of_this_host_fails_at_start_naming_metrics_host():
-    # 192.0.2.1: TEST-NET-1 (RFC 5737), never this host's: the port was blamed
-    run = run_aggregator("--metrics-host", "192.0.2.1", "--metrics-port", str(free_port()), "--listen", f"tcp://127.0.0.1:{free_port()}")
-    assert run.returncode == 2, run.stderr
-    assert "aggregator.metrics_host" in run.stderr and "metrics_port" not in run.stderr and "Traceback" not in run.stderr
-
-
-@pytest.mark.ddp
-def test_listen_endpoint_in_use_fails_at_start_naming_listen():
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        run = run_aggregator("--listen", f"tcp://127.0.0.1:{taken.getsockname()[1]}", "--metrics-host", "127.0.0.1", "--metrics-port", str(free_port()))
-    assert run.returncode == 2, run.stderr
-    assert "listen" in run.stderr and "Traceback" not in run.stderr
+    assert all(s in run.stderr for s in says) and not any(s in run.stderr for s in not_said), run.stderr
 
 
 @pytest.mark.parametrize("args, setting", [(["--round-grace-s", "0"], "round_grace_s"), (["--listen", "localhost:5555"], "listen"),
@@ -794,9 +728,10 @@ def test_a_misspelled_aggregator_variable_is_warned_about(monkeypatch, caplog):
     assert cfg.checks.skew_steps == 7 and cfg.metrics_port == 0
 
 
+@pytest.mark.ddp  # a process of its own
 def test_gradwatch_aggregator_warns_about_a_misspelled_variable_too():
-    """A user's trial: ``gradwatch aggregator`` (the command, unlike ``python -m
-    gradwatch.aggregator``) ignored GRADWATCH_AGGREGATOR_METRIC_PORT without a word."""
+    """``gradwatch aggregator`` (the command, as ``python -m gradwatch.aggregator``) warns about
+    GRADWATCH_AGGREGATOR_METRIC_PORT, a misspelled variable it would otherwise ignore."""
     import threading
 
     env = dict(os.environ, GRADWATCH_AGGREGATOR_METRIC_PORT="1")

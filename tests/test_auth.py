@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import secrets
 import stat
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from gradwatch.commands import cli
 from gradwatch.aggregator import Aggregator, AggregatorConfig, ConfigError, load
 
 from .conftest import samples, wait_for
+from .fakejob import Rank
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,13 +37,8 @@ def keys(tmp_path_factory):
 
 
 @pytest.fixture
-def curve_aggregator(keys):
-    agg = Aggregator(load(
-        listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
-        server_key=str(keys / "server.key_secret"), client_keys=str(keys / "clients"),
-    )).start()
-    yield agg
-    agg.stop()
+def curve_aggregator(keys, local_aggregator):
+    return local_aggregator(server_key=str(keys / "server.key_secret"), client_keys=str(keys / "clients"))
 
 
 def scrape(agg: Aggregator) -> str:
@@ -58,8 +53,9 @@ def metric(agg: Aggregator, name: str, **labels) -> float:
     return samples(scrape(agg), name).get(want, 0.0)
 
 
-class Peer:
-    """A raw PUSH socket speaking the wire format, with the given CURVE keys (or none)."""
+class Peer(Rank):
+    """A rank reduced to its wire messages (:class:`~tests.fakejob.Rank`) on a raw DEALER socket,
+    with the given CURVE keys (or none)."""
 
     def __init__(self, endpoint: str, keys: auth.ClientKeys | None, job: str, rank: int = 0, world: int = 1):
         self.ctx = zmq.Context()
@@ -68,16 +64,16 @@ class Peer:
         if keys is not None:
             keys.apply(self.sock)
         self.sock.connect(endpoint)
-        self.job, self.rank, self.world = job, rank, world
-        self.boot, self.seq = secrets.token_hex(8), 0
+        super().__init__(self._send, job, rank, world)
 
-    def heartbeat(self) -> None:
-        h = wire.Header(self.job, self.rank, self.world, self.boot, self.seq, time.time())
-        self.seq += 1
+    def _send(self, msg) -> None:
         try:
-            self.sock.send(wire.encode(wire.Heartbeat(h, -1, self.seq, 0, 0)), zmq.NOBLOCK)
+            self.sock.send(wire.encode(msg), zmq.NOBLOCK)
         except zmq.Again:  # a refused handshake can leave the socket no pipe to queue on: nothing sent
             pass
+
+    def heartbeat(self) -> None:
+        super().heartbeat(-1)
 
     def close(self) -> None:
         self.sock.close(0)

@@ -1,4 +1,4 @@
-"""Issue 9: no foreign or malformed bytes can reset, hide or flood a job.
+"""No foreign or malformed bytes can reset, hide or flood a job.
 
 Each attack runs against a real aggregator (in this process, its receive thread and HTTP server)
 over real ZeroMQ TCP sockets on loopback, beside a legitimate job whose metrics and findings must
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import platform
-import secrets
 import time
 
 import msgspec
@@ -22,57 +21,56 @@ import zmq
 from gradwatch import wire
 from gradwatch.agent.config import AgentConfig, job_key
 from gradwatch.aggregator.checks import Thresholds
-from gradwatch.aggregator.config import load
 from gradwatch.aggregator.daemon import Aggregator
 from gradwatch.aggregator.intake import BULK_SHARE, MAX_DROPPED_JOBS, PENDING, Intake
 from gradwatch.aggregator.series import SERIES_PER_LAYER, SERIES_PER_MODULE
 from gradwatch.aggregator.state import State
 
-from .conftest import samples, wait_for
+from .conftest import loopback, samples, wait_for
+from .fakejob import MLP, FakeJob, Model, to_socket
 
-PARAMS = (("fc1.weight", (8, 4), "float32"), ("fc1.bias", (8,), "float32"), ("fc2.weight", (2, 8), "float32"))
-SLOTS = (("fc1", "", "Linear", "float32"), ("act", "", "ReLU", "float32"), ("fc2", "", "Linear", "float32"))
+PARAMS, SLOTS = MLP.params, MLP.slots
 
 
 class Agent:
-    """One rank's agent reduced to its wire messages, with the job key its peers share."""
+    """One rank's agent reduced to its wire messages (a rank of a :class:`FakeJob`), with the job
+    key its peers share; each message goes to ``send`` (encoded onto ``sock``)."""
 
     def __init__(self, sock, job, rank, world, key, params=PARAMS, slots=SLOTS):
-        self.sock, self.job, self.rank, self.world, self.key = sock, job, rank, world, key
-        self.params, self.slots = params, slots
-        self.boot, self.seq, self.step = secrets.token_hex(8), 0, -1
-        self.hash = wire.schema_hash(params, slots)
+        self.send = to_socket(sock) if sock is not None else None
+        self.fake = FakeJob(lambda msg: self.send(msg), job, world, Model(params, slots), key=key)
+        self.rank, self.step = rank, -1
 
-    def header(self):
-        h = wire.Header(self.job, self.rank, self.world, self.boot, self.seq, time.time(), self.key)
-        self.seq += 1
-        return h
+    @property
+    def world(self) -> int:
+        return self.fake.world
 
-    def send(self, msg):
-        self.sock.send(wire.encode(msg))
+    @world.setter
+    def world(self, n: int) -> None:  # a forger's claim
+        self.fake.world = n
 
     def schema(self):
-        self.send(wire.Schema(self.header(), "node", self.rank, 5, self.params, self.slots))
+        self.fake.schema(self.rank)
 
     def heartbeat(self, closing=False, reason=""):
-        self.send(wire.Heartbeat(self.header(), self.step, self.seq, 0, 0, closing=closing, reason=reason))
+        self.fake.heartbeat(self.rank, self.step, closing=closing, reason=reason)
 
     def report(self, step, probe=False):
         self.step = step
-        arrays = {}
+        arrays = None
         if probe:
             rng = np.random.default_rng(step * 100 + self.rank)
-            ns, npar = len(self.slots), len(self.params)
+            ns, npar = len(self.fake.model.slots), len(self.fake.model.params)
             arrays = dict(
                 probe=True, act=np.abs(rng.standard_normal((ns, 6))).astype(np.float32) * [1, 1, 1, 1, 0, 0],
                 act_grad=np.abs(rng.standard_normal((ns, 2))).astype(np.float32) * [1, 0],
                 param=np.abs(rng.standard_normal((npar, 3))).astype(np.float32) * [1, 1, 0],
                 fp_grad=np.zeros(npar, np.uint64), fp_weight=np.zeros(npar, np.uint64),
             )
-        self.send(wire.Report(self.header(), self.hash, step, 0.05, 1.0, 0, **arrays))
+        self.fake.report(self.rank, step, arrays=arrays)
 
     def restart(self):
-        self.boot, self.seq = secrets.token_hex(8), 0
+        self.fake.restart(self.rank)
 
 
 class Job:
@@ -101,27 +99,23 @@ class Job:
             a.heartbeat()
 
 
-@pytest.fixture
-def agg():
-    cfg = load(
-        listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
-        round_grace_s=0.5, boot_takeover_s=2.0, max_series_per_job=120, max_series_total=1200, max_pending_jobs=8, max_jobs=4,
-        # silence only where a test makes it: a loaded machine's pauses between a test's frames
-        # and its scrape must not name the real ranks silent
-        checks=Thresholds(silent_after_s=30, skew_steps=5, skew_for_s=0),
-    )
-    with Aggregator(cfg) as a:
-        yield a
+#: the aggregator the attacks run against
+SETTINGS = dict(
+    round_grace_s=0.5, boot_takeover_s=2.0, max_series_per_job=120, max_series_total=1200, max_pending_jobs=8, max_jobs=4,
+    # silence only where a test makes it: a loaded machine's pauses between a test's frames
+    # and its scrape must not name the real ranks silent
+    checks=Thresholds(silent_after_s=30, skew_steps=5, skew_for_s=0),
+)
 
 
 @pytest.fixture
-def sock(agg):
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 2000)
-    s.connect(agg.endpoint)
-    yield s
-    ctx.destroy(linger=2000)
+def agg(local_aggregator):
+    return local_aggregator(**SETTINGS)
+
+
+@pytest.fixture
+def sock(agg, push):
+    return push(agg.endpoint)
 
 
 def base(agg) -> str:
@@ -297,8 +291,8 @@ def test_a_relaunch_under_a_finished_jobs_id_takes_the_id_over():
     st.apply(bye("first", 1, 2, reason="exit"))  # now its process ended too
     st.apply(rep("fourth", 0, 0, 0))  # the first job finished: the relaunch is "x"
     assert st.jobs["x"].key == "fourth" and st.labels[("x", "fourth")] == "x" and ("x", "first") not in st.labels
-    # README's snippet ends with monitor.close(): every rank's "closed" ends the job too (it came
-    # up as "x~<hex>" until rank_ttl_s: false-finding helper)
+    # README's snippet ends with monitor.close(): every rank's "closed" ends the job too (else the
+    # relaunch would show as "x~<hex>" until rank_ttl_s)
     for r in range(2):
         st.apply(rep("fourth", r, 5, 1 + r))
         st.apply(bye("fourth", r, 3 + r, reason="closed"))
@@ -315,7 +309,10 @@ def test_a_relaunch_under_a_finished_jobs_id_takes_the_id_over():
     assert st.jobs["x"].key == "again" and st.jobs["x"].peer_key == "K1"
 
 
-def test_a_real_restart_of_most_ranks_is_believed_and_an_elastic_shrink_too(agg, sock):
+def test_a_real_restart_of_most_ranks_is_believed_and_an_elastic_shrink_too(local_aggregator, push):
+    # a restart is believed once the old boots were silent for boot_takeover_s: the test waits that long
+    agg = local_aggregator(**{**SETTINGS, "boot_takeover_s": 0.5})
+    sock = push(agg.endpoint)
     job = Job(sock, "elastic", world=3)
     job.steps(20)
     settle(agg, sock)
@@ -582,20 +579,17 @@ def test_placed_copies_count_toward_the_schema_cap_and_a_pending_job_keeps_its_r
     clock = Clock()
     st = State(clock=clock)
     msh = wire.Mesh(("dp", "tp"), (1000, 1000))
-    seq = [0, 0]
-
-    def hdr(r, coord):
-        seq[r] += 1
-        return wire.Header("j", r, 2, f"b{r}", seq[r], 0.0, "k", coord=coord)
-
-    sch = wire.Schema(hdr(0, (0, 0)), "n", 0, 1, (("w", (8, 4), "float32"),), SLOTS, mesh=msh, shard=((1,),))
+    ranks = FakeJob(st.apply, "j", 2, Model((("w", (8, 4), "float32"),), SLOTS), every=1, host="n", clock=lambda: 0.0,
+                    boots=["b0", "b1"], key="k")
     for r in range(2):
-        st.apply(msgspec.structs.replace(sch, header=hdr(r, (r, 0))))
-        st.apply(wire.Report(hdr(r, (r, 0)), sch.hash, 0, 0.01, 1.0, 0, grad_sq=(((1,), 1.0),)))
+        ranks.coord[r] = (r, 0)
+        (sch,) = ranks.schema(r, local_rank=lambda r: 0, mesh=msh, shard=((1,),))
+        ranks.report(r, 0, step_time=0.01, grad_sq=(((1,), 1.0),))
     job = st.jobs["j"]
     assert job.admitted
     for i in range(3000):  # rank 1's heartbeats, each at another point of the mesh, no tick between
-        st.apply(wire.Heartbeat(hdr(1, (1 + i % 999, i // 999)), 0, 0, 0, 0, schema=sch.hash))
+        ranks.coord[1] = (1 + i % 999, i // 999)
+        ranks.heartbeat(1, 0, sent=0, schema=sch.hash)
         assert len(job.schemas) <= 4 * 2 + 64
     assert job.ranks[1].schema == f"{sch.hash}@{1 + 2999 % 999},{2999 // 999}" and job.ranks[0].schema in job.schemas
     # a pending job: ranks 2 and 3 have no room (max_pending_ranks 2), their stages' schemas are kept
@@ -648,19 +642,15 @@ def test_records_of_steps_sent_before_count_once():
     """A batch sent again, or overlapping the rank's last one, counted its steps, non-finite steps
     and skipped steps again, while the step table kept each step once: 15 steps sent, 20 counted."""
     st = State(clock=Clock())
-    seq = iter(range(100))
-
-    def hdr():
-        return wire.Header("j", 0, 1, "b0", next(seq), 0.0, "k")
-
-    sch = wire.Schema(hdr(), "n", 0, 1, (("w", (4,), "float32"),), SLOTS)
-    st.apply(sch)
+    rank = FakeJob(st.apply, "j", 1, Model((("w", (4,), "float32"),), SLOTS), every=1, host="n", clock=lambda: 0.0,
+                   boots=["b0"], key="k")
+    rank.schema()
 
     def rec(step):  # step 7 had a non-finite gradient, step 8 was skipped (AMP)
-        return wire.Report(hdr(), sch.hash, step, 0.01, 1.0, int(step == 7), skipped=int(step == 8))
+        return rank.record(0, step, 1.0, int(step == 7), step_time=0.01, skipped=int(step == 8))
 
-    st.apply(wire.Steps.of([rec(s) for s in range(10)]))
-    st.apply(wire.Steps.of([rec(s) for s in range(5, 15)]))
+    rank.steps(0, [rec(s) for s in range(10)])
+    rank.steps(0, [rec(s) for s in range(5, 15)])
     st.apply(rec(14))  # one record, sent again
     r = st.jobs["j"].ranks[0]
     assert (r.step, r.steps, r.nonfinite_steps, r.skipped_steps) == (14, 15, 1, 1)
@@ -815,8 +805,7 @@ def test_memory_under_overload_is_bounded_for_all_agents_together():
     every frame kept is handled: handled + overload = every frame ZeroMQ delivered."""
     import threading
 
-    cfg = load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
-               max_message_bytes=1 << 20, max_intake_bytes=1 << 20, max_intake_frames=1_000_000, rcv_hwm=100_000)
+    cfg = loopback(max_message_bytes=1 << 20, max_intake_bytes=1 << 20, max_intake_frames=1_000_000, rcv_hwm=100_000)
     agg = Aggregator(cfg)
     stalled, handled = threading.Event(), [0]
     go = threading.Event()
@@ -832,13 +821,14 @@ def test_memory_under_overload_is_bounded_for_all_agents_together():
     agg.handle = slow_handle
     agg.start()
     ctx = zmq.Context()
-    peers, sent = [], 0
+    peers, socks, sent = [], [], 0
     try:
         for i in range(16):
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 100_000)
             s.connect(agg.endpoint)
+            socks.append(s)
             peers.append(Agent(s, f"flood{i}", 0, 1, ""))
         peers[0].heartbeat()
         assert stalled.wait(10), "the writer never took the first frame"
@@ -865,8 +855,8 @@ def test_memory_under_overload_is_bounded_for_all_agents_together():
         assert (len(small.take(10)), small.dropped, small.bytes) == (2, 3, 0)
     finally:
         go.set()
-        for p in peers:
-            p.sock.close(0)
+        for s in socks:
+            s.close(0)
         ctx.term()
         agg.stop()
 
@@ -877,7 +867,7 @@ def _frames(job: str, n: int, key: str = "") -> list:
 
 
 def test_a_job_flooding_the_intake_loses_its_own_frames_not_another_jobs():
-    """Issue 9: the intake's room is shared among jobs once it is half full. A job sending ten
+    """The intake's room is shared among jobs once it is half full. A job sending ten
     times what fits keeps at most its share; jobs arriving after it, however full the intake, get
     theirs (the flooder's oldest frames make room), and so do frames without a readable header,
     in the queue of every frame of no admitted job (PENDING). The writer takes from the jobs in
@@ -904,11 +894,11 @@ def test_a_job_flooding_the_intake_loses_its_own_frames_not_another_jobs():
 
 
 def test_invented_job_ids_share_one_queue_of_the_intake_and_cannot_starve_an_admitted_job():
-    """Issue 9: every identity holding no slot (a job not admitted yet, an invented id, a frame
-    without a readable header) shares the intake's PENDING queue. Before, each invented id was a
-    job of its own: 10,000 ids each sending a frame divided the intake into 10,001 shares, and an
-    admitted job under overload kept almost none of its frames (here 2 of 300). A job's frames
-    that waited in PENDING move to its own queue, in order, once it is admitted."""
+    """Every identity holding no slot (a job not admitted yet, an invented id, a frame without a
+    readable header) shares the intake's PENDING queue: were each invented id a job of its own,
+    10,000 ids each sending a frame would divide the intake into 10,001 shares, and an admitted
+    job under overload would keep almost none of its frames (2 of 300 here). A job's frames that
+    waited in PENDING move to its own queue, in order, once it is admitted."""
     intake = Intake(1 << 30, 1000)
     real = (None, ("real", ""))
     intake.put(_frames("real", 10))  # the job's first frames, before it holds a slot
@@ -935,7 +925,7 @@ def test_invented_job_ids_share_one_queue_of_the_intake_and_cannot_starve_an_adm
 def test_the_daemon_tells_its_intake_which_jobs_hold_a_slot():
     """The writer hands the intake the admitted jobs (State.admitted) when one takes or leaves a
     slot: a job's frames then wait in a queue of their own, not in PENDING with invented ids'."""
-    cfg = load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05)
+    cfg = loopback()
     agg = Aggregator(cfg)
     agg.start()
     ctx = zmq.Context()
@@ -959,11 +949,11 @@ WIDE_SLOTS = tuple((f"l{i}", "", "Linear", "float32") for i in range(300))
 
 
 def test_probe_reports_past_their_share_of_the_intake_keep_their_record_and_nothing_is_dropped():
-    """Issue 14: a large job's probed step arrives as a burst of reports, most of their bytes
+    """A large job's probed step arrives as a burst of reports, most of their bytes
     arrays. Past BULK_SHARE of the job's share of the intake a probe report is shed: kept as its
     step's record alone (wire.shed), so every rank's step still shows and the records of the next
     step find room. Here 40 reports of 18 kB (740 kB) and the next step's records fit an intake
-    of 400 kB without a single drop (before, half the reports and every later record went).
+    of 400 kB without a single drop (dropped whole, half the reports and every later record would go).
     Schemas (resent by every rank, the same for all) past the share are dropped."""
     intake = Intake(400_000, 10_000)
     world = 40
@@ -1003,8 +993,7 @@ def test_an_aggregator_without_room_for_a_probed_steps_arrays_shows_every_ranks_
 
     caplog.set_level(logging.WARNING, logger="gradwatch.aggregator")
 
-    cfg = load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
-               max_intake_bytes=1 << 20, max_message_bytes=1 << 20, rcv_hwm=100_000, round_grace_s=1.0)
+    cfg = loopback(max_intake_bytes=1 << 20, max_message_bytes=1 << 20, rcv_hwm=100_000, round_grace_s=1.0)
     agg = Aggregator(cfg)
     ctx = zmq.Context()
     stalled, blocked, go = threading.Event(), threading.Event(), threading.Event()
@@ -1054,7 +1043,7 @@ def test_an_aggregator_without_room_for_a_probed_steps_arrays_shows_every_ranks_
 
 
 def test_an_intake_too_small_for_a_jobs_probed_step_says_which_settings_would_hold_it(caplog):
-    """Issue 14: a probed step of a large job arrives as one burst of world reports, and while its
+    """A probed step of a large job arrives as one burst of world reports, and while its
     round closes the next step's messages come in: more than one job's share of a small intake.
     When such a job loses frames to overload, the aggregator logs once which settings would hold
     it (8 x world frames, 2 x world x its report size in bytes); a job that fits, flooded the
@@ -1066,8 +1055,7 @@ def test_an_intake_too_small_for_a_jobs_probed_step_says_which_settings_would_ho
     assert Intake(1 << 20, 1000).short_for(300, 10_000) == (2400, 2 * 300 * 10_512)
     assert wire.probe_bytes(3, 3) == 3 * (6 + 2 + 2) * 4 + 3 * (3 * 4 + 2 * 8)
 
-    cfg = load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=0, publish_interval_s=0.05,
-               max_intake_frames=200, rcv_hwm=100_000)
+    cfg = loopback(max_intake_frames=200, rcv_hwm=100_000)
     agg = Aggregator(cfg)
     ctx = zmq.Context()
     stalled, go = threading.Event(), threading.Event()
@@ -1137,7 +1125,7 @@ def test_an_intake_too_small_for_a_jobs_probed_step_says_which_settings_would_ho
 
 
 def test_the_jobs_whose_frames_were_dropped_stay_bounded_under_a_flood_of_forged_ids():
-    """Issue 9: the intake remembers which jobs lost frames (to mark them overloaded), by the
+    """The intake remembers which jobs lost frames (to mark them overloaded), by the
     identity peers' headers claim. A flood of frames under distinct invented job ids tracks at most
     MAX_DROPPED_JOBS of them until the writer takes them, and none claiming an id longer than a
     header may carry; every drop is still counted. Each entry names the sender's CURVE key."""
@@ -1205,6 +1193,7 @@ print(kept, faults[0])
         assert int(faults) >= 16
 
 
+@pytest.mark.ddp  # a process of its own
 def test_the_daemon_process_takes_its_gc_thresholds_switch_interval_and_malloc_options():
     """serve_forever makes the process the daemon's: the garbage collector's thresholds
     (GC_THRESHOLDS), the interpreter's switch interval (SWITCH_INTERVAL_S: at CPython's 5 ms a

@@ -18,7 +18,8 @@ import zmq
 from gradwatch import columns, wire
 from gradwatch.columns import STATISTICS, Statistic
 
-from .conftest import ROOT, free_port, samples, wait_for
+from .conftest import ROOT, free_port, loopback, samples, wait_for
+from .fakejob import FakeJob, Model, kept
 from .test_layout import imports, offenders
 
 R = 3
@@ -44,14 +45,15 @@ def arrays(rank: int) -> dict[str, np.ndarray]:
 
 
 def frames(job: str) -> list[bytes]:
-    out = []
+    """Each rank's schema and its probed report of step 0 (:func:`arrays`), encoded."""
+    sent: list = []
+    ranks = FakeJob(kept(sent), job, R, Model(PARAMS, SLOTS), every=5, host="host", clock=lambda: 1.0,
+                    boots=[f"b{r}" for r in range(R)])
+    fp = np.zeros(len(PARAMS), np.uint64)
     for r in range(R):
-        sch = wire.Schema(wire.Header(job, r, R, f"b{r}", 0, 1.0), "host", r, 5, PARAMS, SLOTS)
-        fp = np.zeros(len(PARAMS), np.uint64)
-        rep = wire.Report(wire.Header(job, r, R, f"b{r}", 1, 1.0), sch.hash, 0, 0.1, 1.0, 0, probe=True,
-                          fp_grad=fp, fp_weight=fp, **arrays(r))
-        out += [wire.encode(sch), wire.encode(rep)]
-    return out
+        ranks.schema(r)
+        ranks.report(r, 0, step_time=0.1, arrays=dict(probe=True, fp_grad=fp, fp_weight=fp, **arrays(r)))
+    return [wire.encode(m) for m in sent]
 
 
 def expected(stat: Statistic) -> dict[tuple[str, str], float]:
@@ -154,10 +156,9 @@ def test_every_row_reaches_the_wire(stat):
 @pytest.fixture(scope="module")
 def scrape():
     """/metrics of a real in-process aggregator fed the frames over a real ZeroMQ socket, scraped over HTTP."""
-    from gradwatch.aggregator import Aggregator, load
+    from gradwatch.aggregator import Aggregator
 
-    agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_host="127.0.0.1", metrics_port=free_port(),
-                          publish_interval_s=0.05)).start()
+    agg = Aggregator(loopback(metrics_port=free_port())).start()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
