@@ -477,10 +477,13 @@ class Control:
         :func:`margin`.
 
         Raises:
-            ControlError: 404 when the job is not known (admitted) here."""
+            ControlError: 404 when the job is not known (admitted) here, 503 when it has just
+                arrived (its steps are taken at the writer's next tick)."""
         with self._lock:
-            info = self._jobs.get(job)
+            info, routed = self._jobs.get(job), job in self._routes
         if info is None:
+            if routed:  # heard, and its steps not taken yet (the writer's next tick)
+                raise ControlError(503, f"job {job!r} has just arrived: try again in a second")
             raise ControlError(404, f"no job {job!r} reports to this aggregator")
         return max(info.max_step, 0) + margin(info.step_s)
 

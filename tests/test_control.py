@@ -496,7 +496,7 @@ def test_with_curve_forged_oversized_and_replayed_commands_and_answers_change_no
     ctx = zmq.Context()
     fake_ctx = zmq.Context()
     try:
-        wait_for(lambda: "a" in agg.control._routes, 30, what="job a's route")
+        wait_for(lambda: "a" in agg.control._routes and "a" in agg.control._jobs, 30, what="job a's route and steps")
         mon = t.monitor
         r = requests.post(base + "/api/probe", json={"job_id": "a", "steps": 2, "wait_s": 10}, timeout=30,
                           headers={"Authorization": f"Bearer {TOKEN}"})
