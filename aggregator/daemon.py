@@ -104,6 +104,10 @@ def keep_freed_memory() -> bool:
 
 
 
+#: the kind each data message is counted under in ``State.received`` (counted: accepted)
+_KIND = {wire.Schema: "schema", wire.Steps: "steps", wire.Report: "report", wire.Heartbeat: "heartbeat"}
+
+
 class SliceGate:
     """When the writer runs the next slice of a large round's reconciliation (the writer thread's
     own; :data:`ROUND_SHARE`, :data:`ROUND_WAIT_S`): at once when no frame waits, or once the round
@@ -290,9 +294,10 @@ class Aggregator:
                 if isinstance(msg, (wire.Stack, wire.Ack)):
                     self.control.answer(msg, peer, st.labels.get((msg.header.job, msg.header.key)))
                 else:
-                    taken = sum(st.received.values())
+                    kind = _KIND[type(msg)]
+                    taken = st.received[kind]
                     st.apply(msg, peer_key=peer_key, source=source)
-                    if peer is not None and sum(st.received.values()) != taken:
+                    if peer is not None and st.received[kind] != taken:  # accepted: its rank's route
                         self._route(msg.header, peer)
             except Exception as e:  # a bug of ours must not let one peer stop the aggregator
                 st.reject("internal")
