@@ -34,13 +34,13 @@ def source_line(function: str, text: str) -> int:
 class Job:
     """tests/controljob.py running in its own session (killed whole at the end)."""
 
-    def __init__(self, tmp_path: Path, endpoint: str, *args: str, name: str = "job"):
+    def __init__(self, tmp_path: Path, endpoint: str, *args: str, name: str = "job", env: dict | None = None):
         self.out = tmp_path / name
         self.log = tmp_path / f"{name}.log"
         self.proc = subprocess.Popen(
             [sys.executable, str(JOB_FILE), "--endpoint", endpoint, "--port", str(free_port()), "--out", str(self.out),
              *args], stdout=self.log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
     def wait(self, timeout: float = 180) -> None:
         try:
@@ -92,9 +92,12 @@ def test_a_stalled_finding_names_the_hung_ranks_function_and_line_beside_a_healt
     never enter); training_stalled names it, and the aggregator updates the finding with rank 1's
     stack, whose frames hold the user's function at the line it hangs on, and rank 0's, which
     differ from it at the training loop's line (rank 0 waits in backward's all-reduce); the same
-    update is in the events log, and /metrics says where rank 1 is in gradwatch_finding_stack_info."""
+    update is in the events log, and /metrics says where rank 1 is in gradwatch_finding_stack_info.
+    With torch's Flight Recorder on (the collective case), the stacks carry its latest entries:
+    rank 1's last all-reduce never completed."""
+    recorder = {"TORCH_FR_BUFFER_SIZE": "64"} if fault == "collective" else {}
     job = Job(tmp_path, agg.endpoint, "--job", f"hang-{fault}", "--fault", fault, "--rank", "1", "--at", "15",
-              "--steps", "1000", "--hold-s", "120", "--timeout-s", "150")
+              "--steps", "1000", "--hold-s", "120", "--timeout-s", "150", env=recorder)
     try:
         f = stacks_finding(agg, f"hang-{fault}")
         stuck, healthy, at = f["details"]["stacks"]["stuck"], f["details"]["stacks"]["healthy"], f["details"]["stacks"]["differ_at"]
@@ -112,6 +115,12 @@ def test_a_stalled_finding_names_the_hung_ranks_function_and_line_beside_a_healt
         assert healthy["waiting"] and not stuck["waiting"]
         # no source lines unless the agent's stack_source is on
         assert all("source" not in fr for fr in stuck["frames"] + healthy["frames"])
+        if recorder:
+            last = stuck["flight"][-1]
+            assert "all_reduce" in last[0] and last[1] != "completed", stuck["flight"]
+            assert healthy["flight"] and "flight_error" not in stuck
+        else:
+            assert "flight" not in stuck
         events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
         assert any(e["event"] == "updated" and e["check"] == "training_stalled" and
                    e["details"].get("stacks", {}).get("stuck", {}).get("rank") == 1 for e in events)
