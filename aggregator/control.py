@@ -13,8 +13,9 @@ the connection a rank's frames come on. This room keeps:
   ``wire.Ack``) counts only from a rank asked, on the connection the command went to
   (:meth:`Control.answer`); others are counted and dropped. At most :data:`REQUESTS_PER_S`
   requests a second per job (:data:`REQUEST_BURST` at once), :data:`MAX_REQUESTS` open at once;
-* **where a rank is stuck**: when ``training_stalled`` or ``straggler`` raises a finding naming a
-  rank (:meth:`Control.on_event`, a sink of the check runner), the training thread's stack is asked
+* **where a rank is stuck**: when ``training_stalled``, ``straggler`` or ``rank_silent`` raises a
+  finding naming a rank (:meth:`Control.on_event`, a sink of the check runner), the training
+  thread's stack is asked
   of that rank and of one healthy rank (the lowest other rank no active finding names); once both
   answered, or after :data:`FINDING_WAIT_S`, the finding is updated (an *updated* event) with
   ``details["stacks"]``: ``stuck`` and ``healthy`` (``rank``, ``frames`` outermost first,
@@ -55,8 +56,10 @@ from gradwatch import wire
 
 log = logging.getLogger("gradwatch.aggregator")
 
-#: checks whose finding naming a rank makes the aggregator ask where that rank is stuck
-STACK_CHECKS = ("training_stalled", "straggler")
+#: checks whose finding naming a rank makes the aggregator ask where that rank is stuck (a silent
+#: rank's answer says whether its process runs at all: none comes from one stopped, or whose
+#: training thread holds the GIL)
+STACK_CHECKS = ("training_stalled", "straggler", "rank_silent")
 #: seconds a finding's stacks are waited for before the finding is updated with what came
 FINDING_WAIT_S = 5.0
 #: default and longest wait of an HTTP request for its answers, seconds

@@ -308,7 +308,7 @@ def _stack_info(s: Snapshot):
             yield (f.job, f.check, str(f.rank), _frame_label(stuck["frames"][-1])), 1.0
 
 
-metric("finding_stack_info", "gauge", "1 for each active finding whose rank the aggregator asked where it is stuck (training_stalled, straggler), the frame label the innermost Python frame of that rank's training thread (file:line function); the alerts quote it.", ("job_id", "check", "rank", "frame"))(_stack_info)
+metric("finding_stack_info", "gauge", "1 for each active finding whose rank the aggregator asked where it is stuck (training_stalled, straggler, rank_silent) and that answered, the frame label the innermost Python frame of that rank's training thread (file:line function); the alerts quote it.", ("job_id", "check", "rank", "frame"))(_stack_info)
 
 
 #: what the control room counts (:meth:`.control.Control.view`), each shown from the start

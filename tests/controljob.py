@@ -8,6 +8,7 @@ at step ``--at`` of rank ``--rank`` (or of every rank):
   sleep        the rank's data loader sleeps ``--hold-s`` seconds (:func:`load_batch`)
   collective   the rank enters an all-reduce its peers never enter (:func:`sync_extra`)
   pause        every rank sleeps ``--hold-s`` seconds in :func:`evaluate` (a healthy job, all alike)
+  gil          the rank computes for about ``--hold-s`` seconds in one C call holding the GIL (:func:`hold_gil`)
   nan-weight   the rank's first weight gets a NaN after that step (:func:`corrupt`)
   nan-grad     the rank's loss is multiplied by NaN at that step: every rank's all-reduced gradient is NaN
 
@@ -45,6 +46,12 @@ def sync_extra(rank: int, group):
     flag = torch.ones(1)
     dist.all_reduce(flag, group=group)  # the peers are in the next step's backward: this never completes
     return flag
+
+
+def hold_gil(a):
+    """A long computation in one C call that never releases the interpreter lock: no other thread
+    of the process runs meanwhile, the agent's sender thread neither."""
+    return sum(range(int(a.hold_s * 5e7)))
 
 
 def evaluate(a):
@@ -105,6 +112,8 @@ def worker(rank: int, a) -> None:
         while step < a.steps:
             if a.fault == "pause" and step == a.at:
                 evaluate(a)
+            if a.fault == "gil" and rank == a.rank and step == a.at:
+                hold_gil(a)
             x, y = load_batch(gen, step, a, rank)
             loss = F.mse_loss(model(x), y)
             if a.fault == "nan-grad" and rank == a.rank and step == a.at:
@@ -150,7 +159,7 @@ def main() -> None:
     p.add_argument("--sleep-s", type=float, default=0.02)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--every", type=int, default=0, help="probe cadence; 0: the budget")
-    p.add_argument("--fault", default="", choices=("", "sleep", "collective", "pause", "nan-weight", "nan-grad"))
+    p.add_argument("--fault", default="", choices=("", "sleep", "collective", "pause", "gil", "nan-weight", "nan-grad"))
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--at", type=int, default=10)
     p.add_argument("--hold-s", type=float, default=30.0)

@@ -135,6 +135,30 @@ def test_a_stalled_finding_names_the_hung_ranks_function_and_line_beside_a_healt
         job.kill()
 
 
+def test_a_rank_whose_training_thread_holds_the_gil_is_named_silent_and_the_finding_says_why_no_stack_came(
+        tmp_path, agg):
+    """Rank 1 computes in one C call that holds the interpreter lock: its agent's thread cannot run,
+    so it goes silent; rank_silent names it, and 5 s after asking, the finding says that no stack
+    came from rank 1 because its training thread holds the GIL or its process is stopped, beside
+    the healthy rank 0's stack."""
+    job = Job(tmp_path, agg.endpoint, "--job", "gil", "--fault", "gil", "--rank", "1", "--at", "15",
+              "--steps", "1000", "--hold-s", "60", "--timeout-s", "150")
+    try:
+        def found():
+            return next((f for f in agg.findings("gil") if f["check"] == "rank_silent" and f["event"] == "updated"
+                         and "stacks" in f["details"]), None)
+
+        f = wait_for(found, 90, 0.25, what="the rank_silent finding updated with stacks")
+        stacks = f["details"]["stacks"]
+        assert f["rank"] == 1 and stacks["stuck"] == {"rank": 1, "frames": [], "error": "no answer"}
+        assert stacks["differ_at"] == ("no answer from rank 1 within 5 s: its training thread holds the GIL, or the "
+                                       "process is stopped")
+        assert stacks["healthy"]["rank"] == 0 and ("controljob.py", "worker") in {
+            (Path(fr["file"]).name, fr["function"]) for fr in stacks["healthy"]["frames"]}
+    finally:
+        job.kill()
+
+
 def test_gradwatch_stacks_groups_a_healthy_jobs_ranks_into_one_stack(tmp_path, agg):
     """Every rank of a healthy 3-rank job pauses in the same evaluation function: ``gradwatch
     stacks`` prints one group of ranks 0-2 with that function innermost, at its line, and every
