@@ -106,29 +106,27 @@ def check_job(aggregator, tmp_path: Path, mode: str, ranks: int, steps: int = 50
     return text
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_fsdp2(aggregator, tmp_path, ranks):
-    check_job(aggregator, tmp_path, "fsdp2", ranks)
-
-
-@pytest.mark.parametrize("mode", ["fsdp1", "fsdp1o"])
-def test_fsdp1_two_ranks(aggregator, tmp_path, mode):
-    check_job(aggregator, tmp_path, mode, 2)
-
-
-def test_tensor_parallel_mlp_with_replicated_layernorm(aggregator, tmp_path):
-    check_job(aggregator, tmp_path, "tp", 2)
-
-
-def test_hsdp_2x2(aggregator, tmp_path):
-    check_job(aggregator, tmp_path, "hsdp", 4, steps=50, every=10)
-
-
-# pipeline parallel: 2 GPipe stages (layers 0-1, 2-3) x data-parallel ranks per stage. Each rank's
-# agent reports its stage's parameters only; the aggregator adds the stages' sums of squares into
-# the global norm every rank shows, and per layer /metrics aggregates the ranks holding that layer.
-def test_pipeline_parallel_2_stages_fsdp2_within_stage(aggregator, tmp_path):
-    check_job(aggregator, tmp_path, "pp", 4, steps=30, every=10)  # mesh found from the "dp" sub-mesh
+# pipeline parallel ("pp..."): GPipe stages x data-parallel or tensor-parallel ranks per stage. Each
+# rank's agent reports its stages' parameters only; the aggregator adds the stages' sums of squares
+# into the global norm every rank shows, and per layer /metrics aggregates the ranks holding that layer.
+@pytest.mark.parametrize("mode, ranks, steps", [
+    ("fsdp2", 2, 50),
+    ("fsdp2", 4, 50),
+    ("fsdp1", 2, 50),
+    ("fsdp1o", 2, 50),
+    ("tp", 2, 50),  # a tensor-parallel MLP with a replicated LayerNorm
+    ("hsdp", 4, 50),  # 2 x 2
+    ("pp", 4, 30),  # 2 stages (layers 0-1, 2-3), FSDP2 within each: the mesh found from the "dp" sub-mesh
+    # 2 stages x 2 tensor-parallel ranks: stage 0 column-wise, stage 1 row-wise plus a LayerNorm
+    # replicated over its TP pair; the mesh (pp, tp) found from the parameters' "tp" sub-mesh, each
+    # stage's shard groups its TP pair
+    ("pptp", 4, 50),
+    # 4 one-layer stages on 2 ranks (rank r: stages r and r + 2, ScheduleInterleaved1F1B): a rank's
+    # report covers all its stages; the aggregator adds the 2 ranks' totals (one per "pp" coordinate)
+    ("ppi", 2, 50),
+], ids=lambda v: str(v))
+def test_a_sharded_layout(aggregator, tmp_path, mode, ranks, steps):
+    check_job(aggregator, tmp_path, mode, ranks, steps=steps, every=10)
 
 
 def test_pipeline_parallel_2_stages_3_replicas_each(aggregator, tmp_path):
@@ -139,18 +137,6 @@ def test_pipeline_parallel_2_stages_3_replicas_each(aggregator, tmp_path):
     z = samples(text, "gradwatch_rank_outlier_zscore")
     assert sorted(int(dict(k)["rank"]) for k in z if dict(k)["job_id"] == job) == list(range(6))
     assert max(v for k, v in z.items() if dict(k)["job_id"] == job) < 3.5
-
-
-def test_pipeline_parallel_2_stages_x_2_tensor_parallel_ranks(aggregator, tmp_path):
-    # stage 0 column-wise, stage 1 row-wise plus a LayerNorm replicated over its TP pair: the mesh
-    # (pp, tp) found from the parameters' "tp" sub-mesh; each stage's shard groups are its TP pair
-    check_job(aggregator, tmp_path, "pptp", 4, steps=50, every=10)
-
-
-def test_pipeline_parallel_interleaved_1f1b_two_stages_per_rank(aggregator, tmp_path):
-    # 4 one-layer stages on 2 ranks (rank r: stages r and r + 2, ScheduleInterleaved1F1B): a rank's
-    # report covers all its stages; the aggregator adds the 2 ranks' totals (one per "pp" coordinate)
-    check_job(aggregator, tmp_path, "ppi", 2, steps=50, every=10)
 
 
 def test_fsdp1_inside_pipeline_stages(aggregator, tmp_path):
