@@ -41,6 +41,10 @@ MIN_ROWS = 64
 PENDING_CELLS = 1 << 16
 #: cells (rows x world) a table holds at most: with :data:`COLUMNS` about 60 bytes each
 MAX_CELLS = 1 << 20
+#: rows (steps) a table holds at most, whatever its world: a batch's worth (wire.MAX_STEPS), twice
+#: what a job of 1,000 steps a second has waiting for WAIT_S; a few ranks' records far apart no
+#: longer grow a table of a small world to MAX_CELLS (~60 MB)
+MAX_ROWS = 4096
 
 #: the per-step values the checks read: wire.STEP_COLUMNS names, and whether a probe report carried it
 COLUMNS = ("step_time", "compute_time", "compute_wait", "grad_norm", "local_grad_norm", "grad_nonfinite", "probe")
@@ -100,9 +104,9 @@ class StepTable:
 
     def allow(self, max_cells: int) -> None:
         """Hold at most ``max_cells`` cells from now on (``max_rows``: a power of two, at least
-        one row; 16 at 65,536 ranks by :data:`MAX_CELLS`)."""
+        one row, at most :data:`MAX_ROWS`; 16 at 65,536 ranks by :data:`MAX_CELLS`)."""
         self.max_cells = max_cells
-        self.max_rows = 1 << max(0, (max_cells // max(self.world, 1)).bit_length() - 1)
+        self.max_rows = min(MAX_ROWS, 1 << max(0, (max_cells // max(self.world, 1)).bit_length() - 1))
 
     def _alloc(self, rows: int) -> None:
         self.rows = rows

@@ -26,8 +26,15 @@ Frame families (:func:`frames`), each drawn with equal probability:
 
 The attacker knows what ``/metrics`` shows (ids, world sizes, ranks, steps), not the job's key.
 
+With ``--daemon`` the frames go over TCP instead, to a real aggregator process at its defaults
+(:func:`run_daemon`), from ``--senders`` loopback addresses (each a source of its own) beside the
+legitimate job on its own connection, ``--frames`` a round for ``--rounds`` rounds: its resident
+memory after each round (the RSS curve, and its peak) is what bench/README.md logs, and the
+legitimate job must count every step.
+
     .venv/bin/python bench/fuzz.py                 # a million frames
     .venv/bin/python bench/fuzz.py --frames 100000 --seed 3
+    .venv/bin/python bench/fuzz.py --daemon --frames 500000 --rounds 6
 """
 
 from __future__ import annotations
@@ -366,12 +373,126 @@ def run(n_frames: int, seed: int = 0, steps: int = 200, scrape_every: int = 20_0
     )
 
 
+def _memory(pid: int) -> tuple[int, int]:
+    """``(resident, peak resident)`` bytes of process ``pid`` (Linux /proc: VmRSS, VmHWM)."""
+    got = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                got[key] = int(value.split()[0]) * 1024
+    return got["VmRSS"], got["VmHWM"]
+
+
+def run_daemon(n_frames: int, rounds: int = 1, seed: int = 0, senders: int = 4, steps: int = 200,
+               log: str = "", settle_s: float = 2.0) -> dict:
+    """``rounds`` rounds of ``n_frames`` fuzz frames each, over TCP, to a real aggregator process
+    at its defaults, from ``senders`` loopback addresses (127.0.0.10 on: each a source of its own),
+    beside the legitimate job (``steps`` steps a round, on its own connection); ``log``: the
+    aggregator's output file (default a temporary one).
+
+    Returns: ``rss`` (the aggregator's resident bytes before the fuzz and ``settle_s`` after each
+    round), ``rss_peak`` (its peak resident bytes), ``frames`` sent, ``seconds``, ``internal``
+    (failures of its own), ``legit_steps`` (the legitimate job's steps counted, per rank) and
+    ``steps`` (sent), ``samples`` of its last scrape, ``rejected`` by reason.
+    """
+    import sys
+    import tempfile
+
+    import zmq
+    from prometheus_client.parser import text_string_to_metric_families
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:  # run as a script: the bench package is the checkout's
+        sys.path.insert(0, root)
+    from bench.harness import AggregatorProcess
+
+    log = log or tempfile.mkstemp(prefix="gradwatch-fuzz-", suffix=".log")[1]
+    agg = AggregatorProcess(log=log)
+    ctx = zmq.Context()
+    try:
+        host_port = agg.endpoint[len("tcp://"):]
+        socks = []
+        for i in range(senders):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"tcp://127.0.0.{10 + i}:0;{host_port}")
+            socks.append(s)
+        legit = ctx.socket(zmq.DEALER)
+        legit.setsockopt(zmq.LINGER, 5000)
+        legit.connect(agg.endpoint)
+        job = LegitJob()
+        for f in job.start():
+            legit.send(f)
+        time.sleep(0.5)
+        curve, sent = [_memory(agg.proc.pid)[0]], 0
+        t0 = time.perf_counter()
+        for rnd in range(rounds):
+            fuzz = frames(n_frames, seed + rnd)
+            per_step = max(1, n_frames // steps)
+            for _ in range(steps):
+                for f in job.next_step():
+                    legit.send(f)
+                for k in range(per_step):
+                    fam, frame = next(fuzz, (None, None))
+                    if frame is None:
+                        break
+                    socks[sent % senders].send(frame)
+                    sent += 1
+            for fam, frame in fuzz:  # what did not fit the steps
+                socks[sent % senders].send(frame)
+                sent += 1
+            time.sleep(settle_s)
+            agg.get("/metrics", timeout=60)
+            curve.append(_memory(agg.proc.pid)[0])
+        seconds = time.perf_counter() - t0
+        for f in job.finish():
+            legit.send(f)
+
+        def scrape() -> dict:
+            out: dict = {}
+            for fam in text_string_to_metric_families(agg.get("/metrics", timeout=60)):
+                for x in fam.samples:
+                    out.setdefault(x.name, {})[tuple(sorted(x.labels.items()))] = x.value
+            return out
+
+        deadline = time.monotonic() + 30
+        while True:  # the legitimate job's last records handled
+            m = scrape()
+            counted = {r: m.get("gradwatch_rank_steps_total", {}).get((("job_id", JOB), ("rank", str(r))), 0)
+                       for r in range(WORLD)}
+            if all(v == job.step for v in counted.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        rejected = {dict(k)["reason"]: int(v) for k, v in m.get("gradwatch_messages_rejected_total", {}).items() if v}
+        return dict(rss=curve, rss_peak=_memory(agg.proc.pid)[1], frames=sent, seconds=seconds,
+                    internal=rejected.get("internal", 0), legit_steps=counted, steps=job.step,
+                    samples=sum(len(v) for v in m.values()), rejected=rejected)
+    finally:
+        ctx.destroy(linger=0)
+        agg.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--frames", type=int, default=1_000_000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--daemon", action="store_true", help="over TCP to an aggregator process: its RSS curve")
+    ap.add_argument("--rounds", type=int, default=1, help="with --daemon: rounds of --frames")
+    ap.add_argument("--senders", type=int, default=4, help="with --daemon: loopback addresses the fuzz comes from")
     a = ap.parse_args()
     logging.getLogger("gradwatch").setLevel(logging.ERROR)  # findings on forged jobs, by the thousand
+    if a.daemon:
+        r = run_daemon(a.frames, a.rounds, a.seed, a.senders)
+        mib = [f"{x / 2**20:.0f}" for x in r["rss"]]
+        print(f"{r['frames']:,} frames in {r['seconds']:.1f} s over TCP from {a.senders} senders; aggregator RSS (MiB) "
+              f"before and after each round of {a.frames:,}: {' '.join(mib)}; peak {r['rss_peak'] / 2**20:.0f} MiB; "
+              f"internal errors {r['internal']}; legitimate job's steps counted {r['legit_steps']} of {r['steps']}; "
+              f"scrape {r['samples']:,} samples")
+        print("rejected:", ", ".join(f"{k} {v:,}" for k, v in sorted(r["rejected"].items(), key=lambda kv: -kv[1])))
+        if r["internal"] or any(v != r["steps"] for v in r["legit_steps"].values()):
+            raise SystemExit(1)
+        return
     r = run(a.frames, a.seed, steps=max(200, a.frames // 2000))
     print(f"{r['frames']:,} frames in {r['seconds']:.1f} s ({r['frames'] / r['seconds']:,.0f}/s); "
           f"internal errors {r['internal']}; jobs held {r['jobs']} (cap {r['max_jobs']}); "

@@ -29,3 +29,19 @@ def test_a_hundred_thousand_fuzz_frames_leave_the_aggregator_and_a_real_job_whol
     assert r["legit"] == r["legit_base"]
     assert r["legit_base"]['gradwatch_rank_steps_total{job_id="none",rank="2"}'] == "200.0"
     assert sum(r["rejected"].values()) > 50_000  # most fuzz is rejected, by reason
+
+
+#: the aggregator's resident memory under fuzzed frames at its defaults, at most (bench/README.md:
+#: its RSS curve, ~150-270 MiB over six rounds of 500,000 frames)
+RSS_BOUND = 300 * 2**20
+
+
+@pytest.mark.ddp  # 100,000 frames over TCP to an aggregator process of its own
+def test_a_hundred_thousand_fuzz_frames_over_tcp_hold_the_aggregators_memory_within_its_bound(tmp_path):
+    from bench.fuzz import run_daemon
+
+    r = run_daemon(100_000, rounds=1, seed=0, log=str(tmp_path / "aggregator.log"))
+    assert r["frames"] == 100_000 and r["internal"] == 0, r["rejected"]
+    assert r["rss_peak"] < RSS_BOUND, [x // 2**20 for x in r["rss"]]
+    assert all(v == r["steps"] for v in r["legit_steps"].values()), r["legit_steps"]  # every step of the real job
+    assert r["samples"] < 1000  # the invented jobs export nothing

@@ -158,7 +158,7 @@ def scrape():
     """/metrics of a real in-process aggregator fed the frames over a real ZeroMQ socket, scraped over HTTP."""
     from gradwatch.aggregator import Aggregator
 
-    agg = Aggregator(loopback(metrics_port=free_port())).start()
+    agg = Aggregator(loopback(metrics_port=free_port(), proof_steps=0)).start()  # exported from its first frame
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
@@ -254,7 +254,7 @@ out = {"fields": wire.ACT_FIELDS}
 slots = (("blocks.0.fc", "", "Linear", "float32"), ("blocks.1.fc", "", "Linear", "float32"))
 params = (("blocks.0.fc.weight", (2,), "float32"),)
 for depth in (0, 1):
-    agg = Aggregator(load(listen="tcp://127.0.0.1:0", layer_depth=depth), clock=lambda: 0.0)
+    agg = Aggregator(load(listen="tcp://127.0.0.1:0", layer_depth=depth, proof_steps=0), clock=lambda: 0.0)
     for r in range(2):
         sch = wire.Schema(wire.Header("j", r, 2, "b", 0, 0.0), "h", 0, 5, params, slots)
         act = np.zeros((2, 7), np.float32)
