@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from gradwatch import agent
 from gradwatch.agent import targets
 
+from .conftest import free_port
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -385,7 +387,7 @@ def _follow_worker(rank: int, world: int, port: int, endpoint: str, out_dir: str
 def test_a_module_given_before_its_ddp_wrapper_is_followed_to_it(collector, tmp_path):
     import torch.multiprocessing as mp
 
-    procs = mp.start_processes(_follow_worker, args=(2, _free_port(), collector.endpoint, str(tmp_path)),
+    procs = mp.start_processes(_follow_worker, args=(2, free_port(), collector.endpoint, str(tmp_path)),
                                nprocs=2, join=False, start_method="spawn")
     while not procs.join(timeout=0.05):
         collector.pump(0.05)
@@ -398,12 +400,6 @@ def test_a_module_given_before_its_ddp_wrapper_is_followed_to_it(collector, tmp_
             assert reports[step].local_grad_norm == pytest.approx(got["local"][step], rel=1e-6), (rank, step)
         alone = collector.reports(job="alone", rank=rank)
         assert alone and all(math.isnan(r.local_grad_norm) for r in alone.values())
-
-
-def _free_port() -> int:
-    from .conftest import free_port
-
-    return free_port()
 
 
 # --- a watched model can be copied and saved ---------------------------------------------------------

@@ -23,10 +23,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
+
+from bench.harness import AggregatorProcess, free_port
 
 from .common import NEEDS_CUDA, Context, Part, gpt, lm_loss, norm64, rel_err, say, token_batch
 
@@ -35,12 +35,6 @@ STEPS, EVERY, CHECK, EXPLODE, NAN = 30, 5, 8, 12, 25
 NAN_LAYER = "blocks.0.mlp.fc"
 SIZES = {"cuda": dict(width=128, layers=2, heads=4, context=64, batch=8),
          "cpu": dict(width=32, layers=2, heads=2, context=32, batch=4)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, job: str, backend: str, world: int, port: int, endpoint: str, device: str, out_dir: str,
@@ -132,43 +126,23 @@ def _load(path: str):
         return None
 
 
-class Aggregator:
+class Aggregator(AggregatorProcess):
     """``python -m gradwatch.aggregator`` on loopback, its findings appended to ``events``."""
 
     def __init__(self, work: str):
-        zport, self.mport = _free_port(), _free_port()
-        self.endpoint = f"tcp://127.0.0.1:{zport}"
         self.events = os.path.join(work, "events.jsonl")
-        self.log_path = os.path.join(work, "aggregator.log")
-        self.log = open(self.log_path, "w")
         # python -m gradwatch.aggregator, through bench.gpu (which makes the tree's rooms importable
         # where gradwatch is not installed)
         start = "import runpy, bench.gpu; runpy.run_module('gradwatch.aggregator', run_name='__main__', alter_sys=True)"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", start, "--listen", self.endpoint, "--metrics-host", "127.0.0.1",
-             "--metrics-port", str(self.mport), "--events-path", self.events, "--publish-interval-s", "0.05",
-             "--round-grace-s", "3"], stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + 60
-        while '"ok": true' not in self._get("/healthz"):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the aggregator did not start: {self.tail()}")
-            time.sleep(0.1)
-
-    def _get(self, path: str) -> str:
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.mport}{path}", timeout=5) as r:
-                return r.read().decode()
-        except Exception:
-            return ""
+        super().__init__("--events-path", self.events, "--publish-interval-s", "0.05", "--round-grace-s", "3",
+                         log=os.path.join(work, "aggregator.log"), command=(sys.executable, "-c", start))
 
     def samples(self, name: str, job: str) -> dict[int, float]:
         """``{rank: value}`` of the per-rank metric ``name`` for ``job`` at /metrics now."""
         from prometheus_client.parser import text_string_to_metric_families
 
         out = {}
-        for fam in text_string_to_metric_families(self._get("/metrics")):
+        for fam in text_string_to_metric_families(self.get("/metrics")):
             for s in fam.samples:
                 if s.name == name and s.labels.get("job_id") == job and "rank" in s.labels:
                     out[int(s.labels["rank"])] = s.value
@@ -185,22 +159,6 @@ class Aggregator:
         except OSError:
             pass
         return out
-
-    def tail(self, n: int = 3000) -> str:
-        try:
-            with open(self.log_path) as f:
-                return f.read()[-n:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
 
 
 def run(ctx: Context, part: Part) -> None:
@@ -221,7 +179,7 @@ def run(ctx: Context, part: Part) -> None:
     try:
         for job, backend, world in jobs:
             resume[job] = mpc.Event()
-            port = _free_port()
+            port = free_port()
             procs[job] = [mpc.Process(target=_rank_main, args=(r, job, backend, world, port, agg.endpoint, ctx.device,
                                                                work, resume[job]), daemon=True) for r in range(world)]
             for p in procs[job]:
