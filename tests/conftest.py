@@ -100,9 +100,21 @@ def start_aggregator(tmp_path: Path, *args: str, port: int | None = None, **kw) 
     ``command``, ``env``, ...); its output in ``tmp_path``. Fails the test if it does not start."""
     port = port or free_port()
     try:
-        return AggregatorProcess(*args, log=tmp_path / f"aggregator-{port}.log", port=port, **kw)
+        agg = AggregatorProcess(*args, log=tmp_path / f"aggregator-{port}.log", port=port, **kw)
     except RuntimeError as e:
         pytest.fail(str(e))
+    _STARTED.append(agg)
+    return agg
+
+
+#: every aggregator process :func:`start_aggregator` started: one a failing test left running is
+#: stopped at the end of the session, never left behind
+_STARTED: list[AggregatorProcess] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for agg in _STARTED:
+        agg.stop()
 
 
 def run_demo(endpoint: str, *, ranks: int = 3, steps: int = 40, every: int = 10, inject=(), job: str = "faults",
