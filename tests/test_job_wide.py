@@ -104,9 +104,9 @@ MODEL = Model(params=tuple((f"blocks.{i}.weight", (64, 64), "float32") for i in 
 def test_a_crashed_job_of_16384_ranks_is_one_finding_and_a_scrape_within_the_cap(capsys):
     """A synthetic job of 16,384 ranks and 100 layers steps once a second (a probed step first),
     then stops without goodbyes, as a crash or a partition does: one finding names it (count
-    16,384, the first 16 ranks), no finding per rank, and /metrics stays within
-    --max-series-total (it held 405,558 samples, 26.5 MB, 2.5 s to render, with a finding per
-    rank)."""
+    16,384, the first 16 ranks), no finding per rank (whose ranks' series, 27 families each, would
+    put the scrape far past the shipped sample_limit), and /metrics stays within
+    --max-series-total."""
     now = [1000.0]
     agg = Aggregator(load(listen="tcp://127.0.0.1:0", metrics_port=0), clock=lambda: now[0])
     st = agg.state

@@ -1,7 +1,7 @@
 """No judgement across the aggregator's own pause: the aggregator process stopped (SIGSTOP) for 20 s
 beside a real two-rank gloo DDP job (bench/faultjob.py), then continued, raises no finding: time
-it did not run is no rank's silence and no stall. Stopped, it raised rank_silent for every rank
-and resolved them 0.1 s later."""
+it did not run is no rank's silence and no stall (judged by the clock alone, every rank would be
+silent for a moment, until the frames of those 20 s are handled)."""
 
 from __future__ import annotations
 
