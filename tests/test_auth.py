@@ -452,7 +452,9 @@ def test_a_refused_agent_says_so_once_and_at_close(keys, curve_aggregator, caplo
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
     wait_for(lambda: monitor.sender.refused >= 1, what="the refused handshake counted")
-    said = [r for r in caplog.records if "refused this agent's CURVE handshake" in r.getMessage()]
+    # the sender thread counts the refusal, then logs: the log line may come a moment after the count
+    said = wait_for(lambda: [r for r in caplog.records if "refused this agent's CURVE handshake" in r.getMessage()],
+                    what="the warning")
     assert len(said) == 1 and "GRADWATCH_SERVER_KEY" in said[0].getMessage()
     with pytest.warns(RuntimeWarning, match="refused this agent's CURVE handshake"):
         monitor.close()
