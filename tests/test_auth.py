@@ -465,11 +465,11 @@ def test_a_refused_agent_says_so_once_and_at_close(keys, curve_aggregator, caplo
 def test_an_agent_whose_handshake_never_completes_says_so(where, curve_aggregator, caplog, monkeypatch):
     """A keyless agent pointed at an aggregator with CURVE on, or at its HTTP port: TCP connects,
     no ZMTP handshake completes, nothing arrives. A TCP connection is no handshake: the agent
-    counts the failed handshakes, warns once they have lasted HANDSHAKE_WARN_S (2 s here) naming
+    counts the failed handshakes, warns once they have lasted HANDSHAKE_WARN_S (0.5 s here) naming
     the settings to check, and again at close."""
     from gradwatch.agent import transport
 
-    monkeypatch.setattr(transport, "HANDSHAKE_WARN_S", 2.0)
+    monkeypatch.setattr(transport, "HANDSHAKE_WARN_S", 0.5)
     agg = curve_aggregator
     endpoint = agg.endpoint if where == "curve" else f"tcp://127.0.0.1:{agg.metrics_port}"
     model, opt = small_model()
