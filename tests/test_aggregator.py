@@ -221,8 +221,19 @@ def test_C30_burst_of_malformed_frames_is_counted_by_reason_and_valid_traffic_st
 # --- (b) C28: sequence gaps and restarts --------------------------------------------------------
 
 
+@pytest.fixture
+def as_it_comes(tmp_path):
+    """A real aggregator process (round grace 3 s) that exports a job from its first message
+    (``--proof-steps 0``): the tests below read what one or two reports show; admission is
+    tests/test_admission.py's and tests/test_series_cap.py's."""
+    agg = start_aggregator(tmp_path, "--round-grace-s", "3", "--publish-interval-s", "0.05", "--proof-steps", "0")
+    yield agg
+    agg.stop()
+
+
 @pytest.mark.ddp
-def test_C28_sequence_gaps_count_lost_messages_and_a_new_boot_counts_a_restart(aggregator, push):
+def test_C28_sequence_gaps_count_lost_messages_and_a_new_boot_counts_a_restart(as_it_comes, push):
+    aggregator = as_it_comes
     t0 = time.time()
     r = FakeRank(push(aggregator.endpoint), "gaps", 0, 1)
     r.heartbeat()  # seq 0
@@ -262,7 +273,8 @@ def assert_counters_finite(text: str) -> None:
 
 
 @pytest.mark.ddp
-def test_C36_nan_and_inf_grad_norms_reach_gauges_never_counters(aggregator, push):
+def test_C36_nan_and_inf_grad_norms_reach_gauges_never_counters(as_it_comes, push):
+    aggregator = as_it_comes
     sock = push(aggregator.endpoint)
     ranks = [FakeRank(sock, "nan", r, 2) for r in range(2)]
     for r in ranks:
@@ -367,7 +379,7 @@ def assert_aggregates(text: str, job: str, probes: dict[int, dict]) -> None:
 @pytest.mark.ddp
 def test_rounds_complete_when_every_rank_reports_and_close_incomplete_after_grace(tmp_path, push):
     grace = 2.0
-    agg = start_aggregator(tmp_path, "--round-grace-s", str(grace), "--publish-interval-s", "0.05")
+    agg = start_aggregator(tmp_path, "--round-grace-s", str(grace), "--publish-interval-s", "0.05", "--proof-steps", "0")
     try:
         sock = push(agg.endpoint)  # one socket: the three reports arrive back to back
         ranks = [FakeRank(sock, "rounds", r, 3) for r in range(3)]
@@ -783,7 +795,7 @@ def test_aggregator_runs_without_torch(tmp_path, push):
     assert blocked.returncode != 0 and "torch is blocked" in blocked.stderr  # the blocker works
 
     code = NO_TORCH + "from gradwatch.commands.cli import main\nsys.exit(main(['aggregator', *sys.argv[1:]]))"
-    agg = start_aggregator(tmp_path, "--publish-interval-s", "0.05", command=[sys.executable, "-c", code], cwd=ROOT)
+    agg = start_aggregator(tmp_path, "--publish-interval-s", "0.05", "--proof-steps", "0", command=[sys.executable, "-c", code], cwd=ROOT)
     try:
         r = FakeRank(push(agg.endpoint), "notorch", 0, 1)
         r.schema()
