@@ -36,22 +36,21 @@ No foreign or malformed bytes reset, hide or flood a job:
   least one) have each advanced their step in ``proof_steps`` messages (each a later step than
   the rank's before: one coalesced batch of many steps counts once, so no single frame proves a
   job), under its one world size and a schema it holds (:meth:`Admission.prove`); with
-  ``proof_steps`` 0 every job is proven as it comes. Until then it is quiet: no series, no finding, its
-  checks' events held (:mod:`.rounds`). Proven jobs outrank the others: a job that needs a slot
-  when none is free evicts the unproven job whose proof got least far (its ranks' messages that
-  advanced a step), the least recently heard among equals: a job resending one step however often
-  gets no further, a real one starting beside it does. When every slot holds a proven
-  job it is refused (``too_many_jobs``), and a proven job leaves its slot only when its ranks have
-  been silent for ``rank_ttl_s``. A frame under a live job's id and another key (a lookalike)
-  makes a job of its own, unproven and quiet like any other.
+  ``proof_steps`` 0 every job is proven as it comes. Until then it is quiet: no series, no
+  finding, its checks' events held (:mod:`.rounds`). Proven jobs outrank the others: a job that
+  needs a slot when none is free evicts the unproven job whose proof got least far (its ranks'
+  messages that advanced a step), the least recently heard among equals: a job resending one step
+  however often gets no further, a real one starting beside it does. When every slot holds a
+  proven job it is refused (``too_many_jobs``), and a proven job leaves its slot only when its
+  ranks have been silent for ``rank_ttl_s``. A frame under a live job's id and another key (a
+  lookalike) makes a job of its own, unproven and quiet like any other.
 * **Sources.** Each job remembers its *source*, the sender of the frame that made it: the CURVE
   key with CURVE on, else the peer's address. A source holds at most ``max_unproven_per_source``
   unproven jobs with a slot and ``max_pending_per_source`` pending ones: past either, a new one of
   its own evicts its own (as above; a pending one without a schema first, the least recently
-  heard), never
-  another source's, so one sender's invented jobs churn among themselves while its real jobs (a
-  host's jobs, or every job behind one NAT address, share a source) still get in. The counts are
-  read from the jobs held, so at most as many sources are tracked as jobs are held.
+  heard), never another source's, so one sender's invented jobs churn among themselves while its
+  real jobs (a host's jobs, or every job behind one NAT address, share a source) still get in.
+  The counts are read from the jobs held, so at most as many sources are tracked as jobs are held.
 * **Not admitted.** A job refused a slot (``too_many_jobs``) is counted once per identity
   (:attr:`Admission.refused_total`; the latest :data:`REFUSED_SHOWN` as ``{label: reason}``,
   :attr:`Admission.refused`), never judged, and logged once with the setting that would admit it

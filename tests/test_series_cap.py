@@ -25,7 +25,6 @@ import pytest
 import zmq
 from prometheus_client import generate_latest
 
-from gradwatch import wire
 from gradwatch.aggregator import Aggregator, load
 from gradwatch.aggregator.checks import Finding
 from gradwatch.aggregator.exporter import NAMED_RANKS_MAX
