@@ -145,7 +145,7 @@ class ProbeRecorder:
     (one slot ``(module, "")`` typed by its first tensor's dtype, or ``"none"``). ``micro`` counts
     forward passes with gradients and ``batch`` the samples they saw (:func:`first_batch`).
 
-    Hooks (issue 11): :meth:`install` puts a forward pre-hook and an always-called forward hook
+    Hooks: :meth:`install` puts a forward pre-hook and an always-called forward hook
     on the model and a forward hook on every instrumented module (leaves, and atomic modules such
     as ``nn.MultiheadAttention`` whose children are not called as modules; one that refuses is
     listed in ``not_instrumented``, case C17). The root's pre-hook takes the module hooks off

@@ -2,7 +2,7 @@
 
 Two plain functions, one per moment of the step. :func:`sentinel` runs in the optimizer's step
 pre-hook, every step, while the gradients are there: per-parameter gradient norms
-(:func:`.stats.l2_norms`: float32 within chunks, float64 across, case C10 and issue 11) and what
+(:func:`.stats.l2_norms`: float32 within chunks, float64 across, case C10) and what
 travels with them; on a probed
 step also per-parameter non-finite counts and gradient fingerprints. :func:`probe` runs in the
 post-hook of a probed step: weight norms and fingerprints after the update, and the recorder's

@@ -10,7 +10,7 @@ Two ways to pick probed steps:
   smaller interval probe are rounds the aggregator counts as partial (by schedule), not incomplete.
   ``max_interval_s`` bounds the interval in seconds (detection latency); when even that ceiling
   costs more than :data:`OVER_BUDGET` times the budget, ``over_budget`` is set and one warning says so.
-* **fixed** (``every=N``): every N-th step, as before.
+* **fixed** (``every=N``): every N-th step.
 
 When the sender thread sees a non-finite gradient norm, or one above ``spike_factor`` times the
 median of the recent finite ones, it asks for a *burst*: the next ``burst`` steps are probed

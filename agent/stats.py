@@ -124,7 +124,7 @@ def l2_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """float32 0-d L2 norm of each tensor (any floating or complex dtype, any device; complex by
     magnitude; float64 normed in float64), no host sync.
 
-    Precision (issue 11): a float32 accumulator drifts as tensors grow (on CPU rel 1e-5 at 2^20
+    Precision: a float32 accumulator drifts as tensors grow (on CPU rel 1e-5 at 2^20
     elements, 6e-3 at 2^26), and float64 accumulation costs ~50x on CPU. So the sum of squares is
     taken in two levels: float32 over chunks of :data:`NORM_CHUNK` elements (rel error ~1e-7 each),
     float64 across the chunks; the result is within rel 1e-6 of a float64 reference up to 2^27

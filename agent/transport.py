@@ -14,7 +14,7 @@ conductor of small parts, each with explicit inputs:
   :data:`UNREACHED_WARN_S`. ZMTP heartbeats drop a silent peer after 3 s (partition, stopped
   aggregator) and reconnection backs off from 0.1 s to 1 s, so reports flow again within ~2 s of
   the aggregator's return;
-* :class:`Backoff`: the thread never spins, whatever the aggregator does (issue 9): it builds a
+* :class:`Backoff`: the thread never spins, whatever the aggregator does: it builds a
   message only when ZeroMQ can take it (``POLLOUT``); when it cannot, reports wait in the bounded
   queue (the oldest dropped and counted once) and the next attempt comes after a backoff doubling
   from 10 ms to ``max(1 s, heartbeat_s)`` (10 s at most), reset by a (re)connection or a send. A
@@ -91,8 +91,8 @@ SCHEMA_RANKS = 1024
 #: layers) reached the aggregator within 2.5 s, a burst that crowded out the steps' records there
 SCHEMA_JITTER = 1.0
 #: milliseconds the sender's last messages (the goodbye among them) may take to leave at close,
-#: when connected: with none, ZeroMQ dropped what it had taken but not yet written, now and then
-#: the goodbye, and a job that closed properly was named silent
+#: when connected: with none, ZeroMQ drops what it has taken but not yet written, now and then
+#: the goodbye, and a job that closed properly would be named silent
 CLOSE_LINGER_MS = 200
 #: seconds failed handshakes (none succeeded) last before the agent says so, unless the aggregator
 #: refused its key (said at once): a peer killed or stopped mid-handshake, or a proxy before it
