@@ -222,7 +222,7 @@ metric("jobs", "gauge", "Jobs the aggregator holds, by stage: proven (exported a
 metric("jobs_not_admitted", "counter", "Jobs refused a slot because every --max-jobs slot holds a proven job (their reports rejected as too_many_jobs), each counted once; never judged.", ())(
     lambda s: (((), s.jobs_refused),)
 )
-metric("job_not_admitted", "gauge", "1 for each of the 16 latest jobs not admitted, with why (too_many_jobs: raise --max-jobs); the label goes once the job is admitted.", ("job_id", "reason"))(
+metric("job_not_admitted", "gauge", "1 for each of the 16 latest jobs not admitted while they wait for a slot, with why (too_many_jobs: raise --max-jobs); the series goes once the job is admitted or gone.", ("job_id", "reason"))(
     lambda s: (((label, reason), 1.0) for label, reason in s.not_admitted)
 )
 metric("series_left_out", "gauge", "Samples this scrape left out to stay within --max-series-total, by kind: rank (per-rank series of jobs shown by job-level series instead), layer (per-layer series of the newest jobs), job (every series of the newest jobs).", ("kind",))(

@@ -118,12 +118,15 @@ class State:
     @property
     def admission_counts(self) -> dict:
         """What admission did, for the snapshot: ``not_admitted`` (``((label, reason), ...)`` of the
-        latest refused), ``refused`` (identities refused), ``unproven_evicted``, and the jobs held
-        by stage (``stages``: ``((stage, n), ...)``: proven, unproven, pending)."""
+        latest refused that are still held and waiting for a slot), ``refused`` (identities
+        refused), ``unproven_evicted``, and the jobs held by stage (``stages``: ``((stage, n),
+        ...)``: proven, unproven, pending)."""
         a = self.admission
         stages = collections.Counter(("proven" if j.proven else "unproven") if j.admitted else "pending"
                                      for j in self.jobs.values())
-        return {"not_admitted": tuple(a.refused.items()), "refused": a.refused_total,
+        waiting = tuple((label, why) for label, why in a.refused.items()
+                        if label in self.jobs and not self.jobs[label].admitted)
+        return {"not_admitted": waiting, "refused": a.refused_total,
                 "unproven_evicted": self.registry.unproven_evicted,
                 "stages": tuple((k, stages.get(k, 0)) for k in ("proven", "unproven", "pending"))}
 

@@ -156,6 +156,9 @@ def test_a_real_job_evicts_unproven_ones_holding_every_slot_and_proven_jobs_are_
     assert "late" not in {j.job for j in snap.jobs}
     assert not [e for e in agg.events() if e.job == "late"]
     assert dict(snap.stages) == {"proven": 4, "unproven": 0, "pending": 1}
+    agg.state.registry.drop(agg.state.jobs["late"])  # gone (its ranks forgotten): no longer shown, still counted
+    snap = snapshot(agg.state, 0.0)
+    assert snap.not_admitted == () and snap.jobs_refused == 1
 
 
 def test_each_sender_holds_a_bounded_share_and_churns_its_own_jobs_only():
