@@ -286,7 +286,7 @@ class Admission:
         least recently heard pending job without a schema, or else the least recently heard (a
         job's first frame is its schema: frames of invented ids without one churn among
         themselves; ids sending schemas too must outpace a starting job's ranks, each heard about
-        once a second, as before); labelled as the module docstring says. (Ranks heard are no
+        once a second); labelled as the module docstring says. (Ranks heard are no
         measure: a squatter claims as many as it likes, and keeps them with a frame a job.)"""
         jobs = self.registry.jobs
         pending = self.registry.pending()

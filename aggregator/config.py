@@ -63,7 +63,7 @@ class AggregatorConfig(BaseSettings):
     boot_takeover_s: float = Field(3.0, gt=0, description="Seconds a rank's agent must have been silent (or have said goodbye) before a message under another boot id may take the rank over; earlier ones are rejected (boot_conflict).")
     restart_grace_s: float = Field(30.0, gt=0, description="Seconds a rank's vote to restart its job (a report from a new boot at an earlier step, or another world size) counts; a restart needs votes from half the world's ranks (ranks past the job's world have none), or the other ranks silent this long.")
     max_world: int = Field(65_536, ge=1, description="Largest world size accepted; larger claims are rejected (world_too_large), bounding per-rank state.")
-    rank_ttl_s: float = Field(600.0, gt=0, description="Seconds after which a silent rank's series are no longer exported (case C34).")
+    rank_ttl_s: float = Field(600.0, gt=0, description="Seconds after which a silent rank's series are no longer exported.")
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 30, description="Largest accepted message, bytes; larger ones are rejected as too_large.")
     server_key: SecretStr = Field(
         SecretStr(""),
@@ -92,7 +92,7 @@ class AggregatorConfig(BaseSettings):
         "",
         description="Prometheus file_sd target file (.json, .yml or .yaml) written atomically once the HTTP port is bound "
         "and removed at shutdown, so a Prometheus reading its directory scrapes this aggregator while it runs (one per "
-        "Slurm job; README: Beyond one job). '' for none.",
+        "Slurm job; docs/operations.md: Beyond one job). '' for none.",
     )
     file_sd_host: str = Field("", description="Host written into the --file-sd-path target; default --metrics-host, or this host's name when that is 0.0.0.0.")
     file_sd_labels: dict[str, str] = Field(
@@ -104,9 +104,9 @@ class AggregatorConfig(BaseSettings):
     grafana_basic_auth: str = Field("", description="USER:PASSWORD for --grafana-url with basic auth (GRADWATCH_AGGREGATOR_GRAFANA_BASIC_AUTH); ignored when a token is set.")
     enable_checks: list[str] = Field(default_factory=list, description="Checks to run that are off by default (every check shipped today is on by default: see the catalog).")
     disable_checks: list[str] = Field(default_factory=list, description="Checks not to run.")
-    layer_depth: int = Field(0, ge=0, le=64, description="Per-layer series merge layers into the first N dot-separated components of their module path (0: one series per layer); norms combine as L2 norms, counts add up (case C34, README: Cardinality budget).")
-    rank_detail_max: int = Field(256, ge=1, description="In jobs with more ranks, only the essential per-rank series (steps, non-finite steps, last seen, drops, losses, flags) are exported for every rank, the others for the ranks a finding names (case C34).")
-    rank_series_max: int = Field(1024, ge=1, description="In jobs with more ranks, per-rank series are exported only for the ranks an active finding names; job-level series stand in for the others (gradwatch_job_rank_step{agg}, gradwatch_job_steps_total, ...), so a 16,384-rank job fits the scrape's sample_limit (README: Scale).")
+    layer_depth: int = Field(0, ge=0, le=64, description="Per-layer series merge layers into the first N dot-separated components of their module path (0: one series per layer); norms combine as L2 norms, counts add up (docs/operations.md: Cardinality budget).")
+    rank_detail_max: int = Field(256, ge=1, description="In jobs with more ranks, only the essential per-rank series (steps, non-finite steps, last seen, drops, losses, flags) are exported for every rank, the others for the ranks a finding names.")
+    rank_series_max: int = Field(1024, ge=1, description="In jobs with more ranks, per-rank series are exported only for the ranks an active finding names; job-level series stand in for the others (gradwatch_job_rank_step{agg}, gradwatch_job_steps_total, ...), so a 16,384-rank job fits the scrape's sample_limit (docs/operations.md: Scale).")
     checks: Thresholds = Field(default_factory=Thresholds, description="Thresholds of the cross-rank checks.")
 
     @field_validator("enable_checks", "disable_checks")

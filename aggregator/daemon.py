@@ -90,7 +90,7 @@ def keep_freed_memory() -> bool:
     """Apply :data:`MALLOC_OPTIONS` to this process's C allocator (glibc's ``mallopt``); call it
     before the process starts threads (a thread that has allocated keeps its arena). Process-wide,
     so the daemon's alone (:meth:`Aggregator.serve_forever`). Returns False where the C library
-    has no ``mallopt`` (musl, macOS) or refused an option: the daemon works as before there. (An
+    has no ``mallopt`` (musl, macOS) or refused an option: the daemon keeps the C library's defaults there. (An
     allocator preloaded in glibc's place, jemalloc or tcmalloc, ignores the options it took.)"""
     import ctypes
     import ctypes.util
@@ -223,7 +223,9 @@ class Aggregator:
                 self.receiver.close()
                 raise ConfigError(f"aggregator.file_sd_path: cannot write {self.cfg.file_sd_path!r}: {e}") from None
             self._target_file = sd
-        threading.Thread(target=self._http.serve_forever, name="gradwatch-http", daemon=True).start()
+        # a short poll: stop() returns within 50 ms instead of the server's default 0.5 s
+        threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, name="gradwatch-http",
+                         daemon=True).start()
         self._thread = threading.Thread(target=self._loop, name="gradwatch-writer", daemon=True)
         self._intake_thread = self.receiver.start()
         self._thread.start()

@@ -81,16 +81,16 @@ _rank_metric("rank_step", "gauge", "Latest optimizer step reported by the rank (
 _rank_metric("rank_grad_norm", "gauge", "Global L2 norm of the rank's gradients at its latest optimizer step (after any gradient clipping: what the optimizer applies); NaN/Inf pass through.", "grad_norm")
 _rank_metric("rank_loss", "gauge", "Loss the training script handed to Monitor.observe_loss at the rank's latest step (mean over micro-steps); NaN when not observed.", "loss")
 _rank_metric("rank_loss_scale", "gauge", "AMP GradScaler loss scale at the rank's latest step; NaN without a scaler.", "loss_scale")
-_rank_metric("rank_skipped_steps", "counter", "Steps the rank's AMP loss scaler skipped (inf/NaN gradients while it searches the scale): labelled, not alerted (case C10).", "skipped_steps")
+_rank_metric("rank_skipped_steps", "counter", "Steps the rank's AMP loss scaler skipped (inf/NaN gradients while it searches the scale): labelled, not alerted.", "skipped_steps")
 _rank_metric("rank_nonfinite_skipped_steps", "counter", "Steps whose optimizer update the rank's agent skipped because the gradients were not finite (its local breaker, on_nonfinite=\"skip\"): the weights stayed as they were.", "nonfinite_skipped")
 _rank_metric("rank_local_grad_norm", "gauge", "L2 norm of the rank's own gradients before all-reduce at its latest step (DDP communication hook); NaN when the agent cannot measure it.", "local_grad_norm")
 _rank_metric("rank_grad_nonfinite_params", "gauge", "Parameters whose gradient held NaN or Inf at the rank's latest step.", "grad_nonfinite")
 _rank_metric("rank_step_seconds", "gauge", "Wall time of the rank's latest optimizer step, host clock.", "step_time", "seconds")
 _rank_metric("rank_steps", "counter", "Optimizer steps reported by the rank.", "steps")
 _rank_metric("rank_probes", "counter", "Probed steps reported by the rank.", "probes")
-_rank_metric("rank_nonfinite_steps", "counter", "Steps whose gradient held NaN or Inf on the rank (alert on increase(), case C36).", "nonfinite_steps")
+_rank_metric("rank_nonfinite_steps", "counter", "Steps whose gradient held NaN or Inf on the rank (alert on increase()).", "nonfinite_steps")
 _rank_metric("rank_messages_received", "counter", "Messages received from the rank.", "received")
-_rank_metric("rank_messages_lost", "counter", "Messages lost in flight from the rank, from gaps in its sequence numbers (case C28).", "lost")
+_rank_metric("rank_messages_lost", "counter", "Messages lost in flight from the rank, from gaps in its sequence numbers.", "lost")
 _rank_metric("rank_restarts", "counter", "Times the rank's agent restarted (a new boot id).", "restarts")
 _rank_metric("rank_last_seen_timestamp_seconds", "gauge", "When the aggregator last heard from the rank, seconds since the epoch.", "last_seen", "seconds")
 _rank_metric("agent_dropped_reports", "counter", "Reports the rank's agent dropped (full queue or ZeroMQ high-water mark), as the agent reports them.", "agent_drops")
@@ -439,7 +439,7 @@ class SnapshotCollector(Collector):
             (None: for every rank). Both bound the series count (case C34).
         rank_series_max: in jobs with more ranks, every per-rank series is exported only for the
             ranks an active finding names, and the job-level ``bounded`` families stand in for
-            the rest (None: never; see README: Scale).
+            the rest (None: never; see docs/operations.md: Scale).
         max_series_total: most samples a scrape holds, every family together (None: no cap):
             past it the jobs of the most ranks are shown by the ``bounded`` families
             instead (their per-rank series kept for :data:`NAMED_RANKS_MAX` ranks a finding

@@ -333,7 +333,7 @@ class Receiver:
         if keys is None and not cfg.listen_is_local:
             log.warning(
                 "gradwatch aggregator: %s accepts reports from anyone who reaches it (no CURVE); "
-                "run `gradwatch keys` and pass --server-key and --client-keys (README: Security)", cfg.listen,
+                "run `gradwatch keys` and pass --server-key and --client-keys (docs/security.md: CURVE keys)", cfg.listen,
             )
         self._ctx = zmq.Context()
         self._auth = keys.authenticator(self._ctx) if keys else None  # ZAP handler before bind

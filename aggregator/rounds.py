@@ -179,7 +179,7 @@ class Rounds:
             job.deferred.append((method, None if method == "on_tick" else args))
 
     def _dispatch(self, method: str, job: JobState, args: tuple) -> None:
-        """Give the checks the event, once the job is proven; before, hold a step or round event
+        """Give the checks the event, once the job is proven; until then, hold a step or round event
         (the first :data:`.jobs.HELD_EVENTS`) and drop the others (module docstring)."""
         if job.proven:
             self.runner.dispatch(method, job, *args)

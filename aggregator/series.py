@@ -56,7 +56,7 @@ def cap_series(rr: RoundResult, budget: int) -> tuple[RoundResult, int]:
         layer_types=rr.layer_types[:kl], modules=rr.modules[:km], module=rr.module[:, :km], agg=agg,
         grouped=None,
     )
-    if rr.grouped is not None:  # the layers merged for export follow the cut (on the writer, as before it)
+    if rr.grouped is not None:  # the layers merged for export follow the cut (on the writer, as the cut is)
         cut = replace(cut, grouped=group_layers(cut, rr.grouped.group_depth))
     return cut, total - kl * SERIES_PER_LAYER - km * SERIES_PER_MODULE
 

@@ -123,8 +123,8 @@ def snapshot(state, wall_now: float) -> Snapshot:
 
     A job of more than ``state.rank_view_max`` ranks (the exporter's ``--rank-series-max``: it
     exports per-rank series only for the ranks a finding names) gets :class:`RankView` objects
-    only for those ranks, and columns for its job-level series: 16,384 views took ~40 ms of the
-    writer per snapshot, which made snapshots, and so the metrics' freshness, 4x rarer."""
+    only for those ranks, and columns for its job-level series: 16,384 views would take ~40 ms of the
+    writer per snapshot, making snapshots, and so the metrics' freshness, 4x rarer."""
     mono_now = state.clock()
     limit = state.limits.rank_view_max
     proven = [j for j in state.jobs.values() if j.proven]

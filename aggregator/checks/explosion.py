@@ -356,8 +356,7 @@ class Explosion(GradientNorms):
         "the rank with the largest local (pre-all-reduce) gradient norm at the first bad step as the likely source. One "
         "finding per fault: later bad steps and layers (at most max_layers) within spike_window steps of the last "
         "bad one are folded into it as evidence. Non-finite norms "
-        "are left to the nonfinite check; steps AMP's loss scaler skipped are not reported by the agent "
-        "(case C10)."
+        "are left to the nonfinite check; steps AMP's loss scaler skipped are not reported by the agent."
     )
     metrics = {
         "job_grad_norm_median": (

@@ -49,7 +49,7 @@ class GradientAgreement(Agreement):
         # Replicas hold the same bits after all-reduce, so the same kernel gives them the same norm
         # and the float32 values on the wire are equal. Only a different reduction order (another
         # device type, another CPU thread count) can make them differ: each norm is within rel 1e-6
-        # of its float64 value (agent/stats.py, issue 11), two replicas' within 2e-6; 1e-5 leaves a
+        # of its float64 value (agent/stats.py), two replicas' within 2e-6; 1e-5 leaves a
         # 5x margin and still sees a change of 1e-5 in one parameter's gradient norm.
         norm_rtol: float = Field(1e-5, ge=0, le=1e-2, description=(
             "Relative tolerance between two ranks' gradient norms of one parameter after all-reduce "
