@@ -98,6 +98,10 @@ CLOSE_LINGER_MS = 200
 #: refused its key (said at once): a peer killed or stopped mid-handshake, or a proxy before it
 #: starting, fails some handshakes of an agent that is rightly configured
 HANDSHAKE_WARN_S = 10.0
+#: ms a plain-TCP handshake may take: a peer that accepts TCP but never speaks ZMTP (an HTTP port)
+#: fails it then, not after ZeroMQ's 30 s. (With CURVE the aggregator's ZAP thread admits ~1,000
+#: handshakes a second: a large job connecting at once needs ZeroMQ's default.)
+HANDSHAKE_TIMEOUT_MS = 5000
 #: seconds an agent goes without reaching any aggregator (no connection at all: none listening,
 #: a wrong host or port) before it says so, once; and says so again when one answers. A job may
 #: start before its aggregator; a multi-day one must not learn this only at close
@@ -352,10 +356,7 @@ class Link:
             self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # ms, exponential in between
             self.sock.setsockopt(zmq.CONNECT_TIMEOUT, 2000)  # a SYN into a partition is given up
             if keys is None:
-                # a peer that accepts TCP but never speaks ZMTP (an HTTP port) fails the handshake
-                # after 5 s, not ZeroMQ's 30 s. (With CURVE the aggregator's ZAP thread admits ~1,000
-                # handshakes a second: a large job connecting at once needs ZeroMQ's default.)
-                self.sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+                self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
             # ZMTP heartbeats: a peer silent for 3 s (partition, SIGSTOP) is dropped and reconnected,
             # instead of waiting out TCP's retransmission backoff after the network heals
             self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)

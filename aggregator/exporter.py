@@ -1,11 +1,10 @@
 """Prometheus exporter: a custom collector that turns the latest snapshot into metric families.
 
-Each exported metric is one self-registering unit (:func:`metric`): its name, type, help and
-labels, and a function from a :class:`~.snapshot.Snapshot` to samples. The README's catalog is
-generated from :data:`METRICS`. Labels are bounded: ``job_id`` (not ``job``, which Prometheus
-itself sets on every scraped series), ``rank``, ``layer`` (a module path of the model) and fixed
-enums — never a step, a pid, an address or free text (case C34). Per-layer series are
-aggregated over ranks and per-rank series over layers, never rank x layer.
+Each exported metric is one self-registering unit (:func:`~.families.metric`): its name, type,
+help and labels, and a function from a :class:`~.snapshot.Snapshot` to samples; they register
+here, in :data:`~.families.METRICS` (docs/catalog.md is generated from it). Per-layer series are
+aggregated over ranks and per-rank series over layers, never rank x layer; the series cap
+(:mod:`.seriescap`) decides what one scrape keeps.
 
 Counters only ever carry finite, non-decreasing values; NaN or Inf reach gauges only (case C36).
 """
@@ -16,8 +15,8 @@ import bisect
 import collections
 import math
 import operator
-from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
+from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
@@ -26,42 +25,14 @@ from prometheus_client.registry import Collector
 from gradwatch import columns
 
 from .checks import CHECKS
+from .families import METRICS, PREFIX, metric
 from .reconcile import group_layers
 from .runner import Runner
+from .seriescap import ESSENTIAL_RANK_METRICS, LEFT_OUT, NAMED_RANKS_MAX, SeriesCap, kind_of
 from .snapshot import Snapshot
 from .state import REJECT_REASONS
 
-PREFIX = "gradwatch_"
-
-
-@dataclass(frozen=True)
-class MetricDef:
-    name: str  # full name; counters without the _total suffix the client adds
-    kind: str  # gauge | counter | summary
-    help: str
-    labels: tuple[str, ...]
-    unit: str
-    samples: Callable[[Snapshot], Iterable]
-    #: exported only for jobs above ``rank_series_max`` ranks (left out entirely when none is)
-    bounded: bool = False
-
-
-METRICS: dict[str, MetricDef] = {}
-
-
-def metric(name: str, kind: str, help: str, labels: tuple[str, ...], unit: str = "", bounded: bool = False):
-    """Register the decorated ``snapshot -> iterable of (label values, value)`` as a metric
-    (``bounded``: a job-level stand-in for per-rank series, see :class:`SnapshotCollector`)."""
-
-    def deco(fn):
-        full = PREFIX + name
-        if full in METRICS:
-            raise ValueError(f"metric {full} registered twice")
-        METRICS[full] = MetricDef(full, kind, help, labels, unit, fn, bounded)
-        return fn
-
-    return deco
-
+__all__ = ["METRICS", "ESSENTIAL_RANK_METRICS", "NAMED_RANKS_MAX", "SnapshotCollector"]
 
 JR = ("job_id", "rank")
 
@@ -342,15 +313,6 @@ def _register_check_metrics() -> None:
 
 _register_check_metrics()
 
-
-def _int(label: str):
-    """A rank label as the int findings name it (a label that is no number stays as it is)."""
-    try:
-        return int(label)
-    except ValueError:
-        return label
-
-
 def _dedupe(samples):
     """Keep the first sample of each label set: a duplicate would make the exposition invalid."""
     seen = set()
@@ -358,74 +320,6 @@ def _dedupe(samples):
         if labels not in seen:
             seen.add(labels)
             yield labels, value
-
-
-#: per-rank series exported for every rank of a job however large (the alerts need them); the
-#: others only up to ``rank_detail_max`` ranks, beyond that for the ranks an active finding names
-ESSENTIAL_RANK_METRICS = frozenset(PREFIX + n for n in (
-    "rank_step", "rank_steps", "rank_nonfinite_steps", "rank_last_seen_timestamp_seconds",
-    "agent_dropped_reports", "rank_messages_lost", "check_rank_flagged",
-))
-
-
-#: per-rank series that exist only for the ranks findings name (bounded by the cap's plan for
-#: jobs whose per-rank series it leaves out)
-RANK_SERIES_OF_FINDINGS = frozenset(PREFIX + n for n in ("check_rank_flagged", "rank_finding_raised_timestamp_seconds",
-                                                          "finding_stack_info"))
-
-#: ranks a job whose per-rank series the series cap leaves out (or above ``rank_series_max``)
-#: keeps per-rank series for: the first ones (by rank) an active finding names
-NAMED_RANKS_MAX = 64
-#: samples a scrape holds besides the registered families (decode_seconds' count and sum)
-_UNREGISTERED = 2
-#: the findings' per-rank family bounded by the runner (a job's first ranks per check), not by ranks named now
-TIMED = PREFIX + "rank_finding_raised_timestamp_seconds"
-#: the family of the samples the cap left out (written once the plan is made)
-LEFT_OUT = PREFIX + "series_left_out"
-
-
-def _kind(d: MetricDef) -> str:
-    """How the series cap counts family ``d``: ``rank`` (one sample per rank at most, estimated),
-    ``finding`` (per rank, of findings: counted), ``layer`` (per layer: counted from the round),
-    ``bounded`` (job-level stand-ins), ``job`` or ``global`` (counted)."""
-    if d.bounded:
-        return "bounded"
-    if "rank" in d.labels:
-        return "finding" if d.name in RANK_SERIES_OF_FINDINGS else "rank"
-    if d.labels == ("job_id", "layer", "agg"):
-        return "layer"
-    return "job" if "job_id" in d.labels else "global"
-
-
-def _layer_samples(rr) -> int:
-    """Per-layer samples the ``_layer_stat`` families export for a round (observed statistics)."""
-    if rr is None:
-        return 0
-    return sum(len(stat.aggs) * int(np.count_nonzero(rr.agg[stat.name][1])) for stat in columns.STATISTICS)
-
-
-@dataclass
-class Plan:
-    """What one scrape exports within the series cap (:meth:`SnapshotCollector.plan`).
-
-    Attributes:
-        reduced: ``{job: ranks}`` of the jobs whose per-rank series only these ranks keep (at most
-            :data:`NAMED_RANKS_MAX`, ranks a finding names), job-level stand-ins for the rest; such
-            a job keeps :data:`NAMED_RANKS_MAX` ranks' ``rank_finding_raised_timestamp_seconds``
-            at most, none if in ``untimed``.
-        no_layers: jobs whose per-layer series are left out.
-        dropped: jobs none of whose series are exported.
-        left_out: ``{kind: samples}`` left out (``rank``, ``layer``, ``job``).
-        samples: samples the scrape holds at most.
-    """
-
-    reduced: dict = field(default_factory=dict)
-    untimed: set = field(default_factory=set)
-    no_layers: set = field(default_factory=set)
-    dropped: set = field(default_factory=set)
-    left_out: dict = field(default_factory=lambda: {"rank": 0, "layer": 0, "job": 0})
-    samples: int = 0
-
 
 class SnapshotCollector(Collector):
     """Yields every registered metric from ``get_snapshot()`` at scrape time.
@@ -443,7 +337,7 @@ class SnapshotCollector(Collector):
         max_series_total: most samples a scrape holds, every family together (None: no cap):
             past it the jobs of the most ranks are shown by the ``bounded`` families
             instead (their per-rank series kept for :data:`NAMED_RANKS_MAX` ranks a finding
-            names), then the newest jobs' per-layer series go, then the newest jobs (:meth:`plan`);
+            names), then the newest jobs' per-layer series go, then the newest jobs (:meth:`.SeriesCap.plan`);
             the samples left out are counted in ``gradwatch_series_left_out``.
     """
 
@@ -451,9 +345,7 @@ class SnapshotCollector(Collector):
                  rank_series_max: int | None = None, max_series_total: int | None = None):
         self._get = get_snapshot
         self.layer_depth = layer_depth
-        self.rank_detail_max = rank_detail_max
-        self.rank_series_max = rank_series_max
-        self.max_series_total = max_series_total
+        self.cap = SeriesCap(rank_detail_max, rank_series_max, max_series_total)
         self._grouped: dict = {}  # job -> (its latest RoundResult, grouped)
 
     def _group(self, snap: Snapshot) -> Snapshot:
@@ -471,174 +363,15 @@ class SnapshotCollector(Collector):
             jobs.append(j)
         self._grouped = cache
         return replace(snap, jobs=tuple(jobs))
-
-    @staticmethod
-    def _over(snap: Snapshot, limit: int | None) -> set[str]:
-        """Jobs with more than ``limit`` ranks (none when ``limit`` is None)."""
-        return set() if limit is None else {j.job for j in snap.jobs if max(j.world, j.n_ranks) > limit}
-
-    def _named(self, snap: Snapshot) -> dict:
-        """``{job: ranks its active findings name}``."""
-        named: dict = collections.defaultdict(set)
-        for f in (snap.checks.active if snap.checks else ()):
-            if f.rank is not None:
-                named[f.job].add(f.rank)
-        return named
-
-    def plan(self, snap: Snapshot, held: dict) -> Plan:
-        """What this scrape exports (:class:`Plan`): every job's series while the samples stay
-        within ``max_series_total``; past it, in turn, the jobs of the most ranks (the newest
-        first among equals) are shown by their job-level stand-ins and the per-rank
-        series of at most :data:`NAMED_RANKS_MAX` ranks a finding names, the named ranks of the
-        newest such jobs go, the newest jobs' per-layer series go, and the newest jobs go whole.
-        Jobs above ``rank_series_max`` ranks are always shown so. ``held``: the samples of every
-        family but the per-rank and per-layer ones, by name (counted as they are); per-rank
-        samples are estimated from above (each per-rank family at most one sample per rank), and
-        per-layer ones counted from the rounds, so the scrape holds at most :attr:`Plan.samples`."""
-        jobs = [j.job for j in snap.jobs]
-        by_job = {j.job: j for j in snap.jobs}
-        rank_fams = [d for d in METRICS.values() if _kind(d) == "rank"]
-        n_rank = len(rank_fams)
-        n_essential = sum(d.name in ESSENTIAL_RANK_METRICS for d in rank_fams)
-        named = self._named(snap)
-        fixed = _UNREGISTERED
-        per_job, bounded, findings, timed = (collections.Counter() for _ in range(4))
-        flagged: dict = collections.defaultdict(collections.Counter)  # job -> rank -> capped findings' samples
-        for name, got in held.items():
-            d = METRICS[name]
-            kind = _kind(d)
-            if "job_id" not in d.labels:
-                fixed += len(got)
-                continue
-            ji = d.labels.index("job_id")
-            ri = d.labels.index("rank") if kind == "finding" else None
-            for lv, _ in got:
-                job = lv[ji]
-                if job not in by_job:
-                    fixed += 1  # a job id of no exported job (the jobs not admitted): the aggregator's own
-                elif kind == "bounded":
-                    bounded[job] += 1
-                elif kind == "finding":
-                    findings[job] += 1
-                    if name == TIMED:
-                        timed[job] += 1
-                    else:
-                        flagged[job][_int(lv[ri])] += 1
-                else:
-                    per_job[job] += 1
-        layers = {j.job: _layer_samples(j.last_round) for j in snap.jobs}
-        huge = self._over(snap, self.rank_series_max)
-        detail = self._over(snap, self.rank_detail_max)
-
-        def kept_ranks(job: str) -> list:
-            return sorted(k for k in named.get(job, ()) if isinstance(k, int))[:NAMED_RANKS_MAX]
-
-        def full(job: str) -> int:
-            n, few = by_job[job].n_ranks, named.get(job, ())
-            per_rank = n * n_rank if job not in detail else n * n_essential + min(len(few), n) * (n_rank - n_essential)
-            return per_rank + findings[job]
-
-        def reduced(job: str, ranks, with_timed: bool = True) -> int:
-            got = flagged.get(job, {})
-            return (bounded[job] + len(ranks) * n_rank + sum(got.get(k, 0) for k in ranks)
-                    + (min(timed[job], NAMED_RANKS_MAX) if with_timed else 0))
-
-        out = Plan(reduced={job: kept_ranks(job) for job in jobs if job in huge})
-        cost = {job: per_job[job] + layers[job] + (reduced(job, out.reduced[job]) if job in out.reduced else full(job))
-                for job in jobs}
-        total = fixed + sum(cost.values())
-        cap = self.max_series_total
-        if cap is not None and total > cap:
-            # the jobs of most ranks first (they buy the most room; not by findings, which come and
-            # go: a job's series would flap), the newest first among equals
-            order = sorted((job for job in jobs if job not in out.reduced),
-                           key=lambda job: (by_job[job].n_ranks, jobs.index(job)), reverse=True)
-            for job in order:
-                if total <= cap:
-                    break
-                ranks = kept_ranks(job)
-                new = per_job[job] + layers[job] + reduced(job, ranks)
-                out.left_out["rank"] += cost[job] - new
-                total += new - cost[job]
-                cost[job], out.reduced[job] = new, ranks
-            for job in reversed(jobs):  # then the named ranks of the newest
-                if total <= cap:
-                    break
-                if job in out.reduced and (out.reduced[job] or timed[job]):
-                    new = per_job[job] + layers[job] + reduced(job, [], with_timed=False)
-                    out.left_out["rank"] += cost[job] - new
-                    total += new - cost[job]
-                    cost[job], out.reduced[job] = new, []
-                    out.untimed.add(job)
-            for job in reversed(jobs):  # then the newest jobs' per-layer series
-                if total <= cap:
-                    break
-                if layers[job]:
-                    out.no_layers.add(job)
-                    out.left_out["layer"] += layers[job]
-                    total -= layers[job]
-                    cost[job] -= layers[job]
-            for job in reversed(jobs):  # and, past every job's own, the newest jobs
-                if total <= cap:
-                    break
-                out.dropped.add(job)
-                out.left_out["job"] += cost[job]
-                total -= cost[job]
-        out.samples = total
-        return out
-
-    def _findings_kept(self, name: str, d: MetricDef, plan: Plan, samples: list) -> list:
-        """The findings' per-rank samples of family ``name`` a reduced job keeps: those of its
-        kept ranks, and (``gradwatch_rank_finding_raised_timestamp_seconds``) its first
-        :data:`NAMED_RANKS_MAX` by check and rank (none once ``untimed``)."""
-        if not plan.reduced:
-            return samples
-        ji, ri = d.labels.index("job_id"), d.labels.index("rank")
-        kept = {job: {str(k) for k in ranks} for job, ranks in plan.reduced.items()}
-        if name != TIMED:
-            return [(lv, v) for lv, v in samples if lv[ji] not in kept or lv[ri] in kept[lv[ji]]]
-        out, n = [], collections.Counter()
-        for lv, v in sorted(samples, key=lambda x: (x[0][ji] in kept, x[0][:ri], _int(x[0][ri]))):
-            job = lv[ji]
-            if job in kept:
-                if job in plan.untimed or n[job] >= NAMED_RANKS_MAX:
-                    continue
-                n[job] += 1
-            out.append((lv, v))
-        return out
-
-    def _filter(self, snap: Snapshot, d: MetricDef, kind: str, plan: Plan, samples):
-        """``samples`` of family ``d`` within ``plan``: no sample of a dropped job, no per-layer one
-        of a job without layers, per-rank ones of a reduced job for its kept ranks only, and
-        non-essential per-rank ones of jobs above ``rank_detail_max`` for the ranks an active
-        finding names."""
-        if "job_id" not in d.labels:
-            return samples
-        ji = d.labels.index("job_id")
-        gone = plan.dropped | plan.no_layers if kind == "layer" else plan.dropped
-        if kind != "rank":
-            return ((lv, v) for lv, v in samples if lv[ji] not in gone) if gone else samples
-        ri = d.labels.index("rank")
-        keep = {job: {str(k) for k in ranks} for job, ranks in plan.reduced.items()}
-        detail = self._over(snap, self.rank_detail_max) if d.name not in ESSENTIAL_RANK_METRICS else set()
-        detail -= keep.keys()
-        named = {(job, str(k)) for job, ranks in self._named(snap).items() for k in ranks} if detail else set()
-        if not (gone or keep or detail):
-            return samples
-        return ((lv, v) for lv, v in samples
-                if lv[ji] not in gone
-                and (lv[ji] not in keep or lv[ri] in keep[lv[ji]])
-                and (lv[ji] not in detail or (lv[ji], lv[ri]) in named))
-
     def collect(self):
         snap = self._get()
         if self.layer_depth > 0:
             snap = self._group(snap)
-        kinds = {name: _kind(d) for name, d in METRICS.items()}
+        kinds = {name: kind_of(d) for name, d in METRICS.items()}
         # every family but the per-rank and per-layer ones, as they are: the plan counts them
         held = {name: list(_dedupe(d.samples(snap))) for name, d in METRICS.items()
                 if kinds[name] not in ("rank", "layer") and name != LEFT_OUT}
-        plan = self.plan(snap, held)
+        plan = self.cap.plan(snap, held)
         held[LEFT_OUT] = [((k,), float(n)) for k, n in plan.left_out.items()]
         few = snap  # per-rank families read the ranks kept only, of the reduced jobs
         if plan.reduced:
@@ -654,12 +387,12 @@ class SnapshotCollector(Collector):
                 if not samples:
                     continue
             elif kind == "finding":
-                samples = self._findings_kept(name, d, plan, held[name])
+                samples = self.cap.findings_kept(name, d, plan, held[name])
             elif name in held:
                 samples = held[name]
             else:
                 samples = d.samples(few if kind == "rank" else snap)
-            samples = self._filter(snap, d, kind, plan, samples)
+            samples = self.cap.keep(snap, d, kind, plan, samples)
             if d.kind == "gauge":
                 fam = GaugeMetricFamily(d.name, d.help, labels=d.labels, unit=d.unit)
                 for labels, value in _dedupe(samples):

@@ -1,14 +1,15 @@
 """A tiny sharded training job for tests/test_sharded.py: real gloo processes on CPU.
 
 ``python -m tests.sharded_job MODE --ranks N --steps S --out DIR [--endpoint E --every K --job J]
-[--flip STEP:RANK:PARAM[:BIT]]`` trains :func:`model` under ``MODE`` (fsdp2, fsdp1, fsdp1o (use_orig_params),
+[--flip STEP:RANK:PARAM[:BIT]] [--without DIR2]`` trains :func:`model` under ``MODE`` (fsdp2, fsdp1, fsdp1o (use_orig_params),
 hsdp (2x2 mesh), tp (ColwiseParallel / RowwiseParallel and a replicated LayerNorm), pp (2 pipeline
 stages, GPipe, FSDP2 over each stage's N/2 data-parallel ranks), ppdp (the same with plain
 replicas, gradients all-reduced over dp by hand), pptp (2 stages x 2 tensor-parallel ranks),
 ppi (interleaved 1F1B: 4 stages, one layer each, on 2 ranks), ppfsdp1 (2 stages x N/2 ranks,
 FSDP1 over each stage's data-parallel ranks)), with the
 agent attached when ``--endpoint`` is given, and writes each rank's local parameter tensors after
-the last step to ``DIR/rank{r}.pt`` (for the bit-identity check). The data of rank ``r`` at step
+the last step to ``DIR/rank{r}.pt`` (for the bit-identity check; ``--without`` first trains the
+same in the same processes without the agent, writing ``DIR2/rank{r}.pt``). The data of rank ``r`` at step
 ``s`` is :func:`batch` ``(r, s)``; every rank of one data-parallel replica group sees its own batch,
 tensor-parallel ranks share theirs. ``--flip`` flips one bit (BIT of the first element's
 float32 bits, default 3: a low mantissa bit; 23: the lowest exponent bit, halving or doubling it;
@@ -176,10 +177,9 @@ def _flip(m: torch.nn.Module, name: str, bit: int = 3) -> None:
             return
 
 
-def _run(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.use_deterministic_algorithms(True)
+def _train(rank: int, world: int, args, endpoint: str, out: str) -> None:
+    """Build the layout from the seed and train it ``args.steps`` steps, the agent attached when
+    ``endpoint`` is given; write the rank's local parameters under ``out``."""
     m, replica = _wrap(args.mode, model(), rank, world)
     mesh, schedule = None, None
     if args.mode in PIPELINE:
@@ -187,13 +187,13 @@ def _run(rank: int, world: int, port: int, args) -> None:
         schedule = _schedule(args.mode, m, mesh)
     opt = torch.optim.SGD(m.parameters(), lr=LR)
     mon = None
-    if args.endpoint:
+    if endpoint:
         from gradwatch.agent import attach
 
         # FSDP2 and TP stages: the agent finds the (pp, dp|tp) mesh as the root of the parameters'
         # sub-mesh; plain stages (and FSDP1's flat parameters) need the mesh given
         extra = {"mesh": mesh} if args.mode in ("ppdp", "ppi", "ppfsdp1") else {}
-        mon = attach(m, opt, endpoint=args.endpoint, every=args.every, job=args.job, rank=rank, world_size=world, **extra)
+        mon = attach(m, opt, endpoint=endpoint, every=args.every, job=args.job, rank=rank, world_size=world, **extra)
         assert type(mon).__name__ == "Monitor", mon
     flip = tuple(args.flip.split(":")) if args.flip else None
     for step in range(args.steps):
@@ -217,8 +217,18 @@ def _run(rank: int, world: int, port: int, args) -> None:
         errors, disabled = mon.errors, set(mon.disabled)
         mon.close()
         assert errors == 0 and not disabled, (errors, disabled)
-    torch.save({n: _local(p).detach().clone() for n, p in m.named_parameters()}, os.path.join(args.out, f"rank{rank}.pt"))
+    os.makedirs(out, exist_ok=True)
+    torch.save({n: _local(p).detach().clone() for n, p in m.named_parameters()}, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
+
+
+def _run(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.use_deterministic_algorithms(True)
+    if args.without:  # the same training without the agent first, in the same processes (one start-up)
+        _train(rank, world, args, "", args.without)
+    _train(rank, world, args, args.endpoint, args.out)
     dist.destroy_process_group()
     sys.stdout.write(f"{DONE} {rank}\n")  # one write: the ranks share the pipe
     sys.stdout.flush()
@@ -238,6 +248,7 @@ def main() -> None:
     ap.add_argument("--job", default="sharded")
     ap.add_argument("--out", required=True)
     ap.add_argument("--flip", default="")
+    ap.add_argument("--without", default="", help="also train without the agent first, writing there")
     args = ap.parse_args()
     mp.spawn(_run, args=(args.ranks, free_port(), args), nprocs=args.ranks)
 

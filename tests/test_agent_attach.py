@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
+import time
 import warnings
 
 import pytest
@@ -334,6 +334,14 @@ def test_an_optimizer_over_other_parameters_is_said(collector):
 FOLLOW_STEPS = 4
 
 
+def _drain(monitor, timeout_s: float = 30.0) -> None:
+    """Wait (in a worker process) until ``monitor``'s sender connected and handed every report to
+    ZeroMQ: a few steps on a loaded machine can end before the handshake."""
+    deadline = time.monotonic() + timeout_s
+    while not (monitor.sender.connected and monitor.sender.pending == 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _follow_worker(rank: int, world: int, port: int, endpoint: str, out_dir: str) -> None:
     """Phase "follow": attach to the module, then wrap it in DDP (as a framework's callback, or a
     script attaching before wrapping, does): the ranks' own norms are measured from the first
@@ -364,6 +372,7 @@ def _follow_worker(rank: int, world: int, port: int, endpoint: str, out_dir: str
             opt.step()
             opt.zero_grad()
         installed = monitor.local_norms
+        _drain(monitor)
         monitor.close()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -373,6 +382,7 @@ def _follow_worker(rank: int, world: int, port: int, endpoint: str, out_dir: str
             for _ in range(3):
                 alone(torch.randn(4, 3)).sum().backward()
                 opt2.step()
+            _drain(m2)
             m2.close()
         said = [str(w.message) for w in caught if "no DistributedDataParallel runs" in str(w.message)]
         with open(os.path.join(out_dir, f"follow-{rank}.json"), "w") as f:

@@ -21,7 +21,7 @@ import zmq
 from gradwatch import agent, wire
 from gradwatch.agent.transport import BATCH_BYTES, SCHEMA_BACKOFF, SCHEMA_JITTER, SCHEMA_RANKS, Sender, schema_spread
 
-from .conftest import free_port, records
+from .conftest import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

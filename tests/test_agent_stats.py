@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import pytest
@@ -27,6 +27,9 @@ import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from gradwatch import agent, wire
+
+if TYPE_CHECKING:
+    from .conftest import Collector
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -466,10 +466,11 @@ def test_an_agent_whose_handshake_never_completes_says_so(where, curve_aggregato
     """A keyless agent pointed at an aggregator with CURVE on, or at its HTTP port: TCP connects,
     no ZMTP handshake completes, nothing arrives. A TCP connection is no handshake: the agent
     counts the failed handshakes, warns once they have lasted HANDSHAKE_WARN_S (0.5 s here) naming
-    the settings to check, and again at close."""
+    the settings to check, and again at close. (A plain-TCP handshake times out after 1 s here.)"""
     from gradwatch.agent import transport
 
     monkeypatch.setattr(transport, "HANDSHAKE_WARN_S", 0.5)
+    monkeypatch.setattr(transport, "HANDSHAKE_TIMEOUT_MS", 1000)
     agg = curve_aggregator
     endpoint = agg.endpoint if where == "curve" else f"tcp://127.0.0.1:{agg.metrics_port}"
     model, opt = small_model()

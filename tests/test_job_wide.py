@@ -18,7 +18,7 @@ import pytest
 
 from gradwatch import wire
 from gradwatch.aggregator import Aggregator, load
-from gradwatch.aggregator.exporter import _layer_samples
+from gradwatch.aggregator.seriescap import layer_samples
 
 from .fakejob import LocalJob, Model
 
@@ -152,5 +152,5 @@ def test_a_crashed_job_of_16384_ranks_is_one_finding_and_a_scrape_within_the_cap
     assert 'gradwatch_check_findings_active{check="rank_silent",job_id="big"} 1.0' in text
     assert re.search(r'gradwatch_job_rank_last_seen_timestamp_seconds\{agg="min",job_id="big"\}', text)
     # the job's per-layer series whole: every statistic the round observed, min/median/max
-    assert sum(1 for s in samples if s.startswith("gradwatch_layer_")) == _layer_samples(agg.state.jobs["big"].last_round) > 3000
+    assert sum(1 for s in samples if s.startswith("gradwatch_layer_")) == layer_samples(agg.state.jobs["big"].last_round) > 3000
     assert np.isfinite(scrape_s) and scrape_s < 10

@@ -184,7 +184,7 @@ def test_readme_test_tiers_use_registered_markers():
     import tomllib
 
     registered = {m.split(":")[0] for m in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}
-    tiers = re.findall(r'^bash scripts/test\.sh -m "?([^"#]+?)"?\s+#', README, re.M)
+    tiers = re.findall(r'^bash scripts/test\.sh (?:-n \d+ )?-m "?([^"#]+?)"?\s+#', README, re.M)
     assert 'not slow' in tiers and {"ddp", "stack", "wheel"} <= set(tiers), tiers
     for expr in tiers:
         assert set(re.findall(r"[a-z_]+", expr)) - {"not", "and", "or"} <= registered, expr

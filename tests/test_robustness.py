@@ -111,7 +111,7 @@ def test_burst_follows_a_nonfinite_gradient_not_a_step_without_gradients(pull):
     sock, endpoint = pull
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with gw.attach(model, opt, endpoint=endpoint, every=100, burst=3) as monitor:
+    with gw.attach(model, opt, endpoint=endpoint, every=100, burst=3):
         for step in range(14):
             if step != 2:  # step 2: no gradients at all (NaN norm, no non-finite parameter)
                 x = torch.ones(2, 3) * (float("nan") if step == 6 else 1.0)

@@ -27,7 +27,7 @@ from prometheus_client import generate_latest
 
 from gradwatch.aggregator import Aggregator, load
 from gradwatch.aggregator.checks import Finding
-from gradwatch.aggregator.exporter import NAMED_RANKS_MAX
+from gradwatch.aggregator.seriescap import NAMED_RANKS_MAX
 
 from .conftest import ROOT, free_port, samples, start_aggregator, wait_for
 from .fakejob import FakeJob, Model, to_socket

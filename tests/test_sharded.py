@@ -25,8 +25,11 @@ pytestmark = pytest.mark.ddp  # tiers: README, Tests
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_job(mode: str, out: Path, ranks: int, steps: int, every: int, endpoint: str = "", job: str = "", flip: str = "") -> dict:
-    """Run tests/sharded_job.py; returns each rank's local parameters after the last step."""
+def run_job(mode: str, out: Path, ranks: int, steps: int, every: int, endpoint: str = "", job: str = "", flip: str = "",
+            without: Path | None = None) -> dict:
+    """Run tests/sharded_job.py; returns each rank's local parameters after the last step (with
+    ``without``, the same job trained first without the agent in the same processes writes its
+    parameters there)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "tests.sharded_job", mode, "--ranks", str(ranks), "--steps", str(steps),
            "--every", str(every), "--out", str(out)]
@@ -34,6 +37,8 @@ def run_job(mode: str, out: Path, ranks: int, steps: int, every: int, endpoint: 
         cmd += ["--endpoint", endpoint, "--job", job]
     if flip:
         cmd += ["--flip", flip]
+    if without is not None:
+        cmd += ["--without", str(without)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     # torch 2.13's gloo teardown now and then aborts a process after it finished ("terminate called
     # without an active exception", also without the agent): a rank that saved its results and
@@ -74,7 +79,7 @@ def check_job(aggregator, tmp_path: Path, mode: str, ranks: int, steps: int = 50
     """Run ``mode`` with and without the agent and check /metrics against :func:`reference`, no
     finding, and bit-identical training; returns the last /metrics text of the run."""
     job = f"sharded-{mode}-{ranks}"
-    with_agent = run_job(mode, tmp_path / "with", ranks, steps, every, aggregator.endpoint, job)
+    with_agent = run_job(mode, tmp_path / "with", ranks, steps, every, aggregator.endpoint, job, without=tmp_path / "without")
     last_probe = (steps - 1) // every * every
 
     def published():
@@ -98,7 +103,7 @@ def check_job(aggregator, tmp_path: Path, mode: str, ranks: int, steps: int = 50
     assert rounds[(("job_id", job), ("outcome", "complete"))] == len(range(0, steps, every))
     assert aggregator.findings(job) == []  # a healthy sharded job: no finding at all
 
-    without = run_job(mode, tmp_path / "without", ranks, steps, every)
+    without = {r: torch.load(tmp_path / "without" / f"rank{r}.pt") for r in range(ranks)}
     for r in range(ranks):  # the agent never changes training: bit for bit
         assert with_agent[r].keys() == without[r].keys()
         for name in with_agent[r]:

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from gradwatch.integrations.lightning import GradwatchCallback
 
-from common import OUT, RANK, STEPS, Reference, injected
+from common import OUT, STEPS, Reference, injected
 
 
 class Points(torch.utils.data.Dataset):
