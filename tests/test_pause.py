@@ -1,7 +1,7 @@
-"""No judgement across the aggregator's own pause: the aggregator process stopped (SIGSTOP) for 10 s
+"""No judgement across the aggregator's own pause: the aggregator process stopped (SIGSTOP) for 20 s
 beside a real two-rank gloo DDP job (bench/faultjob.py), then continued, raises no finding: time
 it did not run is no rank's silence and no stall (judged by the clock alone, every rank would be
-silent for a moment, until the frames of those 10 s are handled)."""
+silent for a moment, until the frames of those 20 s are handled)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ JOB = "paused"
 
 
 @pytest.mark.ddp
-def test_the_aggregator_stopped_for_10_s_beside_a_real_job_raises_no_finding(tmp_path):
+def test_the_aggregator_stopped_for_20_s_beside_a_real_job_raises_no_finding(tmp_path):
     agg = start_aggregator(tmp_path, "--publish-interval-s", "0.1")
     stop, progress, out = tmp_path / "stop", tmp_path / "progress", tmp_path / "out"
     proc = subprocess.Popen(
@@ -38,11 +38,11 @@ def test_the_aggregator_stopped_for_10_s_beside_a_real_job_raises_no_finding(tmp
         before = steps()
         os.kill(agg.proc.pid, signal.SIGSTOP)
         try:
-            time.sleep(10)
+            time.sleep(20)
         finally:
             os.kill(agg.proc.pid, signal.SIGCONT)
         assert steps() > before + 20  # training went on meanwhile
-        time.sleep(6)  # the ranks' frames of those 10 s come in; the checks tick on
+        time.sleep(8)  # the ranks' frames of those 20 s come in; the checks tick on
     finally:
         stop.write_text("stop")
         assert proc.wait(120) == 0, (tmp_path / "job.log").read_text()[-3000:]
