@@ -405,9 +405,10 @@ class Link:
     def events(self) -> bool:
         """Whether the socket (re)connected since the last call (TCP: the schema and a heartbeat
         go out at once, sent as soon as the handshake lets them); ``connected`` once a handshake
-        completed. Counts failed handshakes in ``refused`` and warns at the first one before any
-        succeeded (nothing this agent sends would arrive), and once when no aggregator was
-        reached for :data:`UNREACHED_WARN_S`."""
+        completed. Counts failed handshakes in ``refused``; before any succeeded (nothing this agent
+        sends would arrive) warns at once when the aggregator refused the key, else once they
+        lasted :data:`HANDSHAKE_WARN_S`; and once when no aggregator was reached for
+        :data:`UNREACHED_WARN_S`."""
         seen = False
         while self._monitor.poll(0):
             try:

@@ -102,7 +102,7 @@ class AggregatorConfig(BaseSettings):
     grafana_url: str = Field("", description="Grafana base URL (http[s]://host[:port][/path]) to post each raised finding to as an annotation ('' for none).")
     grafana_token: str = Field("", description="Grafana service account token for --grafana-url (prefer the environment variable GRADWATCH_AGGREGATOR_GRAFANA_TOKEN).")
     grafana_basic_auth: str = Field("", description="USER:PASSWORD for --grafana-url with basic auth (GRADWATCH_AGGREGATOR_GRAFANA_BASIC_AUTH); ignored when a token is set.")
-    enable_checks: list[str] = Field(default_factory=list, description="Checks to run that are off by default (every check shipped today is on by default: see the catalog).")
+    enable_checks: list[str] = Field(default_factory=list, description="Checks to run that are off by default (every shipped check is on by default: see the catalog).")
     disable_checks: list[str] = Field(default_factory=list, description="Checks not to run.")
     layer_depth: int = Field(0, ge=0, le=64, description="Per-layer series merge layers into the first N dot-separated components of their module path (0: one series per layer); norms combine as L2 norms, counts add up (docs/operations.md: Cardinality budget).")
     rank_detail_max: int = Field(256, ge=1, description="In jobs with more ranks, only the essential per-rank series (steps, non-finite steps, last seen, drops, losses, flags) are exported for every rank, the others for the ranks a finding names.")

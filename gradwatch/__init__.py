@@ -3,7 +3,8 @@
 The package is in rooms that import in one direction only (tests/test_layout.py guards it):
 
 * the foundation, this package's own modules: :mod:`gradwatch.wire` (the message format),
-  :mod:`gradwatch.settings` (settings errors), :mod:`gradwatch.errors` (the exception root);
+  :mod:`gradwatch.columns` (each statistic declared once), :mod:`gradwatch.settings` (settings
+  errors), :mod:`gradwatch.errors` (the exception root), :mod:`gradwatch.auth` (CURVE keys);
   it imports nothing of the rooms below;
 * :mod:`gradwatch.agent` (inside each rank, needs torch) and :mod:`gradwatch.aggregator` (the
   daemon, runs without torch): each imports the foundation only, never the other;

@@ -8,8 +8,8 @@
     │                                   (only when attached with ``on_critical="halt"``)
     └── the commands' errors            StackError, PushError, ... (gradwatch.commands, grafana)
 
-``except gradwatch.GradwatchError`` catches all of them; ``except ValueError`` keeps catching the
-config and wire errors as it did before they had a common root.
+``except gradwatch.GradwatchError`` catches all of them; ``except ValueError`` also catches the
+config and wire errors.
 """
 
 from __future__ import annotations
