@@ -102,6 +102,10 @@ HANDSHAKE_WARN_S = 10.0
 #: fails it then, not after ZeroMQ's 30 s. (With CURVE the aggregator's ZAP thread admits ~1,000
 #: handshakes a second: a large job connecting at once needs ZeroMQ's default.)
 HANDSHAKE_TIMEOUT_MS = 5000
+#: seconds after a disconnect with no reconnection attempt before the agent opens a new socket:
+#: ZeroMQ retries a lost connection at once (reconnect interval 0.1 s), but a session it ended on
+#: a protocol error (a frame over the socket's MAXMSGSIZE from the peer) is never retried
+REOPEN_AFTER_S = 1.0
 #: seconds an agent goes without reaching any aggregator (no connection at all: none listening,
 #: a wrong host or port) before it says so, once; and says so again when one answers. A job may
 #: start before its aggregator; a multi-day one must not learn this only at close
@@ -328,6 +332,8 @@ class Link:
         sock: the DEALER socket.
         connected: a ZMTP handshake with a peer completed at least once.
         refused: handshakes that failed (refused keys, no CURVE keys, not an aggregator).
+        reopened: new sockets opened after ZeroMQ gave a connection up for good
+            (:data:`REOPEN_AFTER_S`).
     """
 
     def __init__(self, endpoint: str, keys=None, send_hwm: int = 256, clock: Callable[[], float] = time.monotonic):
@@ -340,36 +346,61 @@ class Link:
         self._failing_since = math.nan  # clock of the first failed handshake, while none succeeded
         self._started = clock()
         self._told_unreached = False
+        self._send_hwm, self._keys = send_hwm, keys
+        self.reopened = 0
+        self._dropped_at = math.nan  # clock of a disconnect not followed by a reconnection attempt
         self._ctx = zmq.Context(io_threads=1)
         try:
-            self.sock = self._ctx.socket(zmq.DEALER)
-            self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.setsockopt(zmq.SNDHWM, send_hwm)
-            self.sock.setsockopt(zmq.RCVHWM, 16)  # commands: a handful at most, each turn reads a few
-            self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * wire.MAX_COMMAND_BYTES)  # larger frames: the peer is cut off
-            if keys is not None:
-                keys.apply(self.sock)  # CURVE client: before connect
-            # queue only to a connected aggregator: a restarted one must not first get stale reports
-            # queued during the outage, ahead of the schema resent on connect
-            self.sock.setsockopt(zmq.IMMEDIATE, 1)
-            self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # ms, exponential in between
-            self.sock.setsockopt(zmq.CONNECT_TIMEOUT, 2000)  # a SYN into a partition is given up
-            if keys is None:
-                self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
-            # ZMTP heartbeats: a peer silent for 3 s (partition, SIGSTOP) is dropped and reconnected,
-            # instead of waiting out TCP's retransmission backoff after the network heals
-            self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-            self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-            # completed handshakes (a TCP connection alone is not one: a CURVE aggregator refuses a
-            # keyless agent, an HTTP port answers no ZMTP) and failed ones (said once, counted)
-            self._monitor = self.sock.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | auth.REFUSED_EVENTS)
-            self.sock.connect(endpoint)
+            self._open()
         except BaseException:
             # nothing half-made is left for the garbage collector to close on another thread
             self._ctx.destroy(linger=0)
             raise
+
+    def _open(self) -> None:
+        """Make the DEALER socket and its monitor, and connect (module docstring: the options)."""
+        keys, send_hwm, endpoint = self._keys, self._send_hwm, self.endpoint
+        self.sock = self._ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, send_hwm)
+        self.sock.setsockopt(zmq.RCVHWM, 16)  # commands: a handful at most, each turn reads a few
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * wire.MAX_COMMAND_BYTES)  # larger frames: the peer is cut off
+        if keys is not None:
+            keys.apply(self.sock)  # CURVE client: before connect
+        # queue only to a connected aggregator: a restarted one must not first get stale reports
+        # queued during the outage, ahead of the schema resent on connect
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # ms, exponential in between
+        self.sock.setsockopt(zmq.CONNECT_TIMEOUT, 2000)  # a SYN into a partition is given up
+        if keys is None:
+            self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
+        # ZMTP heartbeats: a peer silent for 3 s (partition, SIGSTOP) is dropped and reconnected,
+        # instead of waiting out TCP's retransmission backoff after the network heals
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        # completed handshakes (a TCP connection alone is not one: a CURVE aggregator refuses a
+        # keyless agent, an HTTP port answers no ZMTP) and failed ones (said once, counted)
+        self._monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | auth.REFUSED_EVENTS
+            | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECT_DELAYED)
+        self.sock.connect(endpoint)
+
+    def _reopen(self) -> None:
+        """Close the socket ZeroMQ gave up on and open a new one (its frames still queued are lost,
+        as at any disconnect)."""
+        try:
+            self.sock.disable_monitor()
+        except Exception:
+            pass
+        for s in (self._monitor, self.sock):
+            try:
+                s.close(linger=0)
+            except Exception:
+                pass
+        self._open()
+        self.reopened += 1
+        self._dropped_at = math.nan
 
     def writable(self) -> bool:
         """Whether ZeroMQ takes a message now: a connected peer (``IMMEDIATE``) and room below the
@@ -415,7 +446,12 @@ class Link:
                 event = zmq.utils.monitor.parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
             except (zmq.ZMQError, ValueError, KeyError):
                 break
-            if event == zmq.EVENT_CONNECTED:
+            if event == zmq.EVENT_DISCONNECTED:
+                self._dropped_at = self._clock()
+            elif event in (zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECT_DELAYED):
+                self._dropped_at = math.nan  # ZeroMQ reconnects on its own
+            elif event == zmq.EVENT_CONNECTED:
+                self._dropped_at = math.nan
                 seen = True
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if not self.connected and self._told_unreached:
@@ -428,6 +464,16 @@ class Link:
                     self._failing_since = self._clock()
                 if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                     self._failing_since = -math.inf  # a refused key is final: said at once
+        if self._clock() - self._dropped_at >= REOPEN_AFTER_S:
+            # a session ZeroMQ ended for good (a frame past MAXMSGSIZE): never retried by itself
+            if not self.reopened:
+                log.warning("gradwatch: the peer at %s ended this agent's connection on a protocol error (a frame "
+                            "over %d bytes?): reconnecting on a new socket", self.endpoint, 4 * wire.MAX_COMMAND_BYTES)
+            try:
+                self._reopen()
+            except Exception as e:  # a context terminated under us (closing): nothing to reopen
+                log.debug("gradwatch: reopening the socket failed: %r", e)
+                self._dropped_at = math.nan
         # other failures may be a peer killed or stopped mid-handshake, or a proxy before one
         # starting: said once they have lasted HANDSHAKE_WARN_S (checked every turn, events or not)
         if not (self.connected or self._told) and self._clock() - self._failing_since >= HANDSHAKE_WARN_S:

@@ -28,7 +28,9 @@ the connection a rank's frames come on. This room keeps:
   job, once per finding, at step ``H`` = the job's highest latest step + :func:`margin`; the
   finding's details record it (``details["halt"]``: ``step``, ``ranks``), and the log says so. A
   finding raised while an earlier one's halt stands (:data:`COMMAND_TTL_S`) sends none: its
-  details name the same step (``sent`` false), so every rank stops at one step;
+  details name the same step (``sent`` false), so every rank stops at one step. No halt follows
+  while a rank's identity is unsettled (:data:`HALT_SETTLE_S`): ``details["halt"]["withheld"]``
+  says why;
 * **on demand** (the HTTP API, :mod:`.web`): :meth:`Control.stacks` (every rank's stack, or one
   rank's, grouped by identical frames), :meth:`Control.probe` and :meth:`Control.budget` (a probe
   window, or another budget, at every rank of a job, from the same start step).
@@ -78,6 +80,11 @@ COMMAND_TTL_S = {"stacks": 30.0, "probe": 60.0, "budget": 60.0, "halt": 120.0}
 DELIVERY_S = 1.0
 #: findings a job keeps halted ids of (once per finding), and a job's halts in the log
 HALTED_MAX = 1024
+#: seconds after another process claimed one of a job's ranks (a frame of another boot rejected as
+#: ``boot_conflict``), or after a rank came back alone under a new boot, during which no finding
+#: halts the job: over plain TCP a frame's identity is its word, and a rank's records from a
+#: disputed identity may be forged; the finding is raised as usual, its halt withheld
+HALT_SETTLE_S = 30.0
 
 
 def margin(step_s: float) -> int:
@@ -87,6 +94,18 @@ def margin(step_s: float) -> int:
     if not (step_s > 0 and math.isfinite(step_s)):
         return 2
     return max(2, math.ceil(DELIVERY_S / step_s))
+
+
+def _unsettled(job, now: float) -> str:
+    """Why a halt of ``job`` (``jobs.JobState``) is not believed at ``now``: a rank another process
+    claimed, or one that came back alone under a new boot, within :data:`HALT_SETTLE_S`; "" when
+    none did."""
+    for r in job.ranks.values():
+        if now - r.disputed_at < HALT_SETTLE_S:
+            return f"another process claimed rank {r.rank} {now - r.disputed_at:.0f} s ago"
+        if now - r.took_over_at < HALT_SETTLE_S:
+            return f"rank {r.rank} came back under a new boot {now - r.took_over_at:.0f} s ago"
+    return ""
 
 
 class ControlError(Exception):
@@ -150,6 +169,7 @@ class JobInfo:
     step_s: float = math.nan  # median step time over (a sample of) its ranks, seconds
     halt_on: frozenset = frozenset()  # the checks every rank's schema says may halt it
     name: str = ""  # the job id its ranks send
+    unsettled: str = ""  # why no halt is believed now (HALT_SETTLE_S); "" when one may be
 
 
 @dataclass
@@ -220,7 +240,9 @@ class Control:
         counts: ``Counter`` of what happened: ``requests``, ``commands`` (put in the outbox),
             ``answers`` (taken), ``answers_rejected`` (from a rank not asked, on another
             connection, or too late), ``refused`` (acks refusing a command), ``throttled``
-            (requests over the job's rate), ``halts`` (findings that halted a job).
+            (requests over the job's rate), ``halts`` (findings that halted a job),
+            ``halts_withheld`` (findings that would have, of a job whose ranks' identity was
+            unsettled: :data:`HALT_SETTLE_S`).
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
@@ -249,30 +271,35 @@ class Control:
         with self._lock:
             self._routes.setdefault(job, {})[rank] = (boot, rid)
 
-    def refresh(self, jobs: dict, full: bool = True) -> None:
+    def refresh(self, jobs: dict, full: bool = True, now: Optional[float] = None) -> None:
         """Writer thread: ``jobs`` (label -> ``jobs.JobState``) as they are now: each admitted
         job's highest step and median step time (over at most 64 of its ranks); with ``full``
-        also its ``halt_on`` (what every rank's schema allows), and the routes of ranks gone (or
-        of another boot) and of jobs gone are forgotten. The daemon refreshes at every tick, in
-        full once a second."""
+        also its ``halt_on`` (what every rank's schema allows) and, for a job that allows any,
+        whether a rank's identity is unsettled (:data:`HALT_SETTLE_S`; ``now``: the clock the
+        ranks' times are on, default :attr:`clock`), and the routes of ranks gone (or of another
+        boot) and of jobs gone are forgotten. The daemon refreshes at every tick, in full once a
+        second."""
+        now = self.clock() if now is None else now
         info: dict[str, JobInfo] = {}
         for label, job in jobs.items():
             if not job.admitted:
                 continue
             times = [r.step_time for r in itertools.islice(job.ranks.values(), 64)
                      if r.step_time > 0 and math.isfinite(r.step_time)]
-            halt = None
+            halt, unsettled = None, ""
             if full:
                 for r in job.ranks.values():
                     h = frozenset(r.halt_on)
                     halt = h if halt is None else halt & h
                     if not halt:
                         break
+                if halt:
+                    unsettled = _unsettled(job, now)
             else:
                 old = self._jobs.get(label)
-                halt = old.halt_on if old is not None else frozenset()
+                halt, unsettled = (old.halt_on, old.unsettled) if old is not None else (frozenset(), "")
             info[label] = JobInfo(job.max_step, statistics.median(times) if times else math.nan,
-                                  halt or frozenset(), job.name or label)
+                                  halt or frozenset(), job.name or label, unsettled)
         with self._lock:
             self._jobs = info
             if not full:
@@ -387,6 +414,13 @@ class Control:
         with self._lock:
             info = self._jobs.get(e.job)
             if info is None or e.check not in info.halt_on:
+                return
+            if info.unsettled:
+                self.counts["halts_withheld"] += 1
+                log.warning("gradwatch aggregator: not halting job %r on %s: %s (a halt follows only ranks whose "
+                            "identity is settled for %.0f s; CURVE keys make it certain)", e.job, e.check,
+                            info.unsettled, HALT_SETTLE_S)
+                self._due.append((e.job, e.check, (e.rank, e.layer), {"halt": {"withheld": info.unsettled}}))
                 return
             done = self._halted.setdefault(e.job, set())
             key = (e.check, e.rank, e.layer, e.step)

@@ -409,7 +409,7 @@ class Aggregator:
                     full = now - last_control >= 1.0 or self.state.slots != control_slots
                     if full:
                         last_control, control_slots = now, self.state.slots
-                    self._guarded(lambda: self.control.refresh(self.state.jobs, full), "refresh the control room")
+                    self._guarded(lambda: self.control.refresh(self.state.jobs, full, self._state_clock()), "refresh the control room")
                     # ticks walk every rank (25 ms at 16,384 ranks): every 0.1 s, or more rarely
                     # so that they take at most PERIODIC_SHARE of the writer, yet every second (a
                     # tick that had to finish a large round is no measure of the next)

@@ -283,7 +283,8 @@ metric("finding_stack_info", "gauge", "1 for each active finding whose rank the 
 
 
 #: what the control room counts (:meth:`.control.Control.view`), each shown from the start
-CONTROL_COUNTS = ("requests", "commands", "sent", "dropped", "answers", "answers_rejected", "refused", "throttled", "halts")
+CONTROL_COUNTS = ("requests", "commands", "sent", "dropped", "answers", "answers_rejected", "refused", "throttled", "halts",
+                  "halts_withheld")
 
 
 def _control(s: Snapshot):
@@ -291,7 +292,7 @@ def _control(s: Snapshot):
     return (((k,), counts.get(k, 0)) for k in CONTROL_COUNTS)
 
 
-metric("control", "counter", "The control channel (docs/control.md), by what: requests made (on demand and for findings), commands queued to agents, sent, dropped (queue full, connection gone or full), answers taken, answers rejected (from a rank not asked, on another connection, too late), commands refused by agents, requests over a job's rate, halts sent.", ("what",))(_control)
+metric("control", "counter", "The control channel (docs/control.md), by what: requests made (on demand and for findings), commands queued to agents, sent, dropped (queue full, connection gone or full), answers taken, answers rejected (from a rank not asked, on another connection, too late), commands refused by agents, requests over a job's rate, halts sent, halts withheld (a rank's identity unsettled: claimed by another process, or back alone under a new boot, within 30 s).", ("what",))(_control)
 
 
 def _check_value(short: str):

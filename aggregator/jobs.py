@@ -71,6 +71,8 @@ class RankState:
     first_report_at: float = math.nan  # aggregator clock of the rank's first report (its step rate)
     proof: int = 0  # messages that advanced its step while its job was not proven (admission.Admission.prove)
     halt_on: tuple = ()  # the checks its latest schema says may halt it (wire.Schema.halt_on)
+    took_over_at: float = -math.inf  # aggregator clock when its current boot replaced another one
+    disputed_at: float = -math.inf  # aggregator clock of the latest frame of another boot it rejected (boot_conflict)
     nonfinite_skipped: int = 0  # steps its agent's breaker skipped (on_nonfinite="skip"): a counter
 
     def beat(self, hb: wire.Heartbeat, now: float) -> None:
@@ -215,6 +217,7 @@ class JobState:
         if h.boot != r.boot:
             if r.boot:  # the agent restarted: its sequence and counters start over
                 r.restarts += 1
+                r.took_over_at = now
                 r.closing, r.close_reason = False, ""  # the new agent has not said goodbye
                 r.prev_boot = r.boot
                 r.boot_step = r.step

@@ -194,6 +194,8 @@ class State:
         r = job.ranks.get(h.rank)
         why = self.admission.boot_conflict(r, h, now) or self.schemas.misplaced(job, r, msg)
         if why:
+            if why == "boot_conflict":
+                r.disputed_at = now  # two processes claim the rank: no halt believes its records for a while
             return self.reject(why)
         got = self.admission.incarnation(job, r, msg, r is None or h.boot != r.boot, now)  # restarted, or why not
         if isinstance(got, str):

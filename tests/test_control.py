@@ -247,6 +247,25 @@ def test_an_agent_takes_only_commands_meant_for_it_once_each_at_most_ten_a_secon
         t.stop()
 
 
+def test_an_oversized_frame_from_the_peer_costs_the_agent_its_connection_not_its_reports(collector):
+    """A peer at the agent's endpoint (a misbehaving aggregator, or a process that bound its port
+    while the aggregator was away) sends a frame past the socket's MAXMSGSIZE: ZeroMQ ends that
+    session on a protocol error and never retries it by itself. The agent opens a new socket within
+    REOPEN_AFTER_S and its reports reach the aggregator again; training never notices."""
+    t = Training(collector.endpoint, job="big")
+    try:
+        collector.wait(lambda: collector.peers, what="the agent's first frame")
+        collector.sock.send_multipart([collector.peers[-1], b"\0" * 100_000])
+        collector.wait(lambda: t.monitor.sender.link.reopened >= 1, what="the agent's new socket")
+        after = len(collector.msgs)
+        collector.wait(lambda: len(collector.records(job="big")) and len(collector.msgs) > after + 3,
+                       what="reports again after the oversized frame")
+        assert len(set(collector.peers)) >= 2  # they came on the new connection
+    finally:
+        t.stop()
+    assert t.error is None and t.monitor.sender.errors == 0
+
+
 def test_the_inbox_remembers_the_last_ids_only():
     inbox = Inbox(Identity("j", 0, 1, "b"), clock=iter(range(0, 10**6, 2)).__next__)  # 2 s a command: no rate
     for cid in range(SEEN_IDS + 1):
@@ -380,6 +399,72 @@ class FakeJob:
     def __init__(self, name, ranks):
         self.job, self.name, self.admitted, self.max_step = name, name, True, 100
         self.ranks = {k: type("R", (), {"boot": f"b{k}", "step_time": 0.01, "halt_on": ()})() for k in ranks}
+
+
+def _halting_job(name: str):
+    """A 2-rank job whose ranks allow halts on ``nonfinite``, in a real State on a fake clock, 10
+    clean steps in, and a control room that routes to both ranks."""
+    from .fakejob import LocalJob
+
+    job = LocalJob(["nonfinite"], job=name, world=2, every=1000, clock=lambda: NOW)
+    job.schema(halt_on=("nonfinite",))
+    for step in range(10):
+        for r in (0, 1):
+            job.report(r, step)
+        job.tick(0.1)
+    c = room.Control(clock=job.agg.clock)
+    for r in (0, 1):
+        c.heard(name, r, job.boot[r], f"rid{r}".encode())
+    return job, c
+
+
+def _blow_up(job, c, step: int, ranks=(0, 1)) -> None:
+    """A non-finite gradient at ``step`` on ``ranks``; the runner's new events to the control room."""
+    from gradwatch.aggregator.checks.nonfinite import HOLD_S
+
+    seen = len(job.agg.events())
+    for r in ranks:
+        job.report(r, step, grad_norm=math.inf, nonfinite=1)
+    job.tick(0.1)
+    job.tick(HOLD_S)  # no probed step to locate it: the finding comes once it was held
+    c.refresh(job.state.jobs, True, job.agg.now)
+    for e in job.agg.events()[seen:]:
+        c.on_event(e)
+
+
+def test_a_halt_is_withheld_while_another_process_claims_a_rank_or_a_rank_came_back_alone():
+    """Over plain TCP a frame's identity is its word. A frame of another boot as a live rank is
+    rejected (boot_conflict), and for HALT_SETTLE_S no finding halts the job: the finding is raised,
+    its halt withheld and counted; a rank silent past boot_takeover_s and taken over by a new boot
+    (the real one stopped, or never started) withholds halts alike. An undisputed job halts."""
+    job, c = _halting_job("calm")
+    _blow_up(job, c, 10)
+    assert c.counts["halts"] == 1 and c.counts["halts_withheld"] == 0 and len(c.outbox) == 2
+
+    job, c = _halting_job("claimed")
+    job.agg.send(wire.Report(wire.Header("claimed", 1, 2, "e" * 16, 0, NOW), job.digest[1], 10, 0.05, math.inf, 1))
+    assert job.state.rejected["boot_conflict"] == 1
+    _blow_up(job, c, 10)
+    assert [e.check for e in job.agg.events() if e.event == "raised"] == ["nonfinite"]  # raised all the same
+    assert c.counts["halts"] == 0 and c.counts["halts_withheld"] == 1 and len(c.outbox) == 0
+    # the finding's details will say why (merged at the writer's next tick)
+    assert [d["halt"]["withheld"] for _, _, _, d in c._due] == [c._jobs["claimed"].unsettled]
+    assert "another process claimed rank 1" in c._jobs["claimed"].unsettled
+    job.tick(room.HALT_SETTLE_S)
+    c.refresh(job.state.jobs, True, job.agg.now)
+    assert c._jobs["claimed"].unsettled == ""  # settled again: the next finding may halt
+
+    job, c = _halting_job("taken")
+    for step in range(10, 50):  # rank 1 stops (SIGSTOP, swapped out) for 4 s; rank 0 trains on
+        job.report(0, step)
+        job.tick(0.1)
+    job.restart(1, "f" * 16)  # another process claims rank 1 under its own boot, at rank 0's step
+    job.schema(1, halt_on=("nonfinite",))
+    job.report(1, 49)
+    assert job.state.jobs["taken"].ranks[1].boot == "f" * 16  # taken over
+    _blow_up(job, c, 50)
+    assert c.counts["halts"] == 0 and c.counts["halts_withheld"] == 1
+    assert "rank 1 came back under a new boot" in c._jobs["taken"].unsettled
 
 
 def test_the_control_room_takes_an_answer_only_from_the_rank_asked_on_its_connection():

@@ -198,7 +198,7 @@ def test_rendering_does_not_depend_on_the_interpreter():
 def test_a_scrape_reads_the_layers_the_writer_merged_with_a_round_in_slices(monkeypatch):
     """At ``--layer-depth`` the writer merges the layers of a round it reconciles in slices (a
     large one: here every round, ``round_slice_ranks`` 1) in a slice of its own: a scrape of a
-    16,384-rank job waited 0.1-0.8 s for that merge before. The exposition is the same."""
+    16,384-rank job would wait 0.1-0.8 s for that merge. The exposition is the same."""
     from gradwatch.aggregator import exporter
 
     def merge_on_scrape(rr, depth):
