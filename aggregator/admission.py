@@ -45,9 +45,10 @@ No foreign or malformed bytes reset, hide or flood a job:
   ranks have been silent for ``rank_ttl_s``. A frame under a live job's id and another key (a
   lookalike) makes a job of its own, unproven and quiet like any other.
 * **Sources.** Each job remembers its *source*, the sender of the frame that made it: the CURVE
-  key with CURVE on, else the peer's address. A source holds at most ``max_unproven_per_source``
-  unproven jobs with a slot and ``max_pending_per_source`` pending ones: past either, a new one of
-  its own evicts its own (as above; a pending one without a schema first, the least recently
+  key with CURVE on, else the peer's address. A source holds at most ``max_jobs_per_source``
+  slots (proven jobs and unproven ones: one sender cannot take every slot; past it, with all of
+  them proven, its new job is refused), ``max_unproven_per_source`` unproven jobs with a slot and
+  ``max_pending_per_source`` pending ones: past either, a new one of its own evicts its own (as above; a pending one without a schema first, the least recently
   heard), never another source's, so one sender's invented jobs churn among themselves while its
   real jobs (a host's jobs, or every job behind one NAT address, share a source) still get in.
   The counts are read from the jobs held, so at most as many sources are tracked as jobs are held.
@@ -192,13 +193,17 @@ class Admission:
     def slot(self, job: JobState, msg, now: float) -> Optional[str]:
         """A pending job sending a step under a schema it holds takes a slot: a free one of
         ``max_jobs``, else the slot of the unproven job whose proof got least far, the least
-        recently heard among equals (evicted; its own source's, past
-        ``max_unproven_per_source``); or why not: ``too_many_jobs`` (every slot holds a proven
-        job)."""
+        recently heard among equals (evicted; its own source's, past ``max_unproven_per_source``
+        or ``max_jobs_per_source``); or why not: ``too_many_jobs`` (every slot holds a proven job,
+        or the source's ``max_jobs_per_source`` slots do)."""
         if isinstance(msg, (wire.Steps, wire.Report)) and not job.admitted and msg.schema in job.schemas:
             unproven = [j for j in self.registry.jobs.values() if j.admitted and not j.proven]
             own = [j for j in unproven if j.source == job.source] if job.source is not None else []
-            if len(own) >= self.limits.max_unproven_per_source:
+            held = 0 if job.source is None else sum(
+                1 for j in self.registry.jobs.values() if j.admitted and j.source == job.source)
+            if held >= self.limits.max_jobs_per_source and not own:  # every slot of the source's proven
+                return self._refuse((job.name, job.key), job.job, job.world, now, per_source=held)
+            if len(own) >= self.limits.max_unproven_per_source or held >= self.limits.max_jobs_per_source:
                 victim = min(own, key=lambda j: (j.progress, j.touched))  # its source's own
             elif self.registry.holding() >= self.limits.max_jobs:
                 if not unproven:
@@ -238,10 +243,12 @@ class Admission:
             job.progress -= min(r.proof, self.limits.proof_steps)
             job.proof_ranks -= r.proof >= self.limits.proof_steps
 
-    def _refuse(self, ident: tuple, label: str, world: int, now: float, reason: str = "too_many_jobs") -> str:
+    def _refuse(self, ident: tuple, label: str, world: int, now: float, reason: str = "too_many_jobs",
+                per_source: int = 0) -> str:
         """Count the job ``ident`` (labelled ``label``) refused a slot once, show it among the
         latest refused, log it once (rate-bounded) naming what would admit it; returns
-        ``reason``."""
+        ``reason``. ``per_source``: the slots its source holds, when that is why (else every slot
+        holds a proven job)."""
         if ident in self._refused_ids:
             self._refused_ids.move_to_end(ident)
             return reason
@@ -258,6 +265,12 @@ class Admission:
         if len(self._logged) == LOG_BURST and now - self._logged[0] < 60:
             return reason
         self._logged.append(now)
+        if per_source:
+            log.warning("gradwatch aggregator: job %r (world %d) not admitted: its sender already holds %d slots, each "
+                        "a proven job (--max-jobs-per-source %d); raise --max-jobs-per-source (many jobs behind one "
+                        "address), or it is admitted once one of them ends", label, world, per_source,
+                        self.limits.max_jobs_per_source)
+            return reason
         log.warning("gradwatch aggregator: job %r (world %d) not admitted: every one of the %d --max-jobs slots holds "
                     "a proven job; raise --max-jobs, or it is admitted once a job's ranks are silent for --rank-ttl-s "
                     "(%g s)", label, world, self.limits.max_jobs, self.limits.rank_ttl_s)

@@ -22,7 +22,7 @@ class Limits:
         max_jobs, max_world, max_pending_jobs, max_pending_ranks, max_schema_bytes,
         max_series_per_job, max_series_total, max_pending_bytes, max_label_len, max_step_jump,
         restart_grace_s, boot_takeover_s, proof_steps, proof_rank_share, max_unproven_per_source,
-        max_pending_per_source: the aggregator settings of the same name (``proof_steps`` 0: every
+        max_pending_per_source, max_jobs_per_source: the aggregator settings of the same name (``proof_steps`` 0: every
         job is proven as it comes, as the checks' own tests take them).
         round_slice_ranks: rounds of at least this many reports are reconciled in slices
             (:mod:`.rounds`); 0: every round at once.
@@ -52,6 +52,7 @@ class Limits:
     proof_rank_share: float = 0.5
     max_unproven_per_source: int = 4
     max_pending_per_source: int = 8
+    max_jobs_per_source: int = 16
     round_slice_ranks: int = 0
     group_depth: int = 0
     rank_view_max: Optional[int] = None

@@ -180,6 +180,32 @@ def test_each_sender_holds_a_bounded_share_and_churns_its_own_jobs_only():
     assert agg.state.jobs["real"].proven and exported(agg) == {"real"}
 
 
+def test_one_sender_proving_invented_jobs_holds_its_share_of_slots_and_a_real_job_gets_in(caplog):
+    """One address proves world-1 jobs, four frames each (a schema and three advancing steps), as
+    fast as it likes: it holds max_jobs_per_source slots at most, and past them its further jobs
+    are refused, never another sender's; a real job from another address is admitted and proven."""
+    agg = aggregator()
+    flood = Sender(agg, "10.6.6.6")
+    with caplog.at_level(logging.WARNING, logger="gradwatch.aggregator"):
+        for i in range(DEFAULTS.max_jobs):
+            fake = flood.job(f"squat{i}", world=1)
+            fake.schema()
+            for step in (1, 2, 3):
+                fake.report(0, step)
+            agg.tick(0.01)
+    mine = [j for j in agg.state.jobs.values() if j.source == "10.6.6.6" and j.admitted]
+    assert len(mine) == DEFAULTS.max_jobs_per_source and all(j.proven for j in mine)
+    said = [r.getMessage() for r in caplog.records if "not admitted" in r.getMessage()]
+    from gradwatch.aggregator.admission import LOG_BURST
+
+    assert 1 <= len(said) <= LOG_BURST and all("--max-jobs-per-source" in line for line in said)
+    assert agg.state.admission.refused_total == DEFAULTS.max_jobs - DEFAULTS.max_jobs_per_source
+    real = Sender(agg, "10.0.0.1").job("real", world=3)
+    real.schema()
+    train(real, agg, range(4))
+    assert agg.state.jobs["real"].proven and "real" in exported(agg)
+
+
 def test_a_lookalike_frame_makes_a_quiet_job_of_its_own_and_is_evicted_first():
     agg = aggregator(max_jobs=2)
     victim = Sender(agg, "10.0.0.1").job("victim", world=2, key="k-real")
