@@ -106,6 +106,10 @@ HANDSHAKE_TIMEOUT_MS = 5000
 #: ZeroMQ retries a lost connection at once (reconnect interval 0.1 s), but a session it ended on
 #: a protocol error (a frame over the socket's MAXMSGSIZE from the peer) is never retried
 REOPEN_AFTER_S = 1.0
+#: seconds a command may be issued ahead of this host's wall clock (the hosts' clocks apart):
+#: further ahead it is refused as expired, so no command lives past its time window here, nor
+#: outlasts the ids the inbox remembers (:data:`SEEN_IDS`) to be replayed
+MAX_CLOCK_AHEAD_S = 300.0
 #: seconds an agent goes without reaching any aggregator (no connection at all: none listening,
 #: a wrong host or port) before it says so, once; and says so again when one answers. A job may
 #: start before its aggregator; a multi-day one must not learn this only at close
@@ -557,7 +561,8 @@ class Inbox:
 
     def take(self, frame: bytes) -> Optional[tuple[wire.Command, str]]:
         """``(command, why)`` for a command to answer (``why``: "" to carry it out, "expired" to
-        refuse it), or None for one dropped (counted in ``rejected``, the first of each reason
+        refuse it: past its expiry, or issued more than :data:`MAX_CLOCK_AHEAD_S` ahead of this
+        host's clock), or None for one dropped (counted in ``rejected``, the first of each reason
         logged). Never raises."""
         try:
             cmd = wire.decode_command(frame)
@@ -584,7 +589,8 @@ class Inbox:
         if len(self._seen) > SEEN_IDS:
             self._seen.popitem(last=False)
         self.accepted += 1
-        return cmd, ("expired" if self._wall() > cmd.expires else "")
+        wall = self._wall()
+        return cmd, ("expired" if wall > cmd.expires or cmd.issued > wall + MAX_CLOCK_AHEAD_S else "")
 
     def _drop(self, reason: str, what: str) -> None:
         self.rejected[reason] += 1

@@ -275,6 +275,18 @@ def test_the_inbox_remembers_the_last_ids_only():
     assert inbox.rejected == {"replayed": 1}
 
 
+def test_a_command_is_carried_out_only_within_its_time_window_on_this_hosts_clock():
+    """Expired, or issued further ahead of the agent's clock than MAX_CLOCK_AHEAD_S (a forged or
+    far-off clock: it would never expire here, and could be replayed once its id is forgotten):
+    refused as expired, answered, never carried out. Within a skew of a minute: taken."""
+    from gradwatch.agent.transport import MAX_CLOCK_AHEAD_S
+
+    inbox = Inbox(Identity("j", 0, 1, "b"), wall=lambda: NOW, clock=iter(range(0, 10**6, 2)).__next__)
+    cases = {1: NOW - 100.0, 2: NOW + MAX_CLOCK_AHEAD_S + 1.0, 3: NOW + 60.0, 4: NOW - 30.0}
+    got = {cid: inbox.take(wire.encode(command(wire.StacksArgs(), cid=cid, issued=t)))[1] for cid, t in cases.items()}
+    assert got == {1: "expired", 2: "expired", 3: "", 4: ""}
+
+
 # --- what a command does in the agent ------------------------------------------------------------
 
 
