@@ -181,7 +181,9 @@ def test_a_sender_that_cannot_be_made_closes_its_context():
     for _ in range(3):
         with pytest.raises(ValueError, match="not a key pair"):
             Sender("tcp://127.0.0.1:9", header=None, schema=None, heartbeat=None, keys=BadKeys())
-    assert native_threads() == base
+    # each context left behind would add its I/O and reaper threads (6 here); another test's
+    # threads ending meanwhile may only lower the count
+    assert native_threads() <= base
 
 
 # --- steps taken with a closure --------------------------------------------------------------------
