@@ -726,30 +726,6 @@ class Sender:
         return self.link.refusal()
 
     @property
-    def _schema_spread(self) -> float:
-        return self.schema_timer.spread
-
-    @property
-    def _schema_jitter(self) -> float:
-        return self.schema_timer.jitter
-
-    @property
-    def _rng(self) -> random.Random:
-        return self.schema_timer.rng
-
-    @_rng.setter
-    def _rng(self, rng) -> None:
-        self.schema_timer.rng = rng
-
-    @property
-    def _sock(self):
-        return self.link.sock
-
-    @_sock.setter
-    def _sock(self, sock) -> None:
-        self.link.sock = sock
-
-    @property
     def retry_at(self) -> float:
         return self.backoff.retry_at
 

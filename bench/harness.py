@@ -27,6 +27,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s`` seconds; does nothing once it has exited."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class AggregatorProcess:
     """A real aggregator in a process of its own: ZeroMQ at ``endpoint``, HTTP (/metrics, /healthz,
     /api/...) at ``base_url``, both on 127.0.0.1; its output (stdout and stderr) in the file ``log``.
@@ -83,11 +94,5 @@ class AggregatorProcess:
             return ""
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 10 s; does nothing once it has exited."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """SIGTERM, then SIGKILL after 10 s (:func:`stop_process`); does nothing once it has exited."""
+        stop_process(self.proc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -105,6 +106,33 @@ def start_aggregator(tmp_path: Path, *args: str, port: int | None = None, **kw) 
         pytest.fail(str(e))
     _STARTED.append(agg)
     return agg
+
+
+class FaultJob:
+    """bench/faultjob.py in a process of its own: a 2-rank gloo DDP job with the agent sending to
+    ``endpoint`` as job ``job``, about 20 steps a second, until :meth:`finish`. Its files in
+    ``workdir``: ``stop`` (written to stop it), ``progress.{rank}`` (steps done), ``out.{rank}.json``
+    (what each rank did), ``job.log`` (its output)."""
+
+    def __init__(self, workdir: Path, endpoint: str, job: str):
+        self.dir = workdir
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "faultjob.py"), "--endpoint", endpoint, "--port", str(free_port()),
+             "--stop", str(workdir / "stop"), "--progress", str(workdir / "progress"), "--out", str(workdir / "out"),
+             "--job", job, "--every", "5", "--width", "64", "--batch", "16", "--sleep-s", "0.05",
+             "--heartbeat-s", "0.5", "--watchdog-s", "240"],
+            stdout=(workdir / "job.log").open("w"), stderr=subprocess.STDOUT)
+
+    def steps(self) -> int:
+        """Steps both ranks have done (0 until both wrote their progress)."""
+        files = [self.dir / f"progress.{r}" for r in range(2)]
+        return min(int(f.read_text() or 0) for f in files) if all(f.exists() for f in files) else 0
+
+    def finish(self, timeout_s: float = 120) -> dict[int, int]:
+        """Stop it, check it exited cleanly, and return each rank's steps."""
+        (self.dir / "stop").write_text("stop")
+        assert self.proc.wait(timeout_s) == 0, (self.dir / "job.log").read_text()[-3000:]
+        return {r: json.loads((self.dir / f"out.{r}.json").read_text())["steps"] for r in range(2)}
 
 
 #: every aggregator process :func:`start_aggregator` started: one a failing test left running is

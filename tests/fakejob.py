@@ -292,6 +292,16 @@ class InProcess:
         return self.runner.status.get((job, check))
 
 
+def train(job: FakeJob, agg: InProcess, steps, ranks=None, dt: float = 0.5) -> None:
+    """Each of ``ranks`` (default all) of ``job`` reports every step of ``steps`` and heartbeats;
+    then ``agg``'s clock moves ``dt`` and its state ticks, once a step."""
+    for s in steps:
+        for r in job.ranks(ranks):
+            job.report(r, s)
+            job.heartbeat(r, s)
+        agg.tick(dt)
+
+
 class LocalJob(FakeJob):
     """A :class:`FakeJob` reporting to an aggregator of its own in this process (``agg``, an
     :class:`InProcess`; its ``state``, ``runner``, clock ``now`` and :meth:`tick` are the job's

@@ -22,6 +22,7 @@ import pytest
 import requests
 import yaml
 
+from bench.harness import stop_process
 from gradwatch.commands import stack
 
 from .conftest import free_port
@@ -208,10 +209,4 @@ class Prometheus:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)

@@ -20,7 +20,7 @@ from gradwatch.aggregator.jobs import HELD_EVENTS
 from gradwatch.aggregator.limits import Limits
 from gradwatch.aggregator.snapshot import snapshot
 
-from .fakejob import FakeJob, InProcess
+from .fakejob import FakeJob, InProcess, train
 
 DEFAULTS = Limits()
 ALL = tuple(CHECKS)
@@ -43,16 +43,6 @@ class Sender:
 
     def job(self, name: str, world: int = 3, **kw) -> FakeJob:
         return FakeJob(self.send, name, world, clock=self.agg.clock, **kw)
-
-
-def train(job: FakeJob, agg: InProcess, steps, ranks=None, dt: float = 0.5) -> None:
-    """Each of ``ranks`` (default all) reports every step of ``steps`` and heartbeats; the clock
-    moves ``dt`` a step and the state ticks."""
-    for s in steps:
-        for r in job.ranks(ranks):
-            job.report(r, s)
-            job.heartbeat(r, s)
-        agg.tick(dt)
 
 
 def exported(agg: InProcess) -> set:

@@ -379,7 +379,7 @@ def test_attach_gives_the_sender_its_world_for_the_resend_spread(collector):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = agent.attach(model, opt, endpoint=collector.endpoint, rank=3, world_size=4096, schema_every_s=10.0)
     try:
-        assert monitor.sender._schema_spread == 4.0 and monitor.sender._schema_jitter == SCHEMA_JITTER
+        assert monitor.sender.schema_timer.spread == 4.0 and monitor.sender.schema_timer.jitter == SCHEMA_JITTER
     finally:
         monitor.close()
 
@@ -420,7 +420,7 @@ def test_schema_resends_come_gap_plus_jitter_x_min_gap_x_spread_top_apart(collec
 
     s = sender(collector, clock, schema=schema, schema_every_s=10.0, world=world, schema_jitter=1.0,
                heartbeat_s=1e9)
-    s._rng = _Draws(u)
+    s.schema_timer.rng = _Draws(u)
     s.start()
     try:
         connected(s, collector, clock)
@@ -512,7 +512,7 @@ def test_a_refused_steps_message_drops_each_of_its_records_once(collector):
     spun on; once ZeroMQ takes messages again the next ones go out and say drops 11."""
     clock = Clock()
     s = sender(collector, clock, coalesce_s=10.0)
-    s._sock = Refusing(s._sock)
+    s.link.sock = Refusing(s.link.sock)
     s.start()
     try:
         connected(s, collector, clock)
@@ -520,13 +520,13 @@ def test_a_refused_steps_message_drops_each_of_its_records_once(collector):
             s.submit(record(k))
         turn(s, clock)
         assert len(s._batch) == 10 and s.pending == 10
-        s._sock.refuse = True
+        s.link.sock.refuse = True
         blocked = s.blocked
         s.submit(record(10, probe=True), urgent=True)
         turn(s, clock)
         assert s.drops == 11 and s._send_drops == 11 and s.reports == 0 and s.pending == 0
         assert s.blocked == blocked + 1 and s.retry_at > clock.t  # backing off, not spinning
-        s._sock.refuse = False
+        s.link.sock.refuse = False
         for k in range(11, 14):
             s.submit(record(k))
         s.submit(record(14, probe=True))
@@ -611,13 +611,13 @@ def test_the_last_messages_get_a_bounded_linger_at_close_and_none_without_an_agg
     from gradwatch.agent.transport import CLOSE_LINGER_MS
 
     def closing_linger(s) -> list:
-        seen, close = [], s._sock.close
+        seen, close = [], s.link.sock.close
 
         def record(linger=None):
             seen.append(linger)
             close(linger=linger)
 
-        s._sock.close = record
+        s.link.sock.close = record
         s.close(timeout=5.0)
         return seen
 

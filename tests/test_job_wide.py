@@ -20,7 +20,7 @@ from gradwatch import wire
 from gradwatch.aggregator import Aggregator, load
 from gradwatch.aggregator.seriescap import layer_samples
 
-from .fakejob import LocalJob, Model
+from .fakejob import LocalJob, Model, train
 
 
 def job_level(j: LocalJob, check: str) -> list:
@@ -30,11 +30,7 @@ def job_level(j: LocalJob, check: str) -> list:
 def test_half_of_the_ranks_silent_together_is_one_job_level_finding_a_rank_back_resolves_its_part():
     j = LocalJob(["rank_silent"], {"silent_after_s": 5}, world=8)
     j.schema()
-    for step in range(5):
-        for r in range(8):
-            j.report(r, step)
-            j.heartbeat(r, step)
-        j.tick(1)
+    train(j, j.agg, range(5), dt=1)
     for _ in range(8):  # ranks 0-4 stop at once (a node of five ranks lost); 5-7 heartbeat on
         for r in (5, 6, 7):
             j.heartbeat(r, 4)
@@ -81,11 +77,7 @@ def test_ranks_silent_apart_in_time_or_too_few_are_each_named():
 def test_a_stall_naming_half_the_ranks_is_one_job_level_finding():
     j = LocalJob(["training_stalled"], {"stall_after_s": 2.5}, world=6)
     j.schema()
-    for step in range(5):
-        for r in range(6):
-            j.report(r, step)
-            j.heartbeat(r, step)
-        j.tick(0.5)
+    train(j, j.agg, range(5), dt=0.5)
     for _ in range(10):  # ranks 0-3 hang outside all-reduce while 4 and 5 wait there
         for r in range(6):
             j.heartbeat(r, 4, in_step_s=j.now - 102.5, waiting=r >= 4, run_s=0.0)

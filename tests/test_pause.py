@@ -5,16 +5,13 @@ silent for a moment, until the frames of those 20 s are handled)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from .conftest import ROOT, free_port, samples, start_aggregator, wait_for
+from .conftest import FaultJob, samples, start_aggregator, wait_for
 
 JOB = "paused"
 
@@ -22,17 +19,10 @@ JOB = "paused"
 @pytest.mark.ddp
 def test_the_aggregator_stopped_for_20_s_beside_a_real_job_raises_no_finding(tmp_path):
     agg = start_aggregator(tmp_path, "--publish-interval-s", "0.1")
-    stop, progress, out = tmp_path / "stop", tmp_path / "progress", tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "bench" / "faultjob.py"), "--endpoint", agg.endpoint, "--port", str(free_port()),
-         "--stop", str(stop), "--progress", str(progress), "--out", str(out), "--job", JOB, "--every", "5",
-         "--width", "64", "--batch", "16", "--sleep-s", "0.05", "--heartbeat-s", "0.5", "--watchdog-s", "240"],
-        stdout=(tmp_path / "job.log").open("w"), stderr=subprocess.STDOUT)
+    job = FaultJob(tmp_path, agg.endpoint, JOB)
     try:
-        def steps() -> int:
-            return min(int((tmp_path / f"progress.{r}").read_text() or 0) for r in range(2))
-
-        wait_for(lambda: (tmp_path / "progress.1").exists() and steps() >= 20, 180, what="the job training")
+        steps = job.steps
+        wait_for(lambda: steps() >= 20, 180, what="the job training")
         wait_for(lambda: f'gradwatch_job_world_size{{job_id="{JOB}"}} 2.0' in agg.scrape(), 30, what="the job exported")
         time.sleep(2)
         before = steps()
@@ -44,9 +34,7 @@ def test_the_aggregator_stopped_for_20_s_beside_a_real_job_raises_no_finding(tmp
         assert steps() > before + 20  # training went on meanwhile
         time.sleep(8)  # the ranks' frames of those 20 s come in; the checks tick on
     finally:
-        stop.write_text("stop")
-        assert proc.wait(120) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    done = {r: json.loads((tmp_path / f"out.{r}.json").read_text())["steps"] for r in range(2)}
+        done = job.finish()
     # each rank's last step heard (its agent dropped what its queue could not hold while the
     # aggregator was stopped: counted, not a finding), and its goodbye
     wait_for(lambda: all(samples(agg.scrape(), "gradwatch_rank_step").get((("job_id", JOB), ("rank", str(r))))

@@ -13,10 +13,7 @@ the cap.
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 import threading
 import time
 
@@ -29,7 +26,7 @@ from gradwatch.aggregator import Aggregator, load
 from gradwatch.aggregator.checks import Finding
 from gradwatch.aggregator.seriescap import NAMED_RANKS_MAX
 
-from .conftest import ROOT, free_port, samples, start_aggregator, wait_for
+from .conftest import FaultJob, samples, start_aggregator, wait_for
 from .fakejob import FakeJob, Model, to_socket
 
 
@@ -154,18 +151,9 @@ def test_invented_jobs_holding_every_slot_and_a_lookalike_beside_a_real_job(tmp_
         attack.start()
         flood.round()  # a thousand invented jobs from one more sender
         # the real job: two gloo DDP ranks with the agent
-        stop_file, progress, out = tmp_path / "stop", tmp_path / "progress", tmp_path / "out"
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "faultjob.py"), "--endpoint", agg.endpoint, "--port", str(free_port()),
-             "--stop", str(stop_file), "--progress", str(progress), "--out", str(out), "--job", JOB, "--every", "5",
-             "--width", "64", "--batch", "16", "--sleep-s", "0.05", "--heartbeat-s", "0.5", "--watchdog-s", "240"],
-            stdout=(tmp_path / "job.log").open("w"), stderr=subprocess.STDOUT)
+        job = FaultJob(tmp_path, agg.endpoint, JOB)
         try:
-            def stepping() -> bool:
-                return all((progress.parent / f"progress.{r}").exists() and int(
-                    (progress.parent / f"progress.{r}").read_text() or 0) >= 1 for r in range(2))
-
-            wait_for(stepping, 180, what="the real job's first steps")
+            wait_for(lambda: job.steps() >= 1, 180, what="the real job's first steps")
             t_first = time.monotonic()
             wait_for(lambda: f'gradwatch_job_world_size{{job_id="{JOB}"}} 2.0' in agg.scrape(), 30,
                      what="the real job exported")
@@ -180,11 +168,9 @@ def test_invented_jobs_holding_every_slot_and_a_lookalike_beside_a_real_job(tmp_
             flood.round()
             time.sleep(8)  # the real job trains on beside them
         finally:
-            stop_file.write_text("stop")
-            assert proc.wait(120) == 0, (tmp_path / "job.log").read_text()[-3000:]
+            steps = job.finish()
         stop.set()
         attack.join(10)
-        steps = {r: json.loads((tmp_path / f"out.{r}.json").read_text())["steps"] for r in range(2)}
         wait_for(lambda: all(samples(agg.scrape(), "gradwatch_rank_steps_total").get(
             (("job_id", JOB), ("rank", str(r)))) == steps[r] for r in range(2)), 20, what="every step of the real job counted")
         text = agg.scrape()
