@@ -353,6 +353,7 @@ class Link:
         self._send_hwm, self._keys = send_hwm, keys
         self.reopened = 0
         self._dropped_at = math.nan  # clock of a disconnect not followed by a reconnection attempt
+        self._handshake_failed = False  # the latest connection's handshake failed (its end is ZeroMQ's choice)
         self._ctx = zmq.Context(io_threads=1)
         try:
             self._open()
@@ -451,11 +452,15 @@ class Link:
             except (zmq.ZMQError, ValueError, KeyError):
                 break
             if event == zmq.EVENT_DISCONNECTED:
-                self._dropped_at = self._clock()
+                # after a failed handshake ZeroMQ's own choice stands (a refused key is not retried:
+                # a job with a wrong key must not knock at the aggregator every second)
+                if not self._handshake_failed:
+                    self._dropped_at = self._clock()
+                self._handshake_failed = False
             elif event in (zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECT_DELAYED):
                 self._dropped_at = math.nan  # ZeroMQ reconnects on its own
             elif event == zmq.EVENT_CONNECTED:
-                self._dropped_at = math.nan
+                self._dropped_at, self._handshake_failed = math.nan, False
                 seen = True
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if not self.connected and self._told_unreached:
@@ -463,6 +468,7 @@ class Link:
                                 self._clock() - self._started)
                 self.connected = True
             elif event & auth.REFUSED_EVENTS:
+                self._handshake_failed = True
                 self.refused += 1
                 if math.isnan(self._failing_since):
                     self._failing_since = self._clock()

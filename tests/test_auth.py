@@ -456,6 +456,12 @@ def test_a_refused_agent_says_so_once_and_at_close(keys, curve_aggregator, caplo
     said = wait_for(lambda: [r for r in caplog.records if "refused this agent's CURVE handshake" in r.getMessage()],
                     what="the warning")
     assert len(said) == 1 and "GRADWATCH_SERVER_KEY" in said[0].getMessage()
+    # a refused key is final: the agent opens no new socket to knock again (ZeroMQ does not retry
+    # it, nor does the agent: a job with a wrong key never floods the aggregator's key check)
+    from gradwatch.agent.transport import REOPEN_AFTER_S
+
+    time.sleep(REOPEN_AFTER_S + 1.0)
+    assert monitor.sender.link.reopened == 0 and monitor.sender.refused == 1
     with pytest.warns(RuntimeWarning, match="refused this agent's CURVE handshake"):
         monitor.close()
     assert monitor.step == 5 and "refused" not in agg.state.jobs
